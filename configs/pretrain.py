@@ -1,0 +1,117 @@
+"""Stage 1: pretraining a looped LM with stochastic depth.
+
+  python -m looped.main --config=configs/pretrain.py --workdir=/tmp/pretrain
+  python -m looped.main --config=configs/pretrain.py:smoke --workdir=/tmp/smoke
+
+Args (comma-separated): `smoke` (tiny model, trains in seconds on a CPU), `fixed` (no
+stochastic depth: every recurrence runs for every sequence).
+"""
+
+import ml_collections
+
+
+def model_config() -> ml_collections.ConfigDict:
+  """The looped LM (DESIGN.md section 2). Shared by every program that needs a model's shape."""
+  m = ml_collections.ConfigDict()
+  m.vocab_size = 257  # Embedding rows; >= the tokenizer's vocabulary (bytes: 256 + EOS).
+  m.d_model = 256  # Residual stream width.
+  m.num_heads = 4  # Query heads per attention layer.
+  m.num_kv_heads = 2  # Key/value heads (GQA); divides num_heads.
+  m.head_dim = 64  # Width of one attention head.
+  m.mlp_dim = 768  # Hidden width of the MLP.
+  m.mlp_type = "swiglu"  # MLP kind: 'swiglu' or 'relu2'.
+  m.num_prelude_layers = 1  # P: layers before the loop (run once, ordinary KV-cache).
+  m.num_core_layers = 2  # B: layers of the looped core block (one set of weights).
+  m.num_coda_layers = 1  # C: layers after the loop (run once, ordinary KV-cache).
+  m.num_recurrences = 4  # R: core-block recurrences at evaluation (and the training maximum).
+  m.injection = "diagonal"  # How e enters each recurrence: 'diagonal', 'linear', 'additive'.
+  m.state_init = "like_init"  # h_0: 'like_init' (scaled noise), 'zeros', 'embed' (h_0 = e).
+  m.state_init_std = 0.02  # Std of h_0 noise for state_init='like_init'.
+  m.prelude_norm = True  # RMSNorm on the prelude output e before injection.
+  m.qk_norm = True  # RMSNorm on queries and keys per head.
+  m.rope_base = 10000.0  # RoPE base frequency.
+  m.tie_embeddings = True  # LM head reuses the embedding matrix.
+  m.max_seq_len = 512  # Longest sequence (positions) the model is used with.
+  m.init_std = 0.02  # Std of weight initialisation (output projections scaled by depth).
+  m.dtype = "float32"  # Compute dtype: 'float32' or 'bfloat16'.
+  m.param_dtype = "float32"  # Parameter storage dtype: 'float32' or 'bfloat16'.
+  m.scan_recurrences = True  # Loop the core with lax.scan (False: Python-unrolled, same math).
+  m.remat = False  # Rematerialise each recurrence in the backward pass (saves activations).
+  return m
+
+
+def data_config() -> ml_collections.ConfigDict:
+  d = ml_collections.ConfigDict()
+  d.source = "stdlib"  # 'stdlib' (interpreter's own .py sources), 'text' (glob) or 'tfds'.
+  d.text_glob = ""  # Files for source='text', e.g. '/data/*.txt'.
+  d.tfds_name = ""  # TFDS dataset for source='tfds', prepared as array_record.
+  d.tfds_data_dir = ""  # TFDS data_dir ('' = TFDS default).
+  d.tfds_train_split = "train"  # TFDS split for training.
+  d.tfds_eval_split = "validation"  # TFDS split for evaluation.
+  d.tfds_text_key = "text"  # Feature holding the document text.
+  d.tokenizer = "bytes"  # 'bytes' (UTF-8 bytes + EOS) or 'sentencepiece'.
+  d.spm_path = ""  # SentencePiece model file for tokenizer='sentencepiece'.
+  d.val_fraction = 0.05  # Fraction of documents (files) held out for validation.
+  d.max_documents = 0  # Use only the first N documents after the split hash (0 = all).
+  d.seq_len = 256  # Tokens per training row.
+  d.batch_size = 16  # Global batch size (rows per step, split across processes).
+  d.eval_batch_size = 16  # Global batch size for validation.
+  d.num_eval_batches = 8  # Validation batches per evaluation (fixed, deterministic set).
+  d.shuffle = True  # Shuffle training rows (seeded by config.seed).
+  d.worker_count = 0  # Grain worker processes (0 = in the main process).
+  return d
+
+
+def get_config(arg: str = "") -> ml_collections.ConfigDict:
+  args = {a for a in arg.split(",") if a}
+  unknown = args - {"smoke", "fixed"}
+  if unknown:
+    raise ValueError(f"Unknown config args {sorted(unknown)}; allowed: 'smoke', 'fixed'.")
+
+  c = ml_collections.ConfigDict()
+  c.program = "train"  # Which program main runs: 'train'.
+  c.seed = 0  # Seed for parameters, data order and stochastic depth.
+  c.model = model_config()
+  c.data = data_config()
+
+  c.depth = ml_collections.ConfigDict()
+  c.depth.sampler = "poisson"  # Stochastic depth: 'poisson' (per sequence), 'bernoulli', 'fixed'.
+  c.depth.poisson_mean = 2.0  # Mean of the truncated Poisson depth (clipped to [1, R]).
+  c.depth.survival = 0.7  # Bernoulli: probability each recurrence is kept (>= 1 always kept).
+  c.depth.backprop_recurrences = 0  # k: only the last k active recurrences get gradient (0: all).
+
+  c.train = ml_collections.ConfigDict()
+  c.train.num_steps = 3000  # Optimizer steps.
+  c.train.learning_rate = 3e-3  # Peak learning rate.
+  c.train.warmup_steps = 100  # Linear warmup steps.
+  c.train.min_lr_ratio = 0.1  # Cosine decays to this fraction of the peak.
+  c.train.weight_decay = 0.1  # AdamW decoupled weight decay (matrices only).
+  c.train.b1 = 0.9  # Adam beta1.
+  c.train.b2 = 0.95  # Adam beta2.
+  c.train.grad_clip = 1.0  # Global-norm gradient clipping (0: off).
+  c.train.log_every = 25  # Steps between progress lines / metrics.jsonl records.
+  c.train.eval_every = 500  # Steps between validation passes (and at the end).
+  c.train.checkpoint_every = 250  # Steps between checkpoints (and at the end).
+  c.train.keep_checkpoints = 2  # Checkpoints kept in the workdir.
+  c.train.init_from = ""  # Checkpoint directory to take params from at step 0 ('' = random).
+
+  if "smoke" in args:
+    c.model.d_model = 64
+    c.model.num_heads = 2
+    c.model.num_kv_heads = 1
+    c.model.head_dim = 32
+    c.model.mlp_dim = 128
+    c.model.max_seq_len = 64
+    c.data.seq_len = 64
+    c.data.batch_size = 8
+    c.data.eval_batch_size = 8
+    c.data.num_eval_batches = 2
+    c.data.max_documents = 200
+    c.train.num_steps = 60
+    c.train.warmup_steps = 10
+    c.train.log_every = 10
+    c.train.eval_every = 30
+    c.train.checkpoint_every = 30
+  if "fixed" in args:
+    c.depth.sampler = "fixed"
+  return c

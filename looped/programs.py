@@ -1,0 +1,29 @@
+"""Maps `config.program` to the library function that runs it.
+
+Each program module exposes `validate(config)` (raises ConfigError before any compute) and
+`run(config, workdir)`. Modules are imported lazily so that, e.g., the serving simulator does not
+pay for importing the trainer.
+"""
+
+import importlib
+
+from looped import config_checks
+
+PROGRAMS = {
+    "train": "looped.train.trainer",
+    "serve_sim": "looped.serving.simulate",
+}
+
+
+def load(config):
+  """Returns the program module named by config.program."""
+  name = config_checks.choice(config, "program", PROGRAMS)
+  return importlib.import_module(PROGRAMS[name])
+
+
+def run(config, workdir: str):
+  if not workdir:
+    raise config_checks.ConfigError("--workdir must be a non-empty path.")
+  module = load(config)
+  module.validate(config)
+  return module.run(config, workdir)
