@@ -50,7 +50,7 @@ def boolean(config: Any, path: str) -> bool:
 
 
 def integer(
-    config: Any, path: str, *, min_value: int | None = None, max_value: int | None = None
+  config: Any, path: str, *, min_value: int | None = None, max_value: int | None = None
 ) -> int:
   value = get(config, path)
   if isinstance(value, bool) or not isinstance(value, int):
@@ -60,12 +60,12 @@ def integer(
 
 
 def number(
-    config: Any,
-    path: str,
-    *,
-    min_value: float | None = None,
-    max_value: float | None = None,
-    min_exclusive: bool = False,
+  config: Any,
+  path: str,
+  *,
+  min_value: float | None = None,
+  max_value: float | None = None,
+  min_exclusive: bool = False,
 ) -> float:
   value = get(config, path)
   if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):

@@ -12,7 +12,7 @@ from looped import programs
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (get_config(arg)).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and reports.")
 _DISTRIBUTED = flags.DEFINE_bool(
-    "jax_distributed", False, "Call jax.distributed.initialize() (multi-host TPU/GPU runs)."
+  "jax_distributed", False, "Call jax.distributed.initialize() (multi-host TPU/GPU runs)."
 )
 flags.mark_flags_as_required(["config", "workdir"])
 

@@ -10,8 +10,8 @@ import importlib
 from looped import config_checks
 
 PROGRAMS = {
-    "train": "looped.train.trainer",
-    "serve_sim": "looped.serving.simulate",
+  "train": "looped.train.trainer",
+  "serve_sim": "looped.serving.simulate",
 }
 
 

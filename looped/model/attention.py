@@ -1,0 +1,127 @@
+"""GQA attention with RoPE and QK-norm, behind the sequence-mixer interface.
+
+A sequence mixer maps x_BxTxD to y_BxTxD and returns the per-token state that a decode cache
+stores for it (for attention: post-RoPE keys and values). What the new tokens attend to is
+described by a `MixerContext`, so the same layer serves every KV-sharing mode (DESIGN.md §3):
+
+- parallel unshared forward: no past; causal attention among the T tokens themselves;
+- Jacobi shared pass: past = final-recurrence K/V of the same positions (s < t), plus the token's
+  own K/V on the diagonal;
+- decode / chunked prefill: past = the cache (slots < length), plus causal attention within the
+  new chunk.
+MLA and KDA implement the same call signature.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from looped.model.config import ModelConfig
+from looped.model.layers import RMSNorm, normal_init, rope
+
+KV = tuple[jax.Array, jax.Array]  # (k_BxSxKxH, v_BxSxKxH)
+
+
+@dataclasses.dataclass(frozen=True)
+class MixerContext:
+  """What the new tokens of one mixer call may attend to.
+
+  self_mask_BxTxT: which of the chunk's own tokens each token sees (causal, or diagonal only).
+  past: None, a cache-format KV for slots S, or a function of the chunk's own KV returning the
+    past KV (lets a Jacobi pass choose, per recurrence, the shared or its own keys).
+  past_mask_BxTxS: which past slots each new token sees (ignored when past is None).
+  read_past: optional function applied to the past KV on every read (e.g. dequantize).
+  """
+
+  self_mask_BxTxT: jax.Array
+  past: KV | Callable[[KV], KV] | None = None
+  past_mask_BxTxS: jax.Array | None = None
+  read_past: Callable[[Any], KV] | None = None
+
+
+def attend(
+  q_BxTxNxH: jax.Array,
+  k_BxTxKxH: jax.Array,
+  v_BxTxKxH: jax.Array,
+  self_mask_BxTxT: jax.Array,
+  past_k_BxSxKxH: jax.Array | None = None,
+  past_v_BxSxKxH: jax.Array | None = None,
+  past_mask_BxTxS: jax.Array | None = None,
+) -> jax.Array:
+  """Softmax attention over [past slots ; own chunk] with boolean masks (reference math).
+
+  Rows that see nothing return zeros (never NaN). Logits and softmax in float32.
+  """
+  b, t, n, h = q_BxTxNxH.shape
+  kh = k_BxTxKxH.shape[2]
+  g = n // kh
+  q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, kh, g, h).astype(jnp.float32) * (h**-0.5)
+  keys, values, masks = [k_BxTxKxH], [v_BxTxKxH], [self_mask_BxTxT]
+  if past_k_BxSxKxH is not None:
+    keys.insert(0, past_k_BxSxKxH)
+    values.insert(0, past_v_BxSxKxH)
+    masks.insert(0, past_mask_BxTxS)
+  k_BxSxKxH = jnp.concatenate(keys, axis=1).astype(jnp.float32)
+  v_BxSxKxH = jnp.concatenate(values, axis=1).astype(jnp.float32)
+  mask_BxTxS = jnp.concatenate(masks, axis=-1)
+  logits_BxKxGxTxS = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, k_BxSxKxH)
+  mask = mask_BxTxS[:, None, None, :, :]
+  logits_BxKxGxTxS = jnp.where(mask, logits_BxKxGxTxS, -jnp.inf)
+  row_max = jnp.max(logits_BxKxGxTxS, axis=-1, keepdims=True)
+  row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+  p = jnp.where(mask, jnp.exp(logits_BxKxGxTxS - row_max), 0.0)
+  p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+  out_BxTxKxGxH = jnp.einsum("bkgts,bskh->btkgh", p, v_BxSxKxH)
+  return out_BxTxKxGxH.reshape(b, t, n, h).astype(q_BxTxNxH.dtype)
+
+
+class Attention(nn.Module):
+  """Grouped-query attention: num_heads queries share num_kv_heads keys/values."""
+
+  cfg: ModelConfig
+  out_std: float
+
+  @nn.compact
+  def __call__(self, x_BxTxD, positions_BxT, ctx: MixerContext) -> tuple[jax.Array, KV]:
+    cfg = self.cfg
+    proj = lambda heads, name: nn.DenseGeneral(
+      (heads, cfg.head_dim),
+      use_bias=False,
+      kernel_init=normal_init(cfg.init_std),
+      dtype=cfg.compute_dtype,
+      param_dtype=cfg.weight_dtype,
+      name=name,
+    )
+    q_BxTxNxH = proj(cfg.num_heads, "query")(x_BxTxD)
+    k_BxTxKxH = proj(cfg.num_kv_heads, "key")(x_BxTxD)
+    v_BxTxKxH = proj(cfg.num_kv_heads, "value")(x_BxTxD)
+    if cfg.qk_norm:
+      q_BxTxNxH = RMSNorm(cfg.weight_dtype, name="query_norm")(q_BxTxNxH)
+      k_BxTxKxH = RMSNorm(cfg.weight_dtype, name="key_norm")(k_BxTxKxH)
+    q_BxTxNxH = rope(q_BxTxNxH, positions_BxT, cfg.rope_base)
+    k_BxTxKxH = rope(k_BxTxKxH, positions_BxT, cfg.rope_base)
+    own = (k_BxTxKxH, v_BxTxKxH)
+
+    past = ctx.past(own) if callable(ctx.past) else ctx.past
+    if past is not None and ctx.read_past is not None:
+      past = ctx.read_past(past)
+    past_k, past_v = past if past is not None else (None, None)
+    out_BxTxNxH = attend(
+      q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, ctx.self_mask_BxTxT, past_k, past_v, ctx.past_mask_BxTxS
+    )
+    y_BxTxD = nn.DenseGeneral(
+      cfg.d_model,
+      axis=(-2, -1),
+      use_bias=False,
+      kernel_init=normal_init(self.out_std),
+      dtype=cfg.compute_dtype,
+      param_dtype=cfg.weight_dtype,
+      name="out",
+    )(out_BxTxNxH)
+    return y_BxTxD, own

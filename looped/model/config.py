@@ -1,0 +1,100 @@
+"""Typed, hashable model config built from the `config.model` ConfigDict.
+
+The Flax modules take this frozen dataclass (hashable, so it can be a static jit argument) rather
+than a ConfigDict, and `validate` checks every field before any compute starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from looped import config_checks as cc
+
+MLP_TYPES = ("swiglu", "relu2")
+INJECTIONS = ("diagonal", "linear", "additive")
+STATE_INITS = ("like_init", "zeros", "embed")
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  vocab_size: int = 257
+  d_model: int = 256
+  num_heads: int = 4
+  num_kv_heads: int = 2
+  head_dim: int = 64
+  mlp_dim: int = 768
+  mlp_type: str = "swiglu"
+  num_prelude_layers: int = 1
+  num_core_layers: int = 2
+  num_coda_layers: int = 1
+  num_recurrences: int = 4
+  injection: str = "diagonal"
+  state_init: str = "like_init"
+  state_init_std: float = 0.02
+  prelude_norm: bool = True
+  qk_norm: bool = True
+  rope_base: float = 10000.0
+  tie_embeddings: bool = True
+  max_seq_len: int = 512
+  init_std: float = 0.02
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+  scan_recurrences: bool = True
+  remat: bool = False
+
+  @property
+  def compute_dtype(self):
+    return jnp.dtype(self.dtype)
+
+  @property
+  def weight_dtype(self):
+    return jnp.dtype(self.param_dtype)
+
+  @property
+  def num_layers(self) -> int:
+    """Distinct layers (parameters), not applications."""
+    return self.num_prelude_layers + self.num_core_layers + self.num_coda_layers
+
+  def kv_entries_per_token(self, share_kv: bool) -> int:
+    """Cached (layer, K-or-V) head vectors per token, times kv heads: the KV memory unit."""
+    core = self.num_core_layers * (1 if share_kv else self.num_recurrences)
+    layers = self.num_prelude_layers + self.num_coda_layers + core
+    return layers * 2 * self.num_kv_heads
+
+
+def from_config(model_cfg) -> ModelConfig:
+  """Builds a ModelConfig from `config.model` (validate first)."""
+  fields = {f.name for f in dataclasses.fields(ModelConfig)}
+  unknown = set(model_cfg.keys()) - fields
+  if unknown:
+    raise cc.ConfigError(f"config.model has unknown fields {sorted(unknown)}.")
+  return ModelConfig(**{k: model_cfg[k] for k in model_cfg.keys()})
+
+
+def validate(config, prefix: str = "model") -> None:
+  """Checks every config.<prefix> field; raises ConfigError naming the field."""
+  p = prefix + "."
+  for name in ("vocab_size", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
+    cc.integer(config, p + name, min_value=1)
+  cc.integer(config, p + "num_prelude_layers", min_value=0)
+  cc.integer(config, p + "num_core_layers", min_value=1)
+  cc.integer(config, p + "num_coda_layers", min_value=0)
+  cc.integer(config, p + "num_recurrences", min_value=1)
+  cc.integer(config, p + "max_seq_len", min_value=1)
+  cc.choice(config, p + "mlp_type", MLP_TYPES)
+  cc.choice(config, p + "injection", INJECTIONS)
+  cc.choice(config, p + "state_init", STATE_INITS)
+  cc.choice(config, p + "dtype", DTYPES)
+  cc.choice(config, p + "param_dtype", DTYPES)
+  cc.number(config, p + "state_init_std", min_value=0.0)
+  cc.number(config, p + "rope_base", min_value=1.0, min_exclusive=True)
+  cc.number(config, p + "init_std", min_value=0.0, min_exclusive=True)
+  for name in ("prelude_norm", "qk_norm", "tie_embeddings", "scan_recurrences", "remat"):
+    cc.boolean(config, p + name)
+  cc.divides(config, p + "num_heads", cc.get(config, p + "num_kv_heads"), p + "num_kv_heads")
+  if cc.get(config, p + "head_dim") % 2:
+    cc.fail(p + "head_dim", cc.get(config, p + "head_dim"), "must be even (RoPE rotates pairs)")
+  from_config(cc.get(config, prefix))  # Unknown fields.

@@ -1,0 +1,51 @@
+"""How the prelude output e enters each recurrence: h <- inject(h, e)."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from looped.model.config import ModelConfig
+from looped.model.layers import normal_init
+
+
+class Injection(nn.Module):
+  """diagonal (Parcae): h <- exp(-softplus(dt) exp(A_log)) h + softplus(dt) e B^T;
+  linear: h <- [h; e] W; additive: h <- h + e.
+
+  The diagonal form keeps the recurrence's linear part a per-channel contraction (decay in
+  (0, 1)), which is Parcae's argument for stable looping.
+  """
+
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, h_BxTxD, e_BxTxD):
+    cfg = self.cfg
+    d = cfg.d_model
+    if cfg.injection == "additive":
+      return h_BxTxD + e_BxTxD
+    if cfg.injection == "linear":
+      w = nn.Dense(
+        d,
+        use_bias=False,
+        kernel_init=normal_init((2 * d) ** -0.5),
+        dtype=cfg.compute_dtype,
+        param_dtype=cfg.weight_dtype,
+        name="linear",
+      )
+      return w(jnp.concatenate([h_BxTxD, e_BxTxD], axis=-1))
+    a_log_D = self.param("A_log", nn.initializers.zeros, (d,), jnp.float32)
+    dt_D = self.param("dt", nn.initializers.zeros, (d,), jnp.float32)
+    step_D = nn.softplus(dt_D)
+    decay_D = jnp.exp(-step_D * jnp.exp(a_log_D))
+    b = nn.Dense(
+      d,
+      use_bias=False,
+      kernel_init=normal_init(d**-0.5),
+      dtype=cfg.compute_dtype,
+      param_dtype=cfg.weight_dtype,
+      name="B",
+    )
+    h = decay_D.astype(h_BxTxD.dtype) * h_BxTxD
+    return h + step_D.astype(h_BxTxD.dtype) * b(e_BxTxD)

@@ -1,0 +1,300 @@
+"""The looped LM (DESIGN.md §2): prelude -> R recurrences of one core block -> coda -> head.
+
+    tokens -> embed -> prelude -> [norm] -> e;  h_0 = init(e)
+    h_r = core(inject(h_{r-1}, e))  for r = 1..R   (masked recurrences keep h_{r-1})
+    -> coda -> final norm -> lm head
+
+One `__call__` serves two modes, chosen by whether a decode cache is passed (static):
+- parallel (training, evaluation, Jacobi shared passes): all T positions at once;
+- decode (prefill chunks and token-by-token generation): new tokens against a `KVCache`.
+Both build the core block as the same `Recurrence` module named 'recurrence', so one parameter
+tree serves both, and `scan_recurrences` (lax.scan vs a Python loop) does not change it either.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from looped.model import depth as depth_lib
+from looped.model.attention import KV, Attention, MixerContext
+from looped.model.config import ModelConfig
+from looped.model.injection import Injection
+from looped.model.kv_cache import KVCache, write_chunk
+from looped.model.layers import Mlp, RMSNorm, normal_init
+
+
+def causal_mask(t: int, batch: int) -> jax.Array:
+  return jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (batch, t, t))
+
+
+def diagonal_mask(t: int, batch: int) -> jax.Array:
+  return jnp.broadcast_to(jnp.eye(t, dtype=bool), (batch, t, t))
+
+
+class Block(nn.Module):
+  """Pre-norm transformer layer: x + mixer(norm(x)), then x + mlp(norm(x))."""
+
+  cfg: ModelConfig
+  out_std: float
+
+  @nn.compact
+  def __call__(self, x_BxTxD, positions_BxT, ctx: MixerContext) -> tuple[jax.Array, KV]:
+    cfg = self.cfg
+    y_BxTxD, kv = Attention(cfg, self.out_std, name="attn")(
+      RMSNorm(cfg.weight_dtype, name="attn_norm")(x_BxTxD), positions_BxT, ctx
+    )
+    x_BxTxD = x_BxTxD + y_BxTxD
+    x_BxTxD = x_BxTxD + Mlp(cfg, self.out_std, name="mlp")(
+      RMSNorm(cfg.weight_dtype, name="mlp_norm")(x_BxTxD)
+    )
+    return x_BxTxD, kv
+
+
+def _out_std(cfg: ModelConfig) -> float:
+  applications = cfg.num_prelude_layers + cfg.num_core_layers * cfg.num_recurrences
+  return cfg.init_std / (2 * (applications + cfg.num_coda_layers)) ** 0.5
+
+
+def _token_norms(x_BxTxD):
+  return jnp.sqrt(jnp.sum(jnp.square(x_BxTxD.astype(jnp.float32)), axis=-1))
+
+
+class Recurrence(nn.Module):
+  """One recurrence: inject e into h, then the B core layers. The body of the scan.
+
+  carry: {'h': h_BxTxD, 'final_kv': per-layer KV of the last active recurrence (parallel)}.
+  xs (per recurrence): {'active_B', 'stop_B', 'read_shared' (scalar), 'past' (unshared decode)}.
+  bcast: {'e', 'positions', 'self_mask', 'past_mask', 'shared_kv' (per layer or None)}.
+  """
+
+  cfg: ModelConfig
+  decode: bool
+  collect_states: bool = False
+
+  @nn.compact
+  def __call__(self, carry, xs, bcast):
+    cfg = self.cfg
+    h_prev = carry["h"]
+    stop_B11 = xs["stop_B"][:, None, None]
+    h_in = jnp.where(stop_B11, jax.lax.stop_gradient(h_prev), h_prev)
+    x = Injection(cfg, name="inject")(h_in, bcast["e"])
+    kvs = []
+    for layer in range(cfg.num_core_layers):
+      x, kv = Block(cfg, _out_std(cfg), name=f"layer_{layer}")(
+        x, bcast["positions"], self._context(layer, xs, bcast)
+      )
+      kvs.append(kv)
+    active_B11 = xs["active_B"][:, None, None]
+    h_new = jnp.where(active_B11, x, h_in)
+
+    res_BxT = _token_norms(h_new - h_prev)
+    ys = {
+      "residual_B": jnp.mean(res_BxT, axis=1),
+      "relative_B": jnp.mean(res_BxT / (_token_norms(h_new) + 1e-6), axis=1),
+    }
+    if self.collect_states:
+      ys["h"] = h_new
+    new_carry = {"h": h_new}
+    if self.decode:
+      ys["kv"] = kvs
+    else:
+      new_carry["final_kv"] = jax.tree.map(
+        lambda new, old: jnp.where(active_B11[..., None], new, old), kvs, carry["final_kv"]
+      )
+    return new_carry, ys
+
+  def _context(self, layer: int, xs, bcast) -> MixerContext:
+    if self.decode:
+      past = xs["past"][layer] if "past" in xs else bcast["shared_kv"][layer]
+      return MixerContext(bcast["self_mask"], past, bcast["past_mask"], bcast.get("read_past"))
+    if bcast["shared_kv"] is None:
+      return MixerContext(bcast["self_mask"])
+    shared_k, shared_v = bcast["shared_kv"][layer]
+    flag = xs["read_shared"]
+
+    def past(own: KV) -> KV:
+      # A recurrence that does not read the shared cache sees its own keys for s < t, which
+      # with the diagonal self mask is exactly ordinary causal attention.
+      return jnp.where(flag, shared_k, own[0]), jnp.where(flag, shared_v, own[1])
+
+    return MixerContext(bcast["self_mask"], past, bcast["past_mask"], bcast.get("read_past"))
+
+
+class LoopedLM(nn.Module):
+  """Parcae-style looped LM with optional KV-sharing across recurrences."""
+
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(
+    self,
+    tokens_BxT: jax.Array,
+    *,
+    depth_mask_BxR: jax.Array | None = None,
+    backprop_recurrences: int = 0,
+    shared_kv: list[KV] | None = None,
+    read_shared_R: jax.Array | None = None,
+    cache: KVCache | None = None,
+    collect_states: bool = False,
+    read_past=None,
+  ):
+    """Returns (logits_BxTxV float32, aux).
+
+    Args:
+      tokens_BxT: int token ids (in decode mode: the new chunk).
+      depth_mask_BxR: active recurrences (default: all). Parallel mode only.
+      backprop_recurrences: k > 0 cuts the gradient before the last k active recurrences.
+      shared_kv: per core layer (k, v) of the final recurrence from a previous pass; switches
+        the core attention to shared reads (Jacobi pass). Parallel mode only.
+      read_shared_R: which recurrences read `shared_kv` (default: all).
+      cache: a KVCache: decode mode (prefill a chunk or decode tokens; returned updated).
+      collect_states: also return every recurrence's state h_r (aux['states_RxBxTxD']).
+      read_past: function applied to past KV on every read (KV-format dequantization).
+    aux: 'final_kv' (parallel) or 'cache' (decode), 'residual_norm_R',
+      'relative_residual_R' (means over active sequences), optionally 'states_RxBxTxD'.
+    """
+    cfg = self.cfg
+    b, t = tokens_BxT.shape
+    r = cfg.num_recurrences
+    decode = cache is not None
+    if decode:
+      positions_BxT = cache.length_B[:, None] + jnp.arange(t)[None, :]
+      s = cache.max_len
+      past_mask_BxTxS = jnp.broadcast_to(
+        (jnp.arange(s)[None, :] < cache.length_B[:, None])[:, None, :], (b, t, s)
+      )
+      self_mask = causal_mask(t, b)
+    else:
+      positions_BxT = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
+      past_mask_BxTxS = causal_mask(t, b) & ~diagonal_mask(t, b)
+      self_mask = causal_mask(t, b) if shared_kv is None else diagonal_mask(t, b)
+
+    embed = nn.Embed(
+      cfg.vocab_size,
+      cfg.d_model,
+      embedding_init=normal_init(cfg.init_std),
+      dtype=cfg.compute_dtype,
+      param_dtype=cfg.weight_dtype,
+      name="embed",
+    )
+    x = embed(tokens_BxT)
+    new_cache = {}
+
+    def run_plain_layers(x, prefix: str, count: int):
+      kvs = []
+      for i in range(count):
+        past = cache.layers[prefix][i] if decode else None
+        ctx = MixerContext(
+          self_mask if decode else causal_mask(t, b),
+          past,
+          past_mask_BxTxS if decode else None,
+          read_past,
+        )
+        x, kv = Block(cfg, _out_std(cfg), name=f"{prefix}_{i}")(x, positions_BxT, ctx)
+        kvs.append(kv)
+      return x, kvs
+
+    x, prelude_kvs = run_plain_layers(x, "prelude", cfg.num_prelude_layers)
+    e = RMSNorm(cfg.weight_dtype, name="prelude_norm")(x) if cfg.prelude_norm else x
+    h0 = self._initial_state(e, positions_BxT)
+
+    if depth_mask_BxR is None:
+      depth_mask_BxR = jnp.ones((b, r), bool)
+    stop_BxR = depth_lib.stop_gradient_mask(depth_mask_BxR, backprop_recurrences)
+    if read_shared_R is None:
+      read_shared_R = jnp.ones((r,), bool)
+    xs = {"active_B": depth_mask_BxR.T, "stop_B": stop_BxR.T, "read_shared": read_shared_R}
+    bcast = {
+      "e": e,
+      "positions": positions_BxT,
+      "self_mask": self_mask,
+      "past_mask": past_mask_BxTxS,
+      "shared_kv": shared_kv,
+    }
+    if read_past is not None:
+      bcast["read_past"] = read_past
+    carry = {"h": h0}
+    if decode:
+      if cache.share_kv:
+        bcast["shared_kv"] = cache.layers["core"]
+      else:
+        xs["past"] = cache.layers["core"]
+    else:
+      kv_shape = (b, t, cfg.num_kv_heads, cfg.head_dim)
+      zeros = jnp.zeros(kv_shape, cfg.compute_dtype)
+      carry["final_kv"] = [(zeros, zeros) for _ in range(cfg.num_core_layers)]
+
+    carry, ys = self._recurrences(decode, collect_states)(carry, xs, bcast)
+    x = carry["h"]
+    x, coda_kvs = run_plain_layers(x, "coda", cfg.num_coda_layers)
+    x = RMSNorm(cfg.weight_dtype, name="final_norm")(x)
+    if cfg.tie_embeddings:
+      logits = embed.attend(x.astype(cfg.compute_dtype))
+    else:
+      logits = nn.Dense(
+        cfg.vocab_size,
+        use_bias=False,
+        kernel_init=normal_init(cfg.init_std),
+        dtype=cfg.compute_dtype,
+        param_dtype=cfg.weight_dtype,
+        name="head",
+      )(x)
+
+    active_RxB = depth_mask_BxR.T.astype(jnp.float32)
+    count_R = jnp.maximum(jnp.sum(active_RxB, axis=1), 1.0)
+    aux = {
+      "residual_norm_R": jnp.sum(ys["residual_B"] * active_RxB, axis=1) / count_R,
+      "relative_residual_R": jnp.sum(ys["relative_B"] * active_RxB, axis=1) / count_R,
+    }
+    if collect_states:
+      aux["states_RxBxTxD"] = ys["h"]
+    if decode:
+      if cache.share_kv:
+        core_new = [jax.tree.map(lambda a: a[-1], kv) for kv in ys["kv"]]
+      else:
+        core_new = ys["kv"]
+      new_cache = {"prelude": prelude_kvs, "core": core_new, "coda": coda_kvs}
+      aux["cache"] = write_chunk(cache, new_cache, t)
+    else:
+      aux["final_kv"] = carry["final_kv"]
+    return logits.astype(jnp.float32), aux
+
+  def _initial_state(self, e_BxTxD, positions_BxT):
+    cfg = self.cfg
+    if cfg.state_init == "zeros":
+      return jnp.zeros_like(e_BxTxD)
+    if cfg.state_init == "embed":
+      return e_BxTxD
+    # like_init: noise keyed by position, so a token gets the same h_0 whether it is processed
+    # in a full sequence or alone in decode.
+    key = self.make_rng("state") if self.has_rng("state") else jax.random.PRNGKey(0)
+    noise = jax.vmap(
+      jax.vmap(lambda p: jax.random.normal(jax.random.fold_in(key, p), (cfg.d_model,)))
+    )
+    return (cfg.state_init_std * noise(positions_BxT)).astype(e_BxTxD.dtype)
+
+  def _recurrences(self, decode: bool, collect_states: bool):
+    """The core loop: lax.scan (one trace) or a Python loop (R traces), same parameters."""
+    cfg = self.cfg
+    body_cls = nn.remat(Recurrence, prevent_cse=False) if cfg.remat else Recurrence
+    if cfg.scan_recurrences:
+      scanned = nn.scan(
+        body_cls,
+        variable_broadcast="params",
+        split_rngs={"params": False},
+        in_axes=(0, nn.broadcast),
+        length=cfg.num_recurrences,
+      )
+      return scanned(cfg, decode, collect_states, name="recurrence")
+    body = body_cls(cfg, decode, collect_states, name="recurrence")
+
+    def unrolled(carry, xs, bcast):
+      ys = []
+      for i in range(cfg.num_recurrences):
+        carry, y = body(carry, jax.tree.map(lambda a, i=i: a[i], xs), bcast)
+        ys.append(y)
+      return carry, jax.tree.map(lambda *a: jnp.stack(a), *ys)
+
+    return unrolled

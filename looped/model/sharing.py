@@ -1,0 +1,73 @@
+"""Shared-KV forwards (DESIGN.md §3): parallel Jacobi passes and exact token-by-token decode.
+
+Exact shared decode is sequential: token t's recurrences read the *final* recurrence's K/V of
+tokens s < t, which themselves were computed with shared reads. The Jacobi scheme approximates it
+in parallel: pass 0 is the ordinary (unshared) forward; pass j reruns the model with every core
+attention reading pass j-1's final K/V for s < t and its own K/V at s = t. Pass j is exact for
+positions t <= j (induction on t), so T - 1 passes reproduce exact decode on T tokens.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from looped.model.kv_cache import init_cache
+from looped.model.looped_lm import LoopedLM
+
+
+def jacobi_forward(
+  model: LoopedLM,
+  params,
+  tokens_BxT: jax.Array,
+  num_passes: int,
+  *,
+  read_shared_R: jax.Array | None = None,
+  read_past=None,
+  **kwargs,
+):
+  """Logits after `num_passes` shared passes (0 = the unshared forward). Returns (logits, aux)."""
+  logits, aux = model.apply(params, tokens_BxT, **kwargs)
+  for _ in range(num_passes):
+    logits, aux = model.apply(
+      params,
+      tokens_BxT,
+      shared_kv=aux["final_kv"],
+      read_shared_R=read_shared_R,
+      read_past=read_past,
+      **kwargs,
+    )
+  return logits, aux
+
+
+def decode_forward(
+  model: LoopedLM,
+  params,
+  tokens_BxT: jax.Array,
+  *,
+  share_kv: bool,
+  prefill: int = 0,
+  read_past=None,
+  cache_dtype=None,
+):
+  """Logits of every position by prefilling `prefill` tokens, then decoding one at a time.
+
+  With share_kv the cache keeps only final-recurrence K/V, so this is the exact shared
+  perplexity's forward. Returns (logits_BxTxV, final KVCache).
+  """
+  b, t = tokens_BxT.shape
+  cache = init_cache(model.cfg, b, t, share_kv, cache_dtype)
+  chunks = []
+  if prefill:
+    logits, aux = model.apply(params, tokens_BxT[:, :prefill], cache=cache, read_past=read_past)
+    cache = aux["cache"]
+    chunks.append(logits)
+
+  def step(cache, token_B):
+    logits, aux = model.apply(params, token_B[:, None], cache=cache, read_past=read_past)
+    return aux["cache"], logits[:, 0]
+
+  if prefill < t:
+    cache, logits_TxBxV = jax.lax.scan(step, cache, tokens_BxT[:, prefill:].T)
+    chunks.append(jnp.moveaxis(logits_TxBxV, 0, 1))
+  return jnp.concatenate(chunks, axis=1), cache
