@@ -1,0 +1,85 @@
+"""validate(config): every config.data field, checked before any compute.
+
+Cheap by design: it lists files (a glob, the stdlib tree) and opens a SentencePiece model, but
+reads no corpus. Problems only the data can reveal (an empty corpus, a validation split too small
+for one eval batch) raise from the pipeline, which the trainer builds before compiling.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+from looped import config_checks as cc
+from looped.data import sources, tokenizers
+
+SOURCES = ("stdlib", "text", "tfds")
+TOKENIZERS = ("bytes", "sentencepiece")
+FIELDS = (
+  "source",
+  "text_glob",
+  "tfds_name",
+  "tfds_data_dir",
+  "tfds_train_split",
+  "tfds_eval_split",
+  "tfds_text_key",
+  "tokenizer",
+  "spm_path",
+  "val_fraction",
+  "max_documents",
+  "seq_len",
+  "batch_size",
+  "eval_batch_size",
+  "num_eval_batches",
+  "shuffle",
+  "worker_count",
+)
+
+
+def validate(config) -> None:
+  """Raises ConfigError naming the field and the allowed values for any bad config.data value."""
+  data = cc.get(config, "data")
+  unknown = sorted(set(data.keys()) - set(FIELDS))
+  if unknown:
+    raise cc.ConfigError(
+      f"config.data has unknown field(s) {unknown}; known fields: {', '.join(FIELDS)}."
+    )
+  source = cc.choice(config, "data.source", SOURCES)
+  tokenizer = cc.choice(config, "data.tokenizer", TOKENIZERS)
+  for field in ("text_glob", "tfds_name", "tfds_data_dir", "spm_path"):
+    cc.string(config, f"data.{field}", allow_empty=True)
+  for field in ("tfds_train_split", "tfds_eval_split", "tfds_text_key"):
+    cc.string(config, f"data.{field}", allow_empty=source != "tfds")
+  val_fraction = cc.number(config, "data.val_fraction", min_value=0.0, min_exclusive=True)
+  if val_fraction >= 1:
+    cc.fail("data.val_fraction", val_fraction, "must be < 1 (the rest is the train split)")
+  cc.integer(config, "data.max_documents", min_value=0)
+  cc.integer(config, "data.seq_len", min_value=1)
+  max_seq_len = cc.get(config, "model.max_seq_len")
+  if data.seq_len > max_seq_len:
+    cc.fail("data.seq_len", data.seq_len, f"must be <= config.model.max_seq_len = {max_seq_len}")
+  for field in ("batch_size", "eval_batch_size"):
+    cc.integer(config, f"data.{field}", min_value=1)
+    cc.divides(config, f"data.{field}", jax.process_count(), "jax.process_count()")
+  cc.integer(config, "data.num_eval_batches", min_value=1)
+  cc.boolean(config, "data.shuffle")
+  cc.integer(config, "data.worker_count", min_value=0)
+
+  if source == "text":
+    cc.string(config, "data.text_glob")
+    sources.text_documents(data.text_glob)  # Raises naming the glob when it matches nothing.
+  if source == "tfds":
+    cc.string(config, "data.tfds_name")
+  if tokenizer == "sentencepiece" and not os.path.isfile(cc.string(config, "data.spm_path")):
+    cc.fail("data.spm_path", data.spm_path, "must name an existing SentencePiece model file")
+
+  vocab = cc.integer(config, "model.vocab_size", min_value=1)
+  needed = tokenizers.get(data).vocab_size
+  if vocab < needed:
+    cc.fail("model.vocab_size", vocab, f"must be >= the {tokenizer} tokenizer's {needed} ids")
+
+
+def tokenizer_vocab_size(data_cfg) -> int:
+  """Ids the tokenizer emits, EOS included (bytes: 256 byte values + EOS id 256 = 257)."""
+  return tokenizers.get(data_cfg).vocab_size

@@ -1,0 +1,140 @@
+"""Tokenizers: text -> int token ids, each document followed by one EOS id.
+
+Both tokenizers are small picklable objects (a SentencePiece model is loaded lazily from its path)
+so that Grain worker processes can receive them.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+import sentencepiece
+
+from looped import config_checks
+
+BYTES_EOS = 256  # The bytes tokenizer's EOS id: one past the 256 byte values.
+
+
+class BytesTokenizer:
+  """UTF-8 bytes as ids 0..255; EOS = 256. Vocabulary size 257."""
+
+  vocab_size = 257
+  eos_id = BYTES_EOS
+
+  def encode(self, text: str) -> np.ndarray:
+    """Returns the UTF-8 bytes of `text` as uint16 ids (no EOS)."""
+    return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.uint16)
+
+  def decode(self, ids) -> str:
+    """Inverse of encode; EOS ids are dropped, invalid UTF-8 is replaced."""
+    ids = np.asarray(ids)
+    return ids[ids != BYTES_EOS].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+  def num_bytes(self, ids, previous: int | None = None) -> int:
+    """UTF-8 bytes of text the ids stand for: one per byte id, zero per EOS."""
+    del previous  # Byte ids carry no document-start marker.
+    return int(np.count_nonzero(np.asarray(ids) != BYTES_EOS))
+
+
+class SentencePieceTokenizer:
+  """A SentencePiece model file; EOS = the model's eos id, or one past its vocabulary if none."""
+
+  def __init__(self, path: str):
+    self.path = path
+    self._processor = None
+
+  def __getstate__(self):
+    return {"path": self.path}
+
+  def __setstate__(self, state):
+    self.__init__(state["path"])
+
+  @property
+  def processor(self) -> sentencepiece.SentencePieceProcessor:
+    if self._processor is None:
+      self._processor = sentencepiece.SentencePieceProcessor(model_file=self.path)
+    return self._processor
+
+  @property
+  def eos_id(self) -> int:
+    eos = self.processor.eos_id()
+    return eos if eos >= 0 else self.processor.get_piece_size()
+
+  @property
+  def vocab_size(self) -> int:
+    return max(self.processor.get_piece_size(), self.eos_id + 1)
+
+  def encode(self, text: str) -> np.ndarray:
+    dtype = np.uint16 if self.vocab_size <= 2**16 else np.int32
+    return np.asarray(self.processor.encode(text), dtype=dtype)
+
+  def decode(self, ids) -> str:
+    """Inverse of encode; EOS ids are dropped."""
+    ids = np.asarray(ids)
+    return self.processor.decode(ids[ids != self.eos_id].tolist())
+
+  def num_bytes(self, ids, previous: int | None = None) -> int:
+    """UTF-8 bytes of the (normalised) text the ids spell; `previous` is the id before ids[0].
+
+    Counts each piece's bytes ('▁' is a space, byte-fallback pieces 1, control and unknown
+    pieces 0), minus the dummy-prefix space the model puts before the first piece of a document
+    (a piece right after EOS). Exact for identity normalisation and no unknown pieces.
+    """
+    ids = np.asarray(ids).reshape(-1)
+    total = int(self._piece_bytes[ids].sum())
+    if self._dummy_prefix and ids.size:
+      follows_eos = np.concatenate([[previous == self.eos_id], ids[:-1] == self.eos_id])
+      total -= int(np.count_nonzero(follows_eos & self._starts_with_space[ids]))
+    return total
+
+  @functools.cached_property
+  def _piece_bytes(self) -> np.ndarray:
+    sp = self.processor
+    lengths = np.zeros(self.vocab_size, np.int64)
+    for i in range(sp.get_piece_size()):
+      if sp.is_byte(i):
+        lengths[i] = 1
+      elif not (sp.is_control(i) or sp.is_unknown(i) or sp.is_unused(i)):
+        lengths[i] = len(sp.id_to_piece(i).replace("\u2581", " ").encode("utf-8"))
+    return lengths
+
+  @functools.cached_property
+  def _starts_with_space(self) -> np.ndarray:
+    sp = self.processor
+    pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+    starts = [p.startswith("\u2581") and self._piece_bytes[i] > 0 for i, p in enumerate(pieces)]
+    return np.array(starts + [False] * (self.vocab_size - len(pieces)))
+
+  @functools.cached_property
+  def _dummy_prefix(self) -> bool:
+    """Whether the model prepends '▁' to every input (SentencePiece's add_dummy_prefix)."""
+    return self.processor.encode("a", out_type=str)[0].startswith("\u2581")
+
+
+Tokenizer = BytesTokenizer | SentencePieceTokenizer
+
+
+@functools.lru_cache(maxsize=8)
+def _spm(path: str) -> SentencePieceTokenizer:
+  return SentencePieceTokenizer(path)
+
+
+def get(data_cfg) -> Tokenizer:
+  """Returns the tokenizer that config.data names (ConfigError for a bad kind or missing file)."""
+  kind = data_cfg.tokenizer
+  if kind == "bytes":
+    return BytesTokenizer()
+  if kind == "sentencepiece":
+    path = data_cfg.spm_path
+    if not path or not os.path.isfile(path):
+      config_checks.fail("data.spm_path", path, "must name an existing SentencePiece model file")
+    return _spm(path)
+  config_checks.fail("data.tokenizer", kind, "must be one of 'bytes', 'sentencepiece'")
+
+
+def encode_document(tokenizer: Tokenizer, text: str) -> np.ndarray:
+  """Token ids of one document followed by EOS."""
+  ids = tokenizer.encode(text)
+  return np.append(ids, np.asarray(tokenizer.eos_id, ids.dtype))
