@@ -79,6 +79,8 @@ class Recurrence(nn.Module):
     h_prev = carry["h"]
     stop_B11 = xs["stop_B"][:, None, None]
     h_in = jnp.where(stop_B11, jax.lax.stop_gradient(h_prev), h_prev)
+    # Zero-valued probe: grad w.r.t. it is dLoss/dh at this recurrence's entry (tests).
+    h_in = self.perturb("h_in", h_in)
     x = Injection(cfg, name="inject")(h_in, bcast["e"])
     kvs = []
     for layer in range(cfg.num_core_layers):
@@ -283,6 +285,7 @@ class LoopedLM(nn.Module):
       scanned = nn.scan(
         body_cls,
         variable_broadcast="params",
+        variable_axes={"perturbations": 0},
         split_rngs={"params": False},
         in_axes=(0, nn.broadcast),
         length=cfg.num_recurrences,

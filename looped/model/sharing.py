@@ -26,18 +26,24 @@ def jacobi_forward(
   read_past=None,
   **kwargs,
 ):
-  """Logits after `num_passes` shared passes (0 = the unshared forward). Returns (logits, aux)."""
-  logits, aux = model.apply(params, tokens_BxT, **kwargs)
-  for _ in range(num_passes):
-    logits, aux = model.apply(
+  """Logits after `num_passes` shared passes (0 = the unshared forward). Returns (logits, aux).
+
+  `num_passes` may be a traced integer: the passes run in a fori_loop, so one compilation
+  serves every pass count.
+  """
+  out = model.apply(params, tokens_BxT, **kwargs)
+
+  def shared_pass(_, out):
+    return model.apply(
       params,
       tokens_BxT,
-      shared_kv=aux["final_kv"],
+      shared_kv=out[1]["final_kv"],
       read_shared_R=read_shared_R,
       read_past=read_past,
       **kwargs,
     )
-  return logits, aux
+
+  return jax.lax.fori_loop(0, num_passes, shared_pass, out)
 
 
 def decode_forward(

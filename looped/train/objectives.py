@@ -1,0 +1,70 @@
+"""Training objectives. The trainer takes one as a value, so later stages reuse it unchanged.
+
+An `Objective` is a pure loss function of (params, frozen, batch, key) returning
+(scalar loss, dict of scalar or [R] metrics). `frozen` is a pytree of constants the loss reads
+but never differentiates (e.g. a teacher's parameters): passing it as an argument rather than
+closing over it keeps it out of the compiled program's constants.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from looped.model import depth as depth_lib
+from looped.model.looped_lm import LoopedLM
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+  loss_fn: Callable[..., tuple[jax.Array, dict]]
+  frozen: Any = None
+
+
+def token_cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
+  """Per-token cross-entropy in nats, float32."""
+  return optax.softmax_cross_entropy_with_integer_labels(
+    logits_BxTxV.astype(jnp.float32), targets_BxT
+  )
+
+
+def sample_depth(key, batch: int, model: LoopedLM, depth_cfg) -> jax.Array:
+  return depth_lib.sample_mask(
+    key,
+    batch,
+    model.cfg.num_recurrences,
+    depth_cfg.sampler,
+    poisson_mean=depth_cfg.poisson_mean,
+    survival=depth_cfg.survival,
+  )
+
+
+def language_modeling(model: LoopedLM, depth_cfg) -> Objective:
+  """Next-token CE with stochastic depth and truncated backprop (stage 1, DESIGN.md §4)."""
+
+  def loss_fn(params, frozen, batch, key):
+    del frozen
+    depth_key, state_key = jax.random.split(key)
+    inputs_BxT = batch["inputs"]
+    mask_BxR = sample_depth(depth_key, inputs_BxT.shape[0], model, depth_cfg)
+    logits, aux = model.apply(
+      params,
+      inputs_BxT,
+      depth_mask_BxR=mask_BxR,
+      backprop_recurrences=depth_cfg.backprop_recurrences,
+      rngs={"state": state_key},
+    )
+    loss = jnp.mean(token_cross_entropy(logits, batch["targets"]))
+    metrics = {
+      "loss": loss,
+      "mean_depth": jnp.mean(jnp.sum(mask_BxR, axis=1)),
+      "relative_residual_R": aux["relative_residual_R"],
+    }
+    return loss, metrics
+
+  return Objective(loss_fn)

@@ -1,0 +1,252 @@
+"""The training loop: read top to bottom (big_vision style).
+
+`run(config, workdir)` pretrains (program 'train'); `train(...)` is the reusable loop that takes
+the objective as a value, so finetuning and BeNice! post-training share it unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import logging
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from looped import config_checks as cc
+from looped import data as data_lib
+from looped import model as model_lib
+from looped.model import depth as depth_lib
+from looped.model.looped_lm import LoopedLM
+from looped.train import checkpointing, objectives, optim
+from looped.train.metrics_writer import MetricsWriter
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array
+  params: Any
+  opt_state: Any
+  rng: jax.Array
+
+
+@dataclasses.dataclass
+class TrainResult:
+  state: TrainState
+  final_metrics: dict
+  resumed_from: int | None
+
+
+def validate(config) -> None:
+  """Every field the training program reads; fails before any compute."""
+  cc.choice(config, "program", ("train",))
+  validate_training(config)
+
+
+def validate_training(config) -> None:
+  cc.integer(config, "seed", min_value=0)
+  model_lib.validate(config)
+  data_lib.validate(config)
+  cc.choice(config, "depth.sampler", depth_lib.SAMPLERS)
+  cc.number(config, "depth.poisson_mean", min_value=0.0, min_exclusive=True)
+  cc.number(config, "depth.survival", min_value=0.0, max_value=1.0, min_exclusive=True)
+  cc.integer(
+    config,
+    "depth.backprop_recurrences",
+    min_value=0,
+    max_value=config.model.num_recurrences,
+  )
+  cc.integer(config, "train.num_steps", min_value=1)
+  cc.number(config, "train.learning_rate", min_value=0.0, min_exclusive=True)
+  cc.integer(config, "train.warmup_steps", min_value=0)
+  cc.number(config, "train.min_lr_ratio", min_value=0.0, max_value=1.0)
+  cc.number(config, "train.weight_decay", min_value=0.0)
+  cc.number(config, "train.b1", min_value=0.0, max_value=1.0)
+  cc.number(config, "train.b2", min_value=0.0, max_value=1.0)
+  cc.number(config, "train.grad_clip", min_value=0.0)
+  for name in ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints"):
+    cc.integer(config, "train." + name, min_value=1)
+  init_from = cc.string(config, "train.init_from", allow_empty=True)
+  if init_from and not os.path.isdir(init_from):
+    cc.fail("train.init_from", init_from, "must be an existing checkpoint or run directory")
+
+
+def run(config, workdir: str) -> TrainResult:
+  model = LoopedLM(model_lib.from_config(config.model))
+  return train(config, workdir, model, objectives.language_modeling(model, config.depth))
+
+
+def _mesh() -> Mesh:
+  return Mesh(np.asarray(jax.devices()), ("data",))
+
+
+def _global_batch(batch: dict, mesh: Mesh) -> dict:
+  sharding = NamedSharding(mesh, P("data"))
+  return {
+    k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in batch.items()
+  }
+
+
+def make_eval_fn(model: LoopedLM):
+  """Summed next-token CE (nats) and token count of one batch, full depth, unshared."""
+
+  def eval_fn(params, batch):
+    logits, _ = model.apply(params, batch["inputs"])
+    ce = objectives.token_cross_entropy(logits, batch["targets"])
+    return jnp.sum(ce), ce.size
+
+  return jax.jit(eval_fn)
+
+
+def evaluate(eval_fn, params, eval_batches, mesh, bytes_per_token: float) -> dict:
+  total, count = 0.0, 0
+  for batch in eval_batches:
+    loss_sum, n = eval_fn(params, _global_batch(batch, mesh))
+    total += float(loss_sum)
+    count += int(n)
+  val_loss = total / count
+  return {"val_loss": val_loss, "val_bpb": val_loss / math.log(2) / bytes_per_token}
+
+
+def _init_state(config, model: LoopedLM, optimizer, mesh: Mesh) -> TrainState:
+  params_key, train_key = jax.random.split(jax.random.PRNGKey(config.seed))
+  dummy = jnp.zeros((1, config.data.seq_len), jnp.int32)
+
+  def init():
+    params = {"params": model.init(params_key, dummy)["params"]}  # Not 'perturbations'.
+    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), train_key)
+
+  replicated = NamedSharding(mesh, P())
+  return jax.jit(init, out_shardings=replicated)()
+
+
+def _format_eta(seconds: float) -> str:
+  seconds = int(max(seconds, 0))
+  return f"{seconds // 3600:d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+def _is_due(step: int, every: int, last: int) -> bool:
+  return step % every == 0 or step == last
+
+
+def train(
+  config,
+  workdir: str,
+  model: LoopedLM,
+  objective: objectives.Objective,
+  *,
+  init_params=None,
+) -> TrainResult:
+  """Trains `model` on `objective` until config.train.num_steps, resuming from the workdir.
+
+  init_params: params to start from when the workdir has no checkpoint (else
+  config.train.init_from, else random init).
+  """
+  tc = config.train
+  os.makedirs(workdir, exist_ok=True)
+  mesh = _mesh()
+  is_chief = jax.process_index() == 0
+
+  data_iter = data_lib.make_train_iterator(
+    config, process_index=jax.process_index(), process_count=jax.process_count()
+  )
+  eval_batches = data_lib.make_eval_batches(
+    config, process_index=jax.process_index(), process_count=jax.process_count()
+  )
+  bytes_per_token = data_lib.eval_bytes_per_token(config)
+
+  optimizer = optim.make_optimizer(tc)
+  schedule = optim.learning_rate_schedule(tc)
+  state = _init_state(config, model, optimizer, mesh)
+  ckpt = checkpointing.Checkpointer(workdir, tc.keep_checkpoints)
+  resumed_from = ckpt.latest_step()
+  if resumed_from is not None:
+    logging.info("Resuming from checkpoint at step %d in %s", resumed_from, ckpt.directory)
+    state = ckpt.restore(resumed_from, state, data_iter)
+  elif init_params is not None or tc.init_from:
+    if init_params is None:
+      init_params = checkpointing.restore_params(tc.init_from, state.params)
+    state = state.replace(params=jax.device_put(init_params, NamedSharding(mesh, P())))
+  start = int(state.step)
+  writer = MetricsWriter(workdir, resume_step=start, enabled=is_chief)
+
+  eval_fn = make_eval_fn(model)
+  if start >= tc.num_steps:
+    logging.info(
+      "Training already finished: checkpoint at step %d >= train.num_steps = %d.",
+      start,
+      tc.num_steps,
+    )
+    ckpt.close()
+    writer.close()
+    return TrainResult(state, {}, resumed_from)
+
+  def train_step(state: TrainState, frozen, batch):
+    key = jax.random.fold_in(state.rng, state.step)
+    grad_fn = jax.value_and_grad(objective.loss_fn, has_aux=True)
+    (loss, metrics), grads = grad_fn(state.params, frozen, batch, key)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads), lr=schedule(state.step))
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+  train_step = jax.jit(train_step, donate_argnums=(0,))
+  tokens_per_step = config.data.batch_size * config.data.seq_len
+  logging.info(
+    "Training steps %d -> %d (%d tokens/step, %d params)",
+    start,
+    tc.num_steps,
+    tokens_per_step,
+    sum(x.size for x in jax.tree.leaves(state.params)),
+  )
+
+  t_last, step_last, t_start = time.time(), start, time.time()
+  record: dict = {}
+  for step in range(start + 1, tc.num_steps + 1):
+    batch = _global_batch(next(data_iter), mesh)
+    state, metrics = train_step(state, objective.frozen, batch)
+    log_now = _is_due(step, tc.log_every, tc.num_steps)
+    eval_now = _is_due(step, tc.eval_every, tc.num_steps)
+    save_now = _is_due(step, tc.checkpoint_every, tc.num_steps)
+    if not (log_now or eval_now or save_now):
+      continue
+    metrics = jax.device_get(metrics)
+    if not (np.isfinite(metrics["loss"]) and np.isfinite(metrics["grad_norm"])):
+      ckpt.wait()
+      raise FloatingPointError(
+        f"Non-finite training loss ({metrics['loss']}) or gradient norm "
+        f"({metrics['grad_norm']}) at step {step}. Stopped without saving; the last good "
+        f"checkpoint is step {ckpt.latest_step()} in {ckpt.directory}."
+      )
+    now = time.time()
+    metrics["tokens_per_s"] = (step - step_last) * tokens_per_step / max(now - t_last, 1e-9)
+    metrics["elapsed_s"] = now - t_start
+    if eval_now:
+      metrics.update(evaluate(eval_fn, state.params, eval_batches, mesh, bytes_per_token))
+    record = writer.write(step, metrics)
+    eta = (tc.num_steps - step) * (now - t_start) / max(step - start, 1)
+    logging.info(
+      "step %d/%d | loss %.4f | %s%.0f tok/s | ETA %s",
+      step,
+      tc.num_steps,
+      metrics["loss"],
+      f"val_loss {metrics['val_loss']:.4f} val_bpb {metrics['val_bpb']:.4f} | " if eval_now else "",
+      metrics["tokens_per_s"],
+      _format_eta(eta),
+    )
+    if save_now:
+      ckpt.save(step, state, data_iter)
+    t_last, step_last = time.time(), step
+
+  ckpt.wait()
+  ckpt.close()
+  writer.close()
+  return TrainResult(state, record, resumed_from)
