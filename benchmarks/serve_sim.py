@@ -1,0 +1,106 @@
+r"""Speed of the serving simulator: replays a whole trace at one KV budget.
+
+  python benchmarks/serve_sim.py --out=/tmp/serve_sim_bench.json
+  python benchmarks/serve_sim.py --budget_gb=32 --layout=unshared --profile
+
+Uses the paper-size model of configs/serve_sim.py on the H200 profile and, by default, the Mooncake
+conversation trace (12,031 requests) from ../shared/data/mooncake relative to the repository root.
+Prints a table (wall seconds, simulated steps, the run's metrics) and writes JSON with --out.
+"""
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import sys
+import time
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _REPO)
+
+from configs import serve_sim  # noqa: E402
+from looped.serving import hardware, scheduler, simulate, traces  # noqa: E402
+
+_TRACE = os.path.join(_REPO, "..", "shared", "data", "mooncake", "conversation_trace.jsonl")
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--trace", default=_TRACE, help="Mooncake JSONL trace.")
+  parser.add_argument("--budget_gb", type=float, default=64.0, help="KV budget in GB (1e9).")
+  parser.add_argument("--layout", choices=("shared", "unshared"), default="shared")
+  parser.add_argument("--kv_format", default="bf16")
+  parser.add_argument("--page_size", type=int, default=16)
+  parser.add_argument("--time_scale", type=float, default=1.0)
+  parser.add_argument("--out", default="", help="Write the results as JSON here.")
+  parser.add_argument("--profile", action="store_true", help="Print the top cProfile entries.")
+  args = parser.parse_args()
+
+  config = serve_sim.get_config()
+  shape = simulate.model_shape(config)
+  sched_config = scheduler.SchedulerConfig(
+    page_size=args.page_size,
+    max_num_batched_tokens=config.sim.max_num_batched_tokens,
+    max_num_seqs=config.sim.max_num_seqs,
+    max_model_len=config.model.max_seq_len,
+  )
+  start = time.perf_counter()
+  requests = traces.load_mooncake(args.trace, time_scale=args.time_scale)
+  load_s = time.perf_counter() - start
+
+  def replay():
+    return simulate.simulate_one(
+      requests,
+      shape,
+      hardware.load(config.sim.hardware),
+      budget=args.budget_gb * 1e9,
+      share_kv=args.layout == "shared",
+      kv_format=args.kv_format,
+      config=sched_config,
+      label="replay",
+    )
+
+  profiler = cProfile.Profile() if args.profile else None
+  start, start_cpu = time.perf_counter(), time.process_time()
+  run = profiler.runcall(replay) if profiler else replay()
+  replay_s = time.perf_counter() - start
+  replay_cpu_s = time.process_time() - start_cpu
+
+  rows = [
+    ("requests", f"{len(requests)}"),
+    ("trace load (s)", f"{load_s:.2f}"),
+    ("replay wall (s)", f"{replay_s:.2f}"),
+    ("replay CPU (s)", f"{replay_cpu_s:.2f}"),
+    ("simulated steps", f"{run['num_steps']}"),
+    ("steps / wall s", f"{run['num_steps'] / replay_s:.0f}"),
+    ("layout / format / budget", f"{args.layout} / {args.kv_format} / {args.budget_gb:g} GB"),
+    ("hit rate", f"{run['hit_rate']:.4f}"),
+    ("requests / s (simulated)", f"{run['requests_per_s']:.3f}"),
+    ("output tokens / s", f"{run['output_tokens_per_s']:.0f}"),
+    ("TTFT p90 (s)", f"{run['ttft_s']['p90']:.2f}"),
+    ("preemptions", f"{run['preemptions']}"),
+  ]
+  width = max(len(k) for k, _ in rows)
+  print(f"| {'metric':<{width}} | value |\n|{'-' * (width + 2)}|-------|")
+  for key, value in rows:
+    print(f"| {key:<{width}} | {value} |")
+  if profiler:
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(
+        {
+          "args": vars(args),
+          "load_s": load_s,
+          "replay_s": replay_s,
+          "replay_cpu_s": replay_cpu_s,
+          "run": run,
+        },
+        f,
+        indent=2,
+      )
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,80 @@
+"""Roofline executor: prices a step from the model's shape instead of running it.
+
+For a batch where request i computes q_i new tokens after c_i cached ones, with L = P + R*B + C
+layer executions per token (the core block runs R times), N parameters per layer:
+
+  FLOPs = 2 * L * N * sum(q_i)                           linear layers
+        + 4 * H * head_dim * L * sum(q_i*c_i + q_i*(q_i+1)/2)   QK^T and PV, causal
+        + 2 * V * d * (requests that emit a token)       LM head on sampled positions only
+  bytes = w * (L * N + V * d)                            weights, read once per layer execution
+        + L * kv_tok * sum(c_i)                          context K/V read by every execution
+        + L_kv * kv_tok * sum(q_i)                       new K/V written
+  time  = max(FLOPs / peak, bytes / bandwidth) + overhead
+
+kv_tok = num_kv_heads * head_dim * 2 * bytes_per_value(format) is one token's K and V in one
+layer, and L_kv the cached layers: P + B + C shared, P + R*B + C unshared. Sharing changes what is
+*stored* (and so how many requests and cached prefixes fit), not what is *read*: each of the R
+recurrences still attends over the whole context, reading the one shared copy R times, since the
+recurrences run one after another. Activations, norms, the injection and the embedding lookup are
+left out (each is under ~1% of a step's bytes or FLOPs at the paper's size).
+"""
+
+from __future__ import annotations
+
+from looped.serving import hardware as hardware_lib
+from looped.serving import scheduler as scheduler_lib
+from looped.serving import shape as shape_lib
+
+WEIGHT_BYTES = {"bf16": 2.0, "fp8": 1.0, "fp32": 4.0}
+
+
+class CostModelExecutor:
+  """Executor whose steps take the roofline time of the batch on the given hardware."""
+
+  def __init__(
+    self,
+    shape: shape_lib.ModelShape,
+    hardware: hardware_lib.Hardware,
+    *,
+    share_kv: bool,
+    kv_format: str,
+    weight_format: str = "bf16",
+  ):
+    self.shape = shape
+    self.hardware = hardware
+    executions = shape.layer_executions
+    kv_tok = shape.kv_bytes_per_token_layer(kv_format)
+    head = shape.vocab_size * shape.d_model
+    self._flops_per_token = 2.0 * executions * shape.params_per_layer
+    self._flops_per_pair = 4.0 * shape.num_heads * shape.head_dim * executions
+    self._flops_per_sample = 2.0 * head
+    self._weight_bytes = WEIGHT_BYTES[weight_format] * (executions * shape.params_per_layer + head)
+    self._read_per_context_token = executions * kv_tok
+    self._write_per_token = shape.kv_layers(share_kv) * kv_tok
+    self._inv_flops = 1.0 / hardware.peak_flops
+    self._inv_bw = 1.0 / hardware.mem_bandwidth
+    self._overhead = hardware.step_overhead_s
+
+  def step_time(self, tokens: int, sampled: int, attention_pairs: int, context: int) -> float:
+    """Roofline time of a step from its totals (see the module docstring)."""
+    flops = (
+      self._flops_per_token * tokens
+      + self._flops_per_pair * attention_pairs
+      + self._flops_per_sample * sampled
+    )
+    moved = (
+      self._weight_bytes + self._read_per_context_token * context + self._write_per_token * tokens
+    )
+    return max(flops * self._inv_flops, moved * self._inv_bw) + self._overhead
+
+  def execute(self, batch: scheduler_lib.StepBatch) -> float:
+    pairs = sum(
+      q * c + q * (q + 1) // 2 for q, c in zip(batch.num_new_tokens, batch.num_context_tokens)
+    )
+    return self.step_time(
+      sum(batch.num_new_tokens), batch.num_sampled, pairs, sum(batch.num_context_tokens)
+    )
+
+  def decode_step_time(self, num_seqs: int, context: int) -> float:
+    """A step where each of num_seqs requests decodes one token after `context` tokens in all."""
+    return self.step_time(num_seqs, num_seqs, context + num_seqs, context)

@@ -1,0 +1,266 @@
+"""Program 'serve_sim': replays a request trace through the scheduler under KV memory budgets.
+
+For every (KV budget, share_kv, kv_format) in the config's sweep it builds a page pool of
+budget // page_bytes pages, a scheduler and a roofline executor for the configured model and
+hardware, replays the trace and records vLLM-style metrics. Writes WORKDIR/sim/results.json,
+results.md (also printed) and PNG plots against the budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import os
+import time
+from typing import Any
+
+from absl import logging
+
+from looped import config_checks as checks
+from looped.serving import cost_model, hardware, kv_bytes, metrics, replay, report, traces
+from looped.serving import pages as pages_lib
+from looped.serving import scheduler as scheduler_lib
+from looped.serving import shape as shape_lib
+from looped.serving.progress import Progress
+
+_SHAPE_INTS = (
+  "vocab_size",
+  "d_model",
+  "num_heads",
+  "num_kv_heads",
+  "head_dim",
+  "mlp_dim",
+  "num_core_layers",
+  "num_recurrences",
+  "max_seq_len",
+)
+
+
+def _as_tuple(config: Any, path: str) -> tuple:
+  """A sweep field: a list/tuple, or a single value meaning a sweep of one."""
+  value = checks.get(config, path)
+  values = tuple(value) if isinstance(value, (list, tuple)) else (value,)
+  if not values:
+    checks.fail(path, value, "must list at least one value")
+  return values
+
+
+def budgets(config: Any) -> tuple[float | None, ...]:
+  values = _as_tuple(config, "sim.kv_budget_bytes")
+  for v in values:
+    ok = v is None or (
+      not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v > 0
+    )
+    if not ok:
+      checks.fail("sim.kv_budget_bytes", values, "each budget must be a positive number or None")
+  return tuple(None if v is None else float(v) for v in values)
+
+
+def share_kv_values(config: Any) -> tuple[bool, ...]:
+  values = _as_tuple(config, "sim.share_kv")
+  if not all(isinstance(v, bool) for v in values):
+    checks.fail("sim.share_kv", values, "must be True, False or a tuple of them")
+  return values
+
+
+def kv_formats(config: Any) -> tuple[str, ...]:
+  """Formats to compare; 'bf16,fp8' (easy to type on a command line) means ('bf16', 'fp8')."""
+  values = _as_tuple(config, "sim.kv_format")
+  if all(isinstance(v, str) for v in values):
+    values = tuple(
+      part.strip(" ()'\"") for v in values for part in v.split(",") if part.strip(" ()'\"")
+    )
+  if not all(v in kv_bytes.FORMATS for v in values):
+    checks.fail("sim.kv_format", values, "each must be one of " + ", ".join(kv_bytes.FORMATS))
+  head_dim = checks.integer(config, "model.head_dim", min_value=1)
+  for fmt in values:
+    try:
+      kv_bytes.bytes_per_value(fmt, head_dim)
+    except ValueError as e:
+      checks.fail("sim.kv_format", values, str(e).rstrip("."))
+  return values
+
+
+def model_shape(config: Any) -> shape_lib.ModelShape:
+  for name in _SHAPE_INTS:
+    checks.integer(config, f"model.{name}", min_value=1)
+  for name in ("num_prelude_layers", "num_coda_layers"):
+    checks.integer(config, f"model.{name}", min_value=0)
+  checks.choice(config, "model.mlp_type", ("swiglu", "relu2"))
+  checks.boolean(config, "model.tie_embeddings")
+  if config.model.num_heads % config.model.num_kv_heads:
+    checks.fail("model.num_heads", config.model.num_heads, "must be a multiple of num_kv_heads")
+  return shape_lib.ModelShape.from_config(config.model)
+
+
+def _hardware(config: Any) -> hardware.Hardware:
+  name = checks.choice(config, "sim.hardware", hardware.PROFILES)
+  path = checks.string(config, "sim.hardware_json", allow_empty=True)
+  try:
+    return hardware.load(name, path)
+  except (OSError, ValueError) as e:
+    raise checks.ConfigError(f"config.sim.hardware_json = {path!r} is invalid: {e}") from None
+
+
+def _synthetic_spec(config: Any) -> traces.SyntheticSpec:
+  s = "synthetic"
+  return traces.SyntheticSpec(
+    num_requests=checks.integer(config, f"{s}.num_requests", min_value=1),
+    rate_per_s=checks.number(config, f"{s}.rate_per_s", min_value=0, min_exclusive=True),
+    num_sessions=checks.integer(config, f"{s}.num_sessions", min_value=1),
+    system_prompt_tokens=checks.integer(config, f"{s}.system_prompt_tokens", min_value=0),
+    mean_turn_tokens=checks.number(config, f"{s}.mean_turn_tokens", min_value=1),
+    mean_output_tokens=checks.number(config, f"{s}.mean_output_tokens", min_value=1),
+    max_prompt_tokens=checks.integer(config, f"{s}.max_prompt_tokens", min_value=1),
+    seed=checks.integer(config, f"{s}.seed", min_value=0),
+  )
+
+
+def validate(config: Any) -> None:
+  """Checks every field before any compute; raises ConfigError naming the field."""
+  checks.choice(config, "program", ("serve_sim",))
+  shape = model_shape(config)
+  path = checks.string(config, "sim.trace", allow_empty=True)
+  if path and not os.path.isfile(path):
+    checks.fail("sim.trace", path, "must be an existing Mooncake JSONL file ('' = synthetic)")
+  if not path:
+    _synthetic_spec(config)
+  checks.number(config, "sim.time_scale", min_value=0, min_exclusive=True)
+  checks.integer(config, "sim.max_requests", min_value=0)
+  page_size = checks.integer(config, "sim.page_size", min_value=1)
+  checks.integer(config, "sim.max_num_batched_tokens", min_value=1)
+  checks.integer(config, "sim.max_num_seqs", min_value=1)
+  checks.choice(config, "sim.weight_format", cost_model.WEIGHT_BYTES)
+  checks.boolean(config, "sim.check_invariants")
+  _hardware(config)
+  for budget, share, fmt in itertools.product(
+    budgets(config), share_kv_values(config), kv_formats(config)
+  ):
+    page_bytes = page_size * shape.kv_bytes_per_token(share, fmt)
+    if budget is not None and budget < page_bytes:
+      checks.fail(
+        "sim.kv_budget_bytes",
+        budget,
+        f"must hold at least one page ({page_bytes:.0f} bytes for share_kv={share}, {fmt})",
+      )
+
+
+def load_requests(config: Any) -> list[traces.Request]:
+  """The configured trace, or the synthetic one, with the time scale applied."""
+  scale = config.sim.time_scale
+  if config.sim.trace:
+    return traces.load_mooncake(
+      config.sim.trace, time_scale=scale, max_requests=config.sim.max_requests
+    )
+  requests = traces.synthetic(_synthetic_spec(config))
+  if config.sim.max_requests:
+    requests = requests[: config.sim.max_requests]
+  return [dataclasses.replace(r, arrival_s=r.arrival_s * scale) for r in requests]
+
+
+def simulate_one(
+  requests: list[traces.Request],
+  shape: shape_lib.ModelShape,
+  hw: hardware.Hardware,
+  *,
+  budget: float | None,
+  share_kv: bool,
+  kv_format: str,
+  config: scheduler_lib.SchedulerConfig,
+  weight_format: str = "bf16",
+  check_invariants: bool = False,
+  label: str = "",
+) -> dict[str, Any]:
+  """Replays the requests under one KV budget and layout; returns the run's metrics."""
+  page_bytes = config.page_size * shape.kv_bytes_per_token(share_kv, kv_format)
+  num_pages = None if budget is None else int(budget // page_bytes)
+  pool = pages_lib.PagePool(num_pages, debug=check_invariants)
+  executor = cost_model.CostModelExecutor(
+    shape, hw, share_kv=share_kv, kv_format=kv_format, weight_format=weight_format
+  )
+  sched = scheduler_lib.Scheduler(config, pool, executor, check_invariants=check_invariants)
+  bar = Progress(len(requests), label)
+  start = time.monotonic()
+  replay.replay(requests, sched, on_progress=bar.update)
+  bar.close()
+  wall = time.monotonic() - start
+  if pool.num_in_use:
+    raise RuntimeError(f"{pool.num_in_use} pages still held after the replay (a leak).")
+  return {
+    "share_kv": share_kv,
+    "kv_format": kv_format,
+    "kv_budget_bytes": budget,
+    "num_pages": num_pages,
+    "page_size": config.page_size,
+    "kv_bytes_per_token": shape.kv_bytes_per_token(share_kv, kv_format),
+    **metrics.summarize(sched, page_bytes),
+    "sim_wall_s": wall,
+  }
+
+
+def run(config: Any, workdir: str) -> dict[str, Any]:
+  validate(config)
+  shape = model_shape(config)
+  hw = _hardware(config)
+  sched_config = scheduler_lib.SchedulerConfig(
+    page_size=config.sim.page_size,
+    max_num_batched_tokens=config.sim.max_num_batched_tokens,
+    max_num_seqs=config.sim.max_num_seqs,
+    max_model_len=config.model.max_seq_len,
+  )
+  requests = load_requests(config)
+  logging.info(
+    "serve_sim: %d requests over %.0f s, %s, model %.0fM params, %d layer executions/token.",
+    len(requests),
+    requests[-1].arrival_s,
+    hw.name,
+    shape.num_params / 1e6,
+    shape.layer_executions,
+  )
+  sweep = list(itertools.product(budgets(config), share_kv_values(config), kv_formats(config)))
+  runs = []
+  for i, (budget, share, fmt) in enumerate(sweep):
+    label = f"[{i + 1}/{len(sweep)}] {report.variant_name(share, fmt)} {report.gb(budget)}"
+    runs.append(
+      simulate_one(
+        requests,
+        shape,
+        hw,
+        budget=budget,
+        share_kv=share,
+        kv_format=fmt,
+        config=sched_config,
+        weight_format=config.sim.weight_format,
+        check_invariants=config.sim.check_invariants,
+        label=label,
+      )
+    )
+  results = {
+    "runs": runs,
+    "improvements": report.improvements(runs),
+    "paper": report.PAPER,
+    "model": {**dataclasses.asdict(shape), "num_params": shape.num_params},
+    "hardware": dataclasses.asdict(hw),
+    "scheduler": dataclasses.asdict(sched_config),
+    "trace": {
+      "path": config.sim.trace or "synthetic",
+      "num_requests": len(requests),
+      "time_scale": config.sim.time_scale,
+      "duration_s": requests[-1].arrival_s - requests[0].arrival_s,
+      "mean_prompt_tokens": sum(r.prompt_len for r in requests) / len(requests),
+      "mean_output_tokens": sum(r.output_len for r in requests) / len(requests),
+    },
+  }
+  out_dir = os.path.join(workdir, "sim")
+  os.makedirs(out_dir, exist_ok=True)
+  with open(os.path.join(out_dir, "results.json"), "w") as f:
+    json.dump(results, f, indent=2)
+  table = report.markdown(results)
+  with open(os.path.join(out_dir, "results.md"), "w") as f:
+    f.write(table)
+  print(table)
+  report.plot(runs, out_dir)
+  logging.info("serve_sim: wrote %s", out_dir)
+  return results
