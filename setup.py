@@ -3,27 +3,27 @@
 import setuptools
 
 setuptools.setup(
-    name="looped",
-    version="0.1.0",
-    description="Looped (recurrent-depth) LMs with KV-sharing across recurrences (BeNice!).",
-    packages=setuptools.find_packages(include=["looped", "looped.*", "configs"]),
-    python_requires=">=3.10",
-    install_requires=[
-        "jax>=0.6",
-        "flax>=0.10",
-        "optax>=0.2.4",
-        "orbax-checkpoint>=0.11",
-        "grain>=0.2.10",
-        "ml-collections>=1.0",
-        "tensorflow-datasets>=4.9.7",
-        "array-record>=0.7",  # tfds.data_source reads array_record without TensorFlow.
-        "chex>=0.1.88",
-        "absl-py>=2.1",
-        "sentencepiece>=0.2",  # optional tokenizer, small wheel.
-        "tensorboardX>=2.6",  # TensorBoard event files without TensorFlow.
-        "matplotlib>=3.8",  # PNG plots of evaluations and simulations.
-    ],
-    extras_require={
-        "test": ["pytest>=8", "pytest-xdist>=3.5", "ruff>=0.6"],
-    },
+  name="looped",
+  version="0.1.0",
+  description="Looped (recurrent-depth) LMs with KV-sharing across recurrences (BeNice!).",
+  packages=setuptools.find_packages(include=["looped", "looped.*", "configs"]),
+  python_requires=">=3.10",
+  install_requires=[
+    "jax>=0.6",
+    "flax>=0.10",
+    "optax>=0.2.4",
+    "orbax-checkpoint>=0.11",
+    "grain>=0.2.10",
+    "ml-collections>=1.0",
+    "tensorflow-datasets>=4.9.7",
+    "array-record>=0.7",  # tfds.data_source reads array_record without TensorFlow.
+    "chex>=0.1.88",
+    "absl-py>=2.1",
+    "sentencepiece>=0.2",  # optional tokenizer, small wheel.
+    "tensorboardX>=2.6",  # TensorBoard event files without TensorFlow.
+    "matplotlib>=3.8",  # PNG plots of evaluations and simulations.
+  ],
+  extras_require={
+    "test": ["pytest>=8", "pytest-xdist>=3.5", "ruff>=0.6"],
+  },
 )

@@ -1,3 +1,3 @@
-"""looped: looped (weight-shared, recurrent-depth) LMs whose KV-cache is shared across recurrences."""
+"""looped: looped (weight-shared, recurrent-depth) LMs with KV-caches shared across recurrences."""
 
 __version__ = "0.1.0"

@@ -195,7 +195,7 @@ def train(
     (loss, metrics), grads = grad_fn(state.params, frozen, batch, key)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads), lr=schedule(state.step))
+    metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads), lr=schedule(state.step))
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
   train_step = jax.jit(train_step, donate_argnums=(0,))

@@ -1,0 +1,105 @@
+"""Every bad config value fails before compute, with a message naming the field."""
+
+import os
+import subprocess
+import sys
+
+from absl.testing import absltest, parameterized
+
+from configs import pretrain
+from looped import config_checks, programs
+from looped.train import trainer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+BAD_VALUES = [
+  ("model.num_kv_heads", 3, "multiple of model.num_kv_heads = 3"),
+  ("model.num_kv_heads", 0, ">= 1"),
+  ("model.head_dim", 31, "even"),
+  ("model.d_model", -8, ">= 1"),
+  ("model.mlp_type", "gelu", "'swiglu', 'relu2'"),
+  ("model.injection", "gated", "'diagonal', 'linear', 'additive'"),
+  ("model.state_init", "ones", "'like_init', 'zeros', 'embed'"),
+  ("model.num_core_layers", 0, ">= 1"),
+  ("model.num_recurrences", 0, ">= 1"),
+  ("model.dtype", "float16", "'float32', 'bfloat16'"),
+  ("model.rope_base", 0.0, "> 1.0"),
+  ("model.tie_embeddings", "yes", "True or False"),
+  ("model.vocab_size", 100, "vocab"),
+  ("data.seq_len", 4096, "max_seq_len"),
+  ("data.tokenizer", "wordpiece", "'bytes'"),
+  ("data.source", "s3", "'stdlib'"),
+  ("data.batch_size", 0, "batch_size"),
+  ("data.text_glob", "/nonexistent/*.txt", "/nonexistent/*.txt"),
+  ("depth.sampler", "geometric", "'poisson', 'bernoulli', 'fixed'"),
+  ("depth.poisson_mean", 0.0, "> 0.0"),
+  ("depth.survival", 1.5, "<= 1.0"),
+  ("depth.backprop_recurrences", 9, "<= 4"),
+  ("train.num_steps", 0, ">= 1"),
+  ("train.learning_rate", -1e-3, "> 0.0"),
+  ("train.min_lr_ratio", 2.0, "<= 1.0"),
+  ("train.log_every", 0, ">= 1"),
+  ("train.b2", 1.5, "<= 1.0"),
+  ("train.init_from", "/nonexistent/run", "existing checkpoint"),
+  ("seed", -1, ">= 0"),
+  ("program", "serve", "'train'"),
+]
+
+
+def _set(config, dotted, value):
+  node = config
+  *parents, leaf = dotted.split(".")
+  for p in parents:
+    node = node[p]
+  with node.ignore_type():
+    node[leaf] = value
+
+
+class ConfigValidationTest(parameterized.TestCase):
+  def test_default_and_variants_are_valid(self):
+    for arg in ("", "smoke", "fixed", "smoke,fixed"):
+      trainer.validate(pretrain.get_config(arg))
+
+  def test_unknown_config_arg(self):
+    with self.assertRaisesRegex(ValueError, "Unknown config args"):
+      pretrain.get_config("smok")
+
+  @parameterized.parameters(*BAD_VALUES)
+  def test_bad_value_names_field(self, field, value, expected):
+    config = pretrain.get_config("smoke")
+    if field == "data.text_glob":
+      _set(config, "data.source", "text")
+    _set(config, field, value)
+    with self.assertRaises(config_checks.ConfigError) as ctx:
+      programs.load(config).validate(config)
+    message = str(ctx.exception)
+    self.assertIn(field.split(".")[-1], message)
+    self.assertIn(expected, message)
+
+  def test_unknown_model_field(self):
+    config = pretrain.get_config("smoke")
+    config.model.num_loops = 3
+    with self.assertRaisesRegex(config_checks.ConfigError, "num_loops"):
+      trainer.validate(config)
+
+  def test_cli_bad_value_fails_before_compute(self):
+    proc = subprocess.run(
+      [
+        sys.executable,
+        "-m",
+        "looped.main",
+        f"--config={os.path.join(REPO, 'configs', 'pretrain.py')}:smoke",
+        "--workdir=/tmp/never_created_by_config_test",
+        "--config.depth.sampler=uniform",
+      ],
+      capture_output=True,
+      text=True,
+      cwd=REPO,
+    )
+    self.assertNotEqual(proc.returncode, 0)
+    self.assertIn("config.depth.sampler = 'uniform' is invalid", proc.stderr)
+    self.assertFalse(os.path.exists("/tmp/never_created_by_config_test"))
+
+
+if __name__ == "__main__":
+  absltest.main()
