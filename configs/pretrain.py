@@ -14,11 +14,11 @@ def model_config() -> ml_collections.ConfigDict:
   """The looped LM (DESIGN.md section 2). Shared by every program that needs a model's shape."""
   m = ml_collections.ConfigDict()
   m.vocab_size = 257  # Embedding rows; >= the tokenizer's vocabulary (bytes: 256 + EOS).
-  m.d_model = 256  # Residual stream width.
+  m.d_model = 128  # Residual stream width.
   m.num_heads = 4  # Query heads per attention layer.
   m.num_kv_heads = 2  # Key/value heads (GQA); divides num_heads.
-  m.head_dim = 64  # Width of one attention head.
-  m.mlp_dim = 768  # Hidden width of the MLP.
+  m.head_dim = 32  # Width of one attention head.
+  m.mlp_dim = 384  # Hidden width of the MLP.
   m.mlp_type = "swiglu"  # MLP kind: 'swiglu' or 'relu2'.
   m.num_prelude_layers = 1  # P: layers before the loop (run once, ordinary KV-cache).
   m.num_core_layers = 2  # B: layers of the looped core block (one set of weights).
@@ -53,7 +53,7 @@ def data_config() -> ml_collections.ConfigDict:
   d.spm_path = ""  # SentencePiece model file for tokenizer='sentencepiece'.
   d.val_fraction = 0.05  # Fraction of documents (files) held out for validation.
   d.max_documents = 0  # Use only the first N documents after the split hash (0 = all).
-  d.seq_len = 256  # Tokens per training row.
+  d.seq_len = 128  # Tokens per training row.
   d.batch_size = 16  # Global batch size (rows per step, split across processes).
   d.eval_batch_size = 16  # Global batch size for validation.
   d.num_eval_batches = 8  # Validation batches per evaluation (fixed, deterministic set).
@@ -81,7 +81,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.depth.backprop_recurrences = 0  # k: only the last k active recurrences get gradient (0: all).
 
   c.train = ml_collections.ConfigDict()
-  c.train.num_steps = 3000  # Optimizer steps.
+  c.train.num_steps = 1500  # Optimizer steps.
   c.train.learning_rate = 3e-3  # Peak learning rate.
   c.train.warmup_steps = 100  # Linear warmup steps.
   c.train.min_lr_ratio = 0.1  # Cosine decays to this fraction of the peak.
@@ -90,7 +90,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.train.b2 = 0.95  # Adam beta2.
   c.train.grad_clip = 1.0  # Global-norm gradient clipping (0: off).
   c.train.log_every = 25  # Steps between progress lines / metrics.jsonl records.
-  c.train.eval_every = 500  # Steps between validation passes (and at the end).
+  c.train.eval_every = 250  # Steps between validation passes (and at the end).
   c.train.checkpoint_every = 250  # Steps between checkpoints (and at the end).
   c.train.keep_checkpoints = 2  # Checkpoints kept in the workdir.
   c.train.init_from = ""  # Checkpoint directory to take params from at step 0 ('' = random).

@@ -4,6 +4,8 @@ r"""Command-line entry point: parses flags and hands the config to the library.
       --config.train.num_steps=200
 """
 
+import logging as std_logging
+
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -17,9 +19,18 @@ _DISTRIBUTED = flags.DEFINE_bool(
 flags.mark_flags_as_required(["config", "workdir"])
 
 
+def _quiet_library_info_logs():
+  """Orbax logs several INFO lines per checkpoint; keep its warnings, drop the chatter."""
+  handler = logging.get_absl_handler()
+  handler.addFilter(
+    lambda record: record.levelno > std_logging.INFO or "/orbax/" not in record.pathname
+  )
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  _quiet_library_info_logs()
   if _DISTRIBUTED.value:
     import jax
 
