@@ -48,7 +48,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.sim.trace = ""  # Mooncake JSONL path; '' = the synthetic trace configured in c.synthetic.
   c.sim.time_scale = 1.0  # Arrival times are multiplied by this (0.5 = replay twice as fast).
   c.sim.max_requests = 0  # Replay only the first N requests (0 = all).
-  c.sim.kv_budget_bytes = (24e9, 32e9, 48e9, 64e9, 128e9)  # KV budgets to sweep (None = unbounded).
+  c.sim.kv_budget_bytes = (24e9, 32e9, 48e9, 64e9, 96e9, 128e9)  # KV budgets (None = unbounded).
   c.sim.share_kv = (True, False)  # Layouts to compare: shared (final recurrence) / unshared.
   c.sim.kv_format = ("bf16",)  # KV formats: 'bf16', 'fp8', 'mxfp8', 'mxfp8_rceil', 'nvfp4'.
   c.sim.page_size = 16  # Tokens per KV page (vLLM's default block size).

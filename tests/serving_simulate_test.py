@@ -62,7 +62,9 @@ class ValidateTest(absltest.TestCase):
     config = serve_sim.get_config()
     config.model.head_dim = 24
     config.sim.kv_format = ("fp8", "mxfp8")
-    with self.assertRaisesRegex(config_checks.ConfigError, "sim.kv_format .* multiple of 32"):
+    with self.assertRaisesRegex(
+      config_checks.ConfigError, "sim.kv_format .* multiple of its block size 32"
+    ):
       simulate.validate(config)
 
   def test_single_values_and_comma_lists_are_sweeps(self):

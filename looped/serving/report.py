@@ -142,14 +142,15 @@ def plot(runs: list[dict[str, Any]], out_dir: str) -> list[str]:
   matplotlib.use("Agg")
   from matplotlib import pyplot as plt
 
-  panels = (
-    ("hit_rate.png", "prefix-cache hit rate", lambda r: r["hit_rate"]),
-    ("throughput.png", "output tokens / s", lambda r: r["output_tokens_per_s"]),
-    ("ttft_p90.png", "p90 TTFT (s)", lambda r: r["ttft_s"]["p90"]),
+  panels = (  # (file, y label, value, log y: TTFT spans orders of magnitude under load)
+    ("hit_rate.png", "prefix-cache hit rate", lambda r: r["hit_rate"], False),
+    ("throughput.png", "output tokens / s", lambda r: r["output_tokens_per_s"], False),
+    ("ttft_p90.png", "p90 TTFT (s)", lambda r: r["ttft_s"]["p90"], True),
   )
+  ticks = sorted({r["kv_budget_bytes"] / 1e9 for r in runs if r["kv_budget_bytes"] is not None})
   variants = sorted({(r["share_kv"], r["kv_format"]) for r in runs}, reverse=True)
   paths = []
-  for filename, ylabel, value in panels:
+  for filename, ylabel, value, log_y in panels:
     fig, ax = plt.subplots(figsize=(6, 4))
     for i, (share, fmt) in enumerate(variants):
       color = f"C{i}"
@@ -171,7 +172,12 @@ def plot(runs: list[dict[str, Any]], out_dir: str) -> list[str]:
             linewidth=1,
             label=f"{variant_name(share, fmt)} unbounded",
           )
-    ax.set_xscale("log", base=2)
+    ax.set_xscale("log")
+    if ticks:
+      ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+      ax.minorticks_off()
+    if log_y:
+      ax.set_yscale("log")
     ax.set_xlabel("KV budget (GB)")
     ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from looped.serving import kv_bytes
+from looped import kv_quant
 
 _MLP_MATRICES = {"swiglu": 3, "relu2": 2}
 
@@ -59,9 +59,9 @@ class ModelShape:
     return self.num_prelude_layers + core + self.num_coda_layers
 
   def kv_bytes_per_token_layer(self, kv_format: str) -> float:
-    """Bytes of one token's K and V in one layer."""
+    """Bytes of one token's K and V in one layer, scales included (looped.kv_quant's formats)."""
     return (
-      self.num_kv_heads * self.head_dim * 2 * kv_bytes.bytes_per_value(kv_format, self.head_dim)
+      self.num_kv_heads * self.head_dim * 2 * kv_quant.bytes_per_value(kv_format, self.head_dim)
     )
 
   def kv_bytes_per_token(self, share_kv: bool, kv_format: str) -> float:

@@ -19,7 +19,8 @@ from typing import Any
 from absl import logging
 
 from looped import config_checks as checks
-from looped.serving import cost_model, hardware, kv_bytes, metrics, replay, report, traces
+from looped import kv_quant
+from looped.serving import cost_model, hardware, metrics, replay, report, traces
 from looped.serving import pages as pages_lib
 from looped.serving import scheduler as scheduler_lib
 from looped.serving import shape as shape_lib
@@ -72,12 +73,12 @@ def kv_formats(config: Any) -> tuple[str, ...]:
     values = tuple(
       part.strip(" ()'\"") for v in values for part in v.split(",") if part.strip(" ()'\"")
     )
-  if not all(v in kv_bytes.FORMATS for v in values):
-    checks.fail("sim.kv_format", values, "each must be one of " + ", ".join(kv_bytes.FORMATS))
+  if not all(v in kv_quant.FORMATS for v in values):
+    checks.fail("sim.kv_format", values, "each must be one of " + ", ".join(kv_quant.FORMATS))
   head_dim = checks.integer(config, "model.head_dim", min_value=1)
   for fmt in values:
     try:
-      kv_bytes.bytes_per_value(fmt, head_dim)
+      kv_quant.check_format(fmt, head_dim)
     except ValueError as e:
       checks.fail("sim.kv_format", values, str(e).rstrip("."))
   return values
