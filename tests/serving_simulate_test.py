@@ -6,7 +6,9 @@ import subprocess
 import sys
 import tempfile
 
+from absl import flags
 from absl.testing import absltest
+from ml_collections import config_flags
 
 from configs import serve_sim
 from looped import config_checks, programs
@@ -77,6 +79,39 @@ class ValidateTest(absltest.TestCase):
     self.assertEqual(simulate.budgets(config), (None,))
     self.assertEqual(simulate.share_kv_values(config), (True,))
     self.assertEqual(simulate.kv_formats(config), ("bf16", "nvfp4"))
+
+
+class ConfigFlagsTest(absltest.TestCase):
+  """The overrides a user types, parsed by ml_collections as looped.main parses them."""
+
+  def _parse(self, *overrides):
+    argv = ["prog", f"--config={_REPO}/configs/serve_sim.py", *overrides]
+    flag_values = flags.FlagValues()
+    config = config_flags.DEFINE_config_file("config", flag_values=flag_values, sys_argv=argv)
+    flag_values(argv)
+    simulate.validate(config.value)
+    return config.value
+
+  def test_sweep_overrides(self):
+    cases = {
+      "--config.sim.kv_budget_bytes=(2e10, 8e10)": (2e10, 8e10),
+      "--config.sim.kv_budget_bytes=(None, 8e10)": (None, 8e10),
+      "--config.sim.kv_budget_bytes=2e10": (2e10,),
+      "--config.sim.kv_budget_bytes=None": (None,),
+    }
+    for override, expected in cases.items():
+      with self.subTest(override):
+        self.assertEqual(simulate.budgets(self._parse(override)), expected)
+    config = self._parse(
+      "--config.sim.share_kv=True", "--config.sim.kv_format=bf16,fp8", "--config.sim.time_scale=2"
+    )
+    self.assertEqual(simulate.share_kv_values(config), (True,))
+    self.assertEqual(simulate.kv_formats(config), ("bf16", "fp8"))
+    self.assertEqual(config.sim.time_scale, 2.0)
+    config = self._parse(
+      "--config.sim.kv_format=('fp8', 'nvfp4')", "--config.sim.trace=" + __file__
+    )
+    self.assertEqual(simulate.kv_formats(config), ("fp8", "nvfp4"))
 
 
 class CommandLineTest(absltest.TestCase):

@@ -171,31 +171,32 @@ class PagePool:
     pages = plain[len(plain) - take :]
     del plain[len(plain) - take :]
     ref = self._ref
-    _consume(map(ref.__setitem__, pages, itertools.repeat(1)))
     missing = n - take
     fresh = min(missing, self._capacity - self._num_created)
     if fresh:
       start = self._num_created
       pages.extend(range(start, start + fresh))
-      ref.extend([1] * fresh)
+      ref.extend([0] * fresh)
       self._key.extend([None] * fresh)
       self._free_cached.add_pages(fresh)
       self._num_created += fresh
       missing -= fresh
     if missing:
       pages.extend(self._evict(missing))
-    if self._debug:
+    if self._debug:  # No page may be handed out while someone holds it.
       assert len(set(pages)) == n, "allocate returned a page twice"
+      assert not any(map(ref.__getitem__, pages)), "allocate returned a page in use"
+    _consume(map(ref.__setitem__, pages, itertools.repeat(1)))
     self.num_in_use += n
     self.peak_in_use = max(self.peak_in_use, self.num_in_use)
     return pages
 
   def _evict(self, n: int) -> list[int]:
+    """Takes the n least recently released cached pages out of the cache."""
     pages = self._free_cached.pop(n)
     key = self._key
     _consume(map(self._cache.__delitem__, map(key.__getitem__, pages)))
     _consume(map(key.__setitem__, pages, itertools.repeat(None)))
-    _consume(map(self._ref.__setitem__, pages, itertools.repeat(1)))
     self.num_evictions += n
     self._evicted_since_drain.extend(pages)
     return pages

@@ -98,6 +98,13 @@ def markdown(results: dict[str, Any]) -> str:
       f"| {_num(tpot_ms[0], '.1f')} / {_num(tpot_ms[1], '.1f')} | {r['preemptions']} "
       f"| {r['num_rejected']} | {_num(r['busy_fraction'], '.2f')} |"
     )
+  offered = results.get("trace", {}).get("offered_requests_per_s")
+  if offered:
+    lines += [
+      "",
+      f"Offered load: {offered:.3f} requests/s. A run whose req/s falls short of it could not keep "
+      "up: its queue grew for the whole trace, and its TTFT is mostly that queueing.",
+    ]
   rows = results["improvements"]["per_budget"]
   if rows:
     lines += [

@@ -250,6 +250,7 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
       "num_requests": len(requests),
       "time_scale": config.sim.time_scale,
       "duration_s": requests[-1].arrival_s - requests[0].arrival_s,
+      "offered_requests_per_s": len(requests) / max(requests[-1].arrival_s, 1e-9),
       "mean_prompt_tokens": sum(r.prompt_len for r in requests) / len(requests),
       "mean_output_tokens": sum(r.output_len for r in requests) / len(requests),
     },
