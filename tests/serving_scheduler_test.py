@@ -251,6 +251,8 @@ class MooncakeReuseTest(absltest.TestCase):
         self.assertEqual(sched.stats.first_cached_tokens, hit)
         self.assertEqual(sched.stats.first_prompt_tokens, total)
         self.assertGreater(hit / total, 0.1)
+        if page_size == 512:
+          self.assertEqual(traces.ideal_hit_rate(reqs), hit / total)
 
 
 if __name__ == "__main__":

@@ -99,6 +99,17 @@ class SyntheticTest(absltest.TestCase):
     )
 
 
+class IdealHitRateTest(absltest.TestCase):
+  def test_lru_of_whole_blocks(self):
+    r = lambda i, n, hashes: traces.Request(i, float(i), n, 1, tuple(hashes), block_size=4)
+    reqs = [r(0, 8, [1, 2]), r(1, 8, [3, 4]), r(2, 10, [1, 2, 5])]
+    self.assertEqual(traces.ideal_hit_rate(reqs), 8 / 26)  # C reuses A's 2 blocks.
+    self.assertEqual(traces.ideal_hit_rate(reqs, capacity_tokens=16), 8 / 26)
+    self.assertEqual(traces.ideal_hit_rate(reqs, capacity_tokens=8), 0.0)  # B evicted A.
+    last_token = [r(0, 8, [1, 2]), r(1, 8, [1, 2])]
+    self.assertEqual(traces.ideal_hit_rate(last_token), 4 / 16)
+
+
 class PageKeysTest(absltest.TestCase):
   def test_keys_for_pages_aligned_nested_and_straddling(self):
     hashes = (10, 11, 12)  # 3 blocks of 512: tokens 0..1299.

@@ -82,7 +82,7 @@ def _num(x: float | None, fmt: str) -> str:
 def markdown(results: dict[str, Any]) -> str:
   """The sweep as Markdown: one row per run, then the improvements next to the paper's."""
   lines = [
-    "| layout | budget | pages | hit rate | req/s | out tok/s | TTFT p50 / p90 / p99 (s) "
+    "| layout | budget | pages | hit rate (ideal) | req/s | out tok/s | TTFT p50 / p90 / p99 (s) "
     "| TPOT p50 / p90 (ms) | preempt | rejected | busy |",
     "|---|---|---|---|---|---|---|---|---|---|---|",
   ]
@@ -92,13 +92,19 @@ def markdown(results: dict[str, Any]) -> str:
     lines.append(
       f"| {variant_name(r['share_kv'], r['kv_format'])} | {gb(r['kv_budget_bytes'])} "
       f"| {r['num_pages'] if r['num_pages'] is not None else 'inf'} "
-      f"| {_num(r['hit_rate'], '.3f')} | {_num(r['requests_per_s'], '.3f')} "
+      f"| {_num(r['hit_rate'], '.3f')} ({_num(r.get('ideal_lru_hit_rate'), '.3f')}) "
+      f"| {_num(r['requests_per_s'], '.3f')} "
       f"| {_num(r['output_tokens_per_s'], '.0f')} "
       f"| {_num(ttft['p50'], '.2f')} / {_num(ttft['p90'], '.2f')} / {_num(ttft['p99'], '.2f')} "
       f"| {_num(tpot_ms[0], '.1f')} / {_num(tpot_ms[1], '.1f')} | {r['preemptions']} "
       f"| {r['num_rejected']} | {_num(r['busy_fraction'], '.2f')} |"
     )
   offered = results.get("trace", {}).get("offered_requests_per_s")
+  lines += [
+    "",
+    "(ideal): hit rate of an LRU cache of whole blocks as large as the budget with no room taken "
+    "by running requests (traces.ideal_hit_rate).",
+  ]
   if offered:
     lines += [
       "",

@@ -241,9 +241,11 @@ class Scheduler:
     self.stats.num_steps += 1
     self.stats.busy_s += duration
     any_finished = False
+    p = self.config.page_size
     for seq, q in zip(seqs, new_tokens):
       seq.num_computed += q
-      self._register(seq)
+      if seq.num_computed // p > seq.num_registered:
+        self._register(seq)
       if seq.num_computed == seq.num_tokens:
         seq.num_output += 1
         seq.num_tokens += 1
@@ -300,7 +302,8 @@ class Scheduler:
       seq.num_computed += k
       seq.num_tokens += k
       seq.num_output += k
-      self._register(seq)
+      if seq.num_computed // p > seq.num_registered:
+        self._register(seq)
       if seq.num_output == seq.request.output_len:
         self._finish(seq, end)
         any_finished = True
@@ -345,11 +348,9 @@ class Scheduler:
     return self.pool.lookup(itertools.chain(itertools.islice(keys, start, None), private))
 
   def _register(self, seq: Sequence) -> None:
-    """Offers the sequence's newly full pages to the prefix cache."""
+    """Offers the sequence's newly full pages (callers check there are some) to the cache."""
     start = seq.num_registered
     full = seq.num_computed // self.config.page_size
-    if full <= start:
-      return
     keys = seq.prompt_keys
     n_prompt = len(keys)
     if full <= n_prompt:

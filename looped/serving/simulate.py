@@ -197,6 +197,9 @@ def simulate_one(
     "page_size": config.page_size,
     "kv_bytes_per_token": shape.kv_bytes_per_token(share_kv, kv_format),
     **metrics.summarize(sched, page_bytes),
+    "ideal_lru_hit_rate": traces.ideal_hit_rate(
+      requests, None if num_pages is None else num_pages * config.page_size
+    ),
     "sim_wall_s": wall,
   }
 

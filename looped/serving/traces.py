@@ -7,6 +7,7 @@ chained by prefix: equal ids at the same position mean equal prompts through tha
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -136,6 +137,33 @@ def load_mooncake(path: str, *, time_scale: float = 1.0, max_requests: int = 0) 
   if not requests:
     raise TraceError(f"{path}: the trace holds no requests.")
   return requests
+
+
+def ideal_hit_rate(requests: Sequence[Request], capacity_tokens: float | None = None) -> float:
+  """Prefix hit rate of an idealised cache, a reference for what a run could reach.
+
+  The cache holds whole blocks (LRU, `capacity_tokens` of room, None = unbounded) and none of its
+  room goes to running requests; every prompt's blocks enter it at arrival. As in the simulator,
+  a hit is the longest cached run of leading blocks and the last prompt token never hits. With
+  capacity None this is the trace's own prefix reuse.
+  """
+  lru: collections.OrderedDict[int, None] = collections.OrderedDict()
+  hit = total = 0
+  for r in requests:
+    run = 0
+    for h in r.block_hashes:
+      if h not in lru:
+        break
+      run += 1
+    hit += min(run * r.block_size, r.prompt_len - 1) // r.block_size * r.block_size
+    total += r.prompt_len
+    for h in r.block_hashes:
+      lru[h] = None
+      lru.move_to_end(h)
+    if capacity_tokens is not None:
+      while lru and len(lru) * r.block_size > capacity_tokens:
+        lru.popitem(last=False)
+  return hit / total if total else 0.0
 
 
 def write_mooncake(requests: Iterable[Request], path: str) -> None:
