@@ -1,16 +1,25 @@
-"""Decode-time KV cache in the two layouts of DESIGN.md §3.
+"""Decode-time KV cache in the two layouts of DESIGN.md §3, stored raw or in a KV format.
 
 Unshared: one K/V per core layer *per recurrence* (core entries are [R, B, S, K, H]); memory
 grows with R. Shared: the final recurrence's K/V only (core entries are [B, S, K, H]). Prelude
 and coda layers are not looped and keep ordinary caches in both layouts.
+
+With a `kv_format` (looped.kv_quant.FORMATS) every entry is a `QuantizedKV` holding the packed
+bytes and scales, quantized per token (one [K, H] slice at a time, so nvfp4's tensor scale is per
+token and a token's stored bytes never depend on other tokens or rows), and dequantized on every
+read. `quantize_roundtrip` applies the same per-token round trip to K/V in the parallel forwards,
+which is what makes the Jacobi passes and exact decode agree under quantization too.
 """
 
 from __future__ import annotations
+
+import math
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
+from looped import kv_quant
 from looped.model.config import ModelConfig
 
 
@@ -19,25 +28,73 @@ class KVCache:
   """Cached K/V for slots [0, max_len); slots < length_B[b] are filled for row b."""
 
   length_B: jax.Array
-  layers: dict  # {'prelude': [KV], 'core': [KV], 'coda': [KV]}; KV = (k, v).
+  layers: dict  # {'prelude': [KV], 'core': [KV], 'coda': [KV]}; KV = (k, v), raw or quantized.
   share_kv: bool = flax.struct.field(pytree_node=False)
+  kv_format: str | None = flax.struct.field(pytree_node=False, default=None)
 
   @property
   def max_len(self) -> int:
     return self.layers["core"][0][0].shape[-3]
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, share_kv: bool, dtype=None) -> KVCache:
+def _per_token(fn, x, token_ndim: int = 2):
+  """Applies fn to each trailing [K, H] slice of x (any leading dims) via one flat vmap."""
+  leaves = jax.tree.leaves(x)
+  lead = leaves[0].shape[: leaves[0].ndim - token_ndim]
+  if isinstance(x, kv_quant.QuantizedKV):
+    lead = x.data.shape[: x.data.ndim - token_ndim]
+  n = math.prod(lead)
+  flat = jax.tree.map(lambda a: a.reshape((n,) + a.shape[len(lead) :]), x)
+  out = jax.vmap(fn)(flat)
+  return jax.tree.map(lambda a: a.reshape(lead + a.shape[1:]), out)
+
+
+def quantize_tokens(x_NxKxH, kv_format: str) -> kv_quant.QuantizedKV:
+  return _per_token(lambda v: kv_quant.quantize(v, kv_format), x_NxKxH)
+
+
+def dequantize_tokens(q: kv_quant.QuantizedKV, dtype) -> jax.Array:
+  return _per_token(lambda v: kv_quant.dequantize(v, dtype), q)
+
+
+def quantize_roundtrip(kv, kv_format: str | None):
+  """What a cache read returns for K/V written in kv_format (identity for None)."""
+  if kv_format is None:
+    return kv
+  return jax.tree.map(lambda x: dequantize_tokens(quantize_tokens(x, kv_format), x.dtype), kv)
+
+
+def reader(kv_format: str | None, dtype):
+  """The read_past function for a cache stored in kv_format (None: raw arrays)."""
+  if kv_format is None:
+    return None
+  return lambda kv: tuple(dequantize_tokens(q, dtype) for q in kv)
+
+
+def init_cache(
+  cfg: ModelConfig,
+  batch: int,
+  max_len: int,
+  share_kv: bool,
+  dtype=None,
+  kv_format: str | None = None,
+) -> KVCache:
   dtype = dtype or cfg.compute_dtype
+  if kv_format is not None:
+    kv_quant.check_format(kv_format, cfg.head_dim)
   shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-  zeros = lambda lead=(): jnp.zeros(lead + shape, dtype)
+
+  def zeros(lead=()):
+    x = jnp.zeros(lead + shape, dtype)
+    return x if kv_format is None else quantize_tokens(x, kv_format)
+
   core_lead = () if share_kv else (cfg.num_recurrences,)
   layers = {
     "prelude": [(zeros(), zeros()) for _ in range(cfg.num_prelude_layers)],
     "core": [(zeros(core_lead), zeros(core_lead)) for _ in range(cfg.num_core_layers)],
     "coda": [(zeros(), zeros()) for _ in range(cfg.num_coda_layers)],
   }
-  return KVCache(jnp.zeros((batch,), jnp.int32), layers, share_kv)
+  return KVCache(jnp.zeros((batch,), jnp.int32), layers, share_kv, kv_format)
 
 
 def _write_rows(cache_BxSx, chunk_BxTx, start_B):
@@ -50,7 +107,12 @@ def _write_rows(cache_BxSx, chunk_BxTx, start_B):
 
 
 def write_chunk(cache: KVCache, new: dict, num_tokens: int) -> KVCache:
-  """Appends the chunk's K/V (same structure as cache.layers, T slots) and advances length."""
+  """Appends the chunk's raw K/V (same structure as cache.layers, T slots), advances length."""
+  if cache.kv_format is not None:
+    new = {
+      name: [tuple(quantize_tokens(x, cache.kv_format) for x in kv) for kv in kvs]
+      for name, kvs in new.items()
+    }
   write = lambda old, chunk: _write_rows(old, chunk, cache.length_B)
   layers = {}
   for name, kvs in cache.layers.items():
@@ -60,5 +122,10 @@ def write_chunk(cache: KVCache, new: dict, num_tokens: int) -> KVCache:
 
 
 def num_cached_values(cache: KVCache) -> int:
-  """Scalar values stored in the cache (all layers, K and V), for memory accounting."""
-  return sum(x.size for x in jax.tree.leaves(cache.layers))
+  """K/V values the cache holds (all layers, K and V), for memory accounting."""
+  return sum(math.prod(kv.shape) for kvs in cache.layers.values() for pair in kvs for kv in pair)
+
+
+def cache_nbytes(cache: KVCache) -> int:
+  """Bytes actually stored (packed elements and scales) across all layers."""
+  return sum(x.nbytes for x in jax.tree.leaves(cache.layers))

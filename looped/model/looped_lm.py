@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from looped.model import depth as depth_lib
+from looped.model import kv_cache as kv_cache_lib
 from looped.model.attention import KV, Attention, MixerContext
 from looped.model.config import ModelConfig
 from looped.model.injection import Injection
@@ -112,6 +113,10 @@ class Recurrence(nn.Module):
       past = xs["past"][layer] if "past" in xs else bcast["shared_kv"][layer]
       return MixerContext(bcast["self_mask"], past, bcast["past_mask"], bcast.get("read_past"))
     if bcast["shared_kv"] is None:
+      if "read_past" in bcast:  # Unshared, quantized reads of the own past.
+        return MixerContext(
+          bcast["self_mask"], lambda own: own, bcast["past_mask"], bcast["read_past"]
+        )
       return MixerContext(bcast["self_mask"])
     shared_k, shared_v = bcast["shared_kv"][layer]
     flag = xs["read_shared"]
@@ -140,7 +145,7 @@ class LoopedLM(nn.Module):
     read_shared_R: jax.Array | None = None,
     cache: KVCache | None = None,
     collect_states: bool = False,
-    read_past=None,
+    kv_format: str | None = None,
   ):
     """Returns (logits_BxTxV float32, aux).
 
@@ -153,7 +158,9 @@ class LoopedLM(nn.Module):
       read_shared_R: which recurrences read `shared_kv` (default: all).
       cache: a KVCache: decode mode (prefill a chunk or decode tokens; returned updated).
       collect_states: also return every recurrence's state h_r (aux['states_RxBxTxD']).
-      read_past: function applied to past KV on every read (KV-format dequantization).
+      kv_format: parallel mode: every attention read of an earlier position's K/V goes
+        through this format's per-token quantize/dequantize round trip, as a cache stored in
+        the format would return it (decode mode takes the format from the cache).
     aux: 'final_kv' (parallel) or 'cache' (decode), 'residual_norm_R',
       'relative_residual_R' (means over active sequences), optionally 'states_RxBxTxD'.
     """
@@ -161,6 +168,15 @@ class LoopedLM(nn.Module):
     b, t = tokens_BxT.shape
     r = cfg.num_recurrences
     decode = cache is not None
+    if decode:
+      read_past = kv_cache_lib.reader(cache.kv_format, cfg.compute_dtype)
+    elif kv_format is not None:
+      read_past = lambda kv: kv_cache_lib.quantize_roundtrip(kv, kv_format)
+    else:
+      read_past = None
+    # In parallel mode, reads of s < t go through the "past" path (where quantization applies)
+    # whenever K/V are shared or quantized; the diagonal is always the token's own fresh K/V.
+    past_path = not decode and (shared_kv is not None or read_past is not None)
     if decode:
       positions_BxT = cache.length_B[:, None] + jnp.arange(t)[None, :]
       s = cache.max_len
@@ -171,7 +187,7 @@ class LoopedLM(nn.Module):
     else:
       positions_BxT = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
       past_mask_BxTxS = causal_mask(t, b) & ~diagonal_mask(t, b)
-      self_mask = causal_mask(t, b) if shared_kv is None else diagonal_mask(t, b)
+      self_mask = diagonal_mask(t, b) if past_path else causal_mask(t, b)
 
     embed = nn.Embed(
       cfg.vocab_size,
@@ -187,13 +203,12 @@ class LoopedLM(nn.Module):
     def run_plain_layers(x, prefix: str, count: int):
       kvs = []
       for i in range(count):
-        past = cache.layers[prefix][i] if decode else None
-        ctx = MixerContext(
-          self_mask if decode else causal_mask(t, b),
-          past,
-          past_mask_BxTxS if decode else None,
-          read_past,
-        )
+        if decode:
+          ctx = MixerContext(self_mask, cache.layers[prefix][i], past_mask_BxTxS, read_past)
+        elif read_past is not None:
+          ctx = MixerContext(self_mask, lambda own: own, past_mask_BxTxS, read_past)
+        else:
+          ctx = MixerContext(causal_mask(t, b))
         x, kv = Block(cfg, _out_std(cfg), name=f"{prefix}_{i}")(x, positions_BxT, ctx)
         kvs.append(kv)
       return x, kvs

@@ -23,7 +23,7 @@ def jacobi_forward(
   num_passes: int,
   *,
   read_shared_R: jax.Array | None = None,
-  read_past=None,
+  kv_format: str | None = None,
   **kwargs,
 ):
   """Logits after `num_passes` shared passes (0 = the unshared forward). Returns (logits, aux).
@@ -31,7 +31,7 @@ def jacobi_forward(
   `num_passes` may be a traced integer: the passes run in a fori_loop, so one compilation
   serves every pass count.
   """
-  out = model.apply(params, tokens_BxT, **kwargs)
+  out = model.apply(params, tokens_BxT, kv_format=kv_format, **kwargs)
 
   def shared_pass(_, out):
     return model.apply(
@@ -39,7 +39,7 @@ def jacobi_forward(
       tokens_BxT,
       shared_kv=out[1]["final_kv"],
       read_shared_R=read_shared_R,
-      read_past=read_past,
+      kv_format=kv_format,
       **kwargs,
     )
 
@@ -53,7 +53,7 @@ def decode_forward(
   *,
   share_kv: bool,
   prefill: int = 0,
-  read_past=None,
+  kv_format: str | None = None,
   cache_dtype=None,
 ):
   """Logits of every position by prefilling `prefill` tokens, then decoding one at a time.
@@ -62,15 +62,15 @@ def decode_forward(
   perplexity's forward. Returns (logits_BxTxV, final KVCache).
   """
   b, t = tokens_BxT.shape
-  cache = init_cache(model.cfg, b, t, share_kv, cache_dtype)
+  cache = init_cache(model.cfg, b, t, share_kv, cache_dtype, kv_format)
   chunks = []
   if prefill:
-    logits, aux = model.apply(params, tokens_BxT[:, :prefill], cache=cache, read_past=read_past)
+    logits, aux = model.apply(params, tokens_BxT[:, :prefill], cache=cache)
     cache = aux["cache"]
     chunks.append(logits)
 
   def step(cache, token_B):
-    logits, aux = model.apply(params, token_B[:, None], cache=cache, read_past=read_past)
+    logits, aux = model.apply(params, token_B[:, None], cache=cache)
     return aux["cache"], logits[:, 0]
 
   if prefill < t:
