@@ -4,7 +4,7 @@ memory budgets, with and without KV-sharing (DESIGN.md section 5).
   python -m looped.main --config=configs/serve_sim.py --workdir=/tmp/sim
   python -m looped.main --config=configs/serve_sim.py --workdir=/tmp/sim \
       --config.sim.trace=../shared/data/mooncake/conversation_trace.jsonl \
-      --config.sim.kv_budget_bytes='(2.4e10, 6.4e10, None)' --config.sim.kv_format="('bf16',)"
+      --config.sim.kv_budget_bytes='(2.4e10, 6.4e10, None)' --config.sim.kv_format=bf16,nvfp4
   python -m looped.main --config=configs/serve_sim.py:smoke --workdir=/tmp/sim_smoke
 
 Args: `smoke` (tiny model, 300 synthetic requests, runs in seconds with invariant checks).
@@ -13,7 +13,7 @@ The model is the paper-size looped LM: prelude/core/coda 8/8/8 layers, R = 8 rec
 d_model 1536, 12 query heads of 128 and 4 KV heads (GQA, groups of 3; 128 is the head width fast
 attention kernels and the MX/NV block scales are built for), SwiGLU MLP of 4096 (= 8/3 d, rounded
 to a multiple of 256), a 32k-token vocabulary (the trace counts tokens of a real BPE vocabulary,
-so the LM head is sized like one). ~0.67B parameters; 80 layer executions per token; KV per
+so the LM head is sized like one). ~0.65B parameters; 80 layer executions per token; KV per
 token 48 KiB shared and 160 KiB unshared in bf16.
 """
 
