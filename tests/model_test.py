@@ -75,6 +75,12 @@ class ScanTest(parameterized.TestCase):
     grads_u = jax.jit(jax.grad(loss(unrolled)))(params)
     chex.assert_trees_all_close(grads_s, grads_u, atol=1e-5)
 
+  def test_init_creates_only_params(self):
+    # Any other collection (e.g. the gradient probes) would have to be threaded by every user.
+    model = LoopedLM(TINY)
+    variables = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))
+    self.assertEqual(set(variables), {"params"})
+
   def test_masked_recurrence_keeps_state(self):
     model, params, tokens = _setup()
     mask = jnp.array([[1, 0, 1], [1, 1, 0]], bool)
@@ -146,7 +152,8 @@ def _entry_state_grads(k: int):
   """mask -> dLoss/dh at each recurrence's entry (zero 'perturbations' probes), jitted once."""
   cfg = dataclasses.replace(TINY, num_recurrences=4)
   model, params, tokens = _setup(cfg, batch=1)
-  variables = model.init(jax.random.PRNGKey(0), tokens)  # includes zero 'perturbations'
+  shape = (cfg.num_recurrences, *tokens.shape, cfg.d_model)
+  variables = {"perturbations": {"recurrence": {"h_in": jnp.zeros(shape)}}}
 
   def loss(perturbations, mask):
     logits, _ = model.apply(

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from looped.model.config import ModelConfig
-from looped.model.layers import RMSNorm, normal_init, rope
+from looped.model.layers import RMSNorm, projection, rope
 
 KV = tuple[jax.Array, jax.Array]  # (k_BxSxKxH, v_BxSxKxH)
 
@@ -90,14 +90,7 @@ class Attention(nn.Module):
   @nn.compact
   def __call__(self, x_BxTxD, positions_BxT, ctx: MixerContext) -> tuple[jax.Array, KV]:
     cfg = self.cfg
-    proj = lambda heads, name: nn.DenseGeneral(
-      (heads, cfg.head_dim),
-      use_bias=False,
-      kernel_init=normal_init(cfg.init_std),
-      dtype=cfg.compute_dtype,
-      param_dtype=cfg.weight_dtype,
-      name=name,
-    )
+    proj = lambda heads, name: projection(cfg, (heads, cfg.head_dim), cfg.init_std, name)
     q_BxTxNxH = proj(cfg.num_heads, "query")(x_BxTxD)
     k_BxTxKxH = proj(cfg.num_kv_heads, "key")(x_BxTxD)
     v_BxTxKxH = proj(cfg.num_kv_heads, "value")(x_BxTxD)
@@ -115,13 +108,5 @@ class Attention(nn.Module):
     out_BxTxNxH = attend(
       q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, ctx.self_mask_BxTxT, past_k, past_v, ctx.past_mask_BxTxS
     )
-    y_BxTxD = nn.DenseGeneral(
-      cfg.d_model,
-      axis=(-2, -1),
-      use_bias=False,
-      kernel_init=normal_init(self.out_std),
-      dtype=cfg.compute_dtype,
-      param_dtype=cfg.weight_dtype,
-      name="out",
-    )(out_BxTxNxH)
+    y_BxTxD = projection(cfg, cfg.d_model, self.out_std, "out", axis=(-2, -1))(out_BxTxNxH)
     return y_BxTxD, own

@@ -6,7 +6,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from looped.model.config import ModelConfig
-from looped.model.layers import normal_init
+from looped.model.layers import projection
 
 
 class Injection(nn.Module):
@@ -26,26 +26,12 @@ class Injection(nn.Module):
     if cfg.injection == "additive":
       return h_BxTxD + e_BxTxD
     if cfg.injection == "linear":
-      w = nn.Dense(
-        d,
-        use_bias=False,
-        kernel_init=normal_init((2 * d) ** -0.5),
-        dtype=cfg.compute_dtype,
-        param_dtype=cfg.weight_dtype,
-        name="linear",
-      )
+      w = projection(cfg, d, (2 * d) ** -0.5, "linear")
       return w(jnp.concatenate([h_BxTxD, e_BxTxD], axis=-1))
     a_log_D = self.param("A_log", nn.initializers.zeros, (d,), jnp.float32)
     dt_D = self.param("dt", nn.initializers.zeros, (d,), jnp.float32)
     step_D = nn.softplus(dt_D)
     decay_D = jnp.exp(-step_D * jnp.exp(a_log_D))
-    b = nn.Dense(
-      d,
-      use_bias=False,
-      kernel_init=normal_init(d**-0.5),
-      dtype=cfg.compute_dtype,
-      param_dtype=cfg.weight_dtype,
-      name="B",
-    )
+    b = projection(cfg, d, d**-0.5, "B")
     h = decay_D.astype(h_BxTxD.dtype) * h_BxTxD
     return h + step_D.astype(h_BxTxD.dtype) * b(e_BxTxD)

@@ -13,6 +13,19 @@ def normal_init(std: float):
   return nn.initializers.normal(stddev=std)
 
 
+def projection(cfg: ModelConfig, features, std: float, name: str, axis=-1) -> nn.DenseGeneral:
+  """Bias-free linear map in the model's compute/param dtypes (every matmul of the model)."""
+  return nn.DenseGeneral(
+    features,
+    axis=axis,
+    use_bias=False,
+    kernel_init=normal_init(std),
+    dtype=cfg.compute_dtype,
+    param_dtype=cfg.weight_dtype,
+    name=name,
+  )
+
+
 class RMSNorm(nn.Module):
   """RMSNorm over the last axis with a learned scale (computed in float32)."""
 
@@ -48,14 +61,7 @@ class Mlp(nn.Module):
   @nn.compact
   def __call__(self, x_BxTxD):
     cfg = self.cfg
-    dense = lambda n, std, name: nn.Dense(
-      n,
-      use_bias=False,
-      kernel_init=normal_init(std),
-      dtype=cfg.compute_dtype,
-      param_dtype=cfg.weight_dtype,
-      name=name,
-    )
+    dense = lambda n, std, name: projection(cfg, n, std, name)
     up_BxTxF = dense(cfg.mlp_dim, cfg.init_std, "up")(x_BxTxD)
     if cfg.mlp_type == "swiglu":
       gate_BxTxF = dense(cfg.mlp_dim, cfg.init_std, "gate")(x_BxTxD)

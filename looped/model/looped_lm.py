@@ -23,7 +23,7 @@ from looped.model.attention import KV, Attention, MixerContext
 from looped.model.config import ModelConfig
 from looped.model.injection import Injection
 from looped.model.kv_cache import KVCache, write_chunk
-from looped.model.layers import Mlp, RMSNorm, normal_init
+from looped.model.layers import Mlp, RMSNorm, normal_init, projection
 
 
 def causal_mask(t: int, batch: int) -> jax.Array:
@@ -80,8 +80,10 @@ class Recurrence(nn.Module):
     h_prev = carry["h"]
     stop_B11 = xs["stop_B"][:, None, None]
     h_in = jnp.where(stop_B11, jax.lax.stop_gradient(h_prev), h_prev)
-    # Zero-valued probe: grad w.r.t. it is dLoss/dh at this recurrence's entry (tests).
-    h_in = self.perturb("h_in", h_in)
+    if not self.is_initializing():
+      # Adds a 'perturbations' variable when the caller passes one (never created by init):
+      # the gradient w.r.t. a zero probe is dLoss/dh at this recurrence's entry (tests).
+      h_in = self.perturb("h_in", h_in)
     x = Injection(cfg, name="inject")(h_in, bcast["e"])
     kvs = []
     for layer in range(cfg.num_core_layers):
@@ -250,14 +252,7 @@ class LoopedLM(nn.Module):
     if cfg.tie_embeddings:
       logits = embed.attend(x.astype(cfg.compute_dtype))
     else:
-      logits = nn.Dense(
-        cfg.vocab_size,
-        use_bias=False,
-        kernel_init=normal_init(cfg.init_std),
-        dtype=cfg.compute_dtype,
-        param_dtype=cfg.weight_dtype,
-        name="head",
-      )(x)
+      logits = projection(cfg, cfg.vocab_size, cfg.init_std, "head")(x)
 
     active_RxB = depth_mask_BxR.T.astype(jnp.float32)
     count_R = jnp.maximum(jnp.sum(active_RxB, axis=1), 1.0)
