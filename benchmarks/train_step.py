@@ -30,6 +30,7 @@ _PRESET = flags.DEFINE_enum("preset", None, ["350m"], "Model preset overriding t
 _DTYPE = flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Compute dtype override.")
 _BATCH = flags.DEFINE_integer("batch", None, "Global batch override.")
 _SEQ = flags.DEFINE_integer("seq_len", None, "Sequence length override.")
+_RECURRENCES = flags.DEFINE_integer("num_recurrences", None, "R override (compile-time scaling).")
 _STEPS = flags.DEFINE_integer("steps", 10, "Timed steps per variant (after one warmup step).")
 _PEAK = flags.DEFINE_float("peak_tflops", 0.0, "Accelerator peak TFLOP/s for MFU (0: skip).")
 _OUT = flags.DEFINE_string("out", "benchmarks/results/train_step.json", "JSON output path.")
@@ -49,6 +50,8 @@ def _config():
     config.model.dtype = _DTYPE.value
   if _BATCH.value:
     config.data.batch_size = _BATCH.value
+  if _RECURRENCES.value:
+    config.model.num_recurrences = _RECURRENCES.value
   if _SEQ.value:
     config.data.seq_len = _SEQ.value
     config.model.max_seq_len = max(config.model.max_seq_len, _SEQ.value)
@@ -83,9 +86,7 @@ def _bench_variant(config, scan: bool) -> dict:
   opt_state = optimizer.init(params)
 
   def step(params, opt_state, batch, key):
-    (loss, _), grads = jax.value_and_grad(objective.loss_fn, has_aux=True)(
-        params, None, batch, key
-    )
+    (loss, _), grads = jax.value_and_grad(objective.loss_fn, has_aux=True)(params, None, batch, key)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return jax.tree.map(jnp.add, params, updates), opt_state, loss
 
@@ -96,9 +97,7 @@ def _bench_variant(config, scan: bool) -> dict:
   mem = compiled.memory_analysis()
   peak_bytes = None
   if mem is not None:
-    peak_bytes = int(
-        mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes
-    )
+    peak_bytes = int(mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes)
   params, opt_state, loss = compiled(params, opt_state, batch, key)
   jax.block_until_ready(loss)
   times = []
@@ -111,15 +110,15 @@ def _bench_variant(config, scan: bool) -> dict:
   tokens_per_s = b * t / step_s
   flops = model_flops_per_token(cfg, t) * b * t
   row = {
-      "variant": "scan" if scan else "unrolled",
-      "compile_s": compile_s,
-      "step_s_median": step_s,
-      "step_s_min": min(times),
-      "tokens_per_s": tokens_per_s,
-      "model_tflops_per_s": flops / step_s / 1e12,
-      "xla_memory_bytes": peak_bytes,
-      "params": int(sum(x.size for x in jax.tree.leaves(params))),
-      "final_loss": float(loss),
+    "variant": "scan" if scan else "unrolled",
+    "compile_s": compile_s,
+    "step_s_median": step_s,
+    "step_s_min": min(times),
+    "tokens_per_s": tokens_per_s,
+    "model_tflops_per_s": flops / step_s / 1e12,
+    "xla_memory_bytes": peak_bytes,
+    "params": int(sum(x.size for x in jax.tree.leaves(params))),
+    "final_loss": float(loss),
   }
   if _PEAK.value:
     row["mfu"] = flops / step_s / (_PEAK.value * 1e12)
@@ -131,16 +130,19 @@ def main(argv):
   config = _config()
   rows = [_bench_variant(config, scan) for scan in (True, False)]
   header = {
-      "device": str(jax.devices()[0].device_kind),
-      "backend": jax.default_backend(),
-      "batch": config.data.batch_size,
-      "seq_len": config.data.seq_len,
-      "dtype": config.model.dtype,
-      "model": config.model.to_dict(),
+    "device": str(jax.devices()[0].device_kind),
+    "backend": jax.default_backend(),
+    "batch": config.data.batch_size,
+    "seq_len": config.data.seq_len,
+    "dtype": config.model.dtype,
+    "model": config.model.to_dict(),
   }
   cols = ["variant", "compile_s", "step_s_median", "tokens_per_s", "model_tflops_per_s"]
   cols += ["xla_memory_bytes"] + (["mfu"] if _PEAK.value else [])
-  print(f"\ndevice={header['device']} batch={header['batch']} seq_len={header['seq_len']}")
+  print(
+    f"\ndevice={header['device']} batch={header['batch']} seq_len={header['seq_len']} "
+    f"R={config.model.num_recurrences} dtype={config.model.dtype}"
+  )
   print(f"params={rows[0]['params']:,}")
   print("| " + " | ".join(cols) + " |")
   print("|" + "---|" * len(cols))
