@@ -42,7 +42,7 @@ def _config():
   if _PRESET.value == "350m":
     m = config.model
     m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 1024, 16, 4, 64, 4096
-    m.num_prelude_layers, m.num_core_layers, m.num_coda_layers = 2, 4, 2
+    m.num_prelude_layers, m.num_core_layers, m.num_coda_layers = 4, 10, 4
     m.num_recurrences, m.vocab_size, m.max_seq_len = 4, 32768, 2048
     m.tie_embeddings = False
     config.data.seq_len, config.data.batch_size = 2048, 16
