@@ -208,11 +208,15 @@ def train(
     sum(x.size for x in jax.tree.leaves(state.params)),
   )
 
-  t_last, step_last, t_start = time.time(), start, time.time()
+  t_last, step_last, t_start, start_timed = time.time(), start, time.time(), start
   record: dict = {}
   for step in range(start + 1, tc.num_steps + 1):
     batch = _global_batch(next(data_iter), mesh)
     state, metrics = train_step(state, objective.frozen, batch)
+    if step == start + 1:  # Throughput and ETA exclude the first step's compilation.
+      jax.block_until_ready(metrics["loss"])
+      t_last, step_last, t_start = time.time(), step, time.time()
+      start_timed = step
     log_now = _is_due(step, tc.log_every, tc.num_steps)
     eval_now = _is_due(step, tc.eval_every, tc.num_steps)
     save_now = _is_due(step, tc.checkpoint_every, tc.num_steps)
@@ -232,7 +236,7 @@ def train(
     if eval_now:
       metrics.update(evaluate(eval_fn, state.params, eval_batches, mesh, bytes_per_token))
     record = writer.write(step, metrics)
-    eta = (tc.num_steps - step) * (now - t_start) / max(step - start, 1)
+    eta = (tc.num_steps - step) * (now - t_start) / max(step - start_timed, 1)
     logging.info(
       "step %d/%d | loss %.4f | %s%.0f tok/s | ETA %s",
       step,
