@@ -12,6 +12,7 @@ from looped import config_checks
 PROGRAMS = {
   "train": "looped.train.trainer",
   "serve_sim": "looped.serving.simulate",
+  "benice": "looped.benice.pipeline",
 }
 
 

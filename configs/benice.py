@@ -1,0 +1,80 @@
+"""The BeNice! pipeline (DESIGN.md §4): pretrain -> standard finetune and BeNice! -> evaluate.
+
+  python -m looped.main --config=configs/benice.py --workdir=/tmp/benice
+  python -m looped.main --config=configs/benice.py:smoke,fixed --workdir=/tmp/benice_smoke
+  python -m looped.main --config=configs/benice.py:fixed --workdir=/tmp/ablation \
+      --config.pipeline.pretrain_workdir=/tmp/fixed/pretrain \
+      --config.pipeline.finetune_workdir=/tmp/fixed/finetune --config.benice.read_recurrences=first
+
+Args (comma-separated): `smoke` (tiny, runs in about a minute on a CPU, for tests), `fixed`
+(pretrain at fixed depth: every recurrence runs for every sequence, no stochastic depth).
+
+Stage configs: pretraining reads seed/model/data/depth/train (fields and comments as in
+configs/pretrain.py). Both post-training stages (standard finetune and BeNice!) read the same
+with `post.depth` in place of `depth` and `post.train`'s fields in place of those of `train`,
+so they share data order, steps, optimizer and schedule.
+"""
+
+import ml_collections
+
+from configs import pretrain
+
+
+def get_config(arg: str = "") -> ml_collections.ConfigDict:
+  args = {a for a in arg.split(",") if a}
+  unknown = args - {"smoke", "fixed"}
+  if unknown:
+    raise ValueError(f"Unknown config args {sorted(unknown)}; allowed: 'smoke', 'fixed'.")
+
+  # seed, model, data, depth and train of stage 1, with `smoke`/`fixed` applied as there.
+  c = pretrain.get_config(",".join(sorted(args)))
+  c.program = "benice"  # Which program main runs: the whole BeNice! pipeline.
+  c.train.num_steps = 500  # Pretraining steps (default model: ~0.6-1.2 s/step on 2 CPU cores).
+  c.train.eval_every = 250  # Pretraining steps between validation passes.
+  c.train.checkpoint_every = 250  # Pretraining steps between checkpoints.
+
+  c.post = ml_collections.ConfigDict()  # Post-training: standard finetune and BeNice! alike.
+  c.post.depth = ml_collections.ConfigDict()  # Replaces config.depth in post-training.
+  c.post.depth.sampler = "fixed"  # 'fixed' (train at depth R, as evaluated), 'poisson', ...
+  c.post.depth.poisson_mean = 2.0  # Mean of the truncated Poisson depth (sampler='poisson').
+  c.post.depth.survival = 0.7  # Keep probability per recurrence (sampler='bernoulli').
+  c.post.depth.backprop_recurrences = 0  # Only the last k active recurrences get gradient.
+  c.post.train = ml_collections.ConfigDict()  # These fields replace config.train's.
+  c.post.train.num_steps = 200  # Post-training steps (both arms).
+  c.post.train.learning_rate = 1e-3  # Peak learning rate (both arms).
+  c.post.train.warmup_steps = 20  # Linear warmup steps.
+  c.post.train.log_every = 10  # Steps between metrics.jsonl records.
+  c.post.train.eval_every = 100  # Steps between validation passes (unshared val_loss).
+  c.post.train.checkpoint_every = 100  # Steps between checkpoints.
+
+  c.benice = ml_collections.ConfigDict()  # The BeNice! objective (looped/benice/objectives.py).
+  c.benice.read_recurrences = "all"  # Which recurrences read the broadcast K/V: 'all', 'first'
+  # (the paper's wording) or 'none' (control: the shared pass is then the unshared forward).
+  c.benice.shared_ce_weight = 1.0  # Weight of the CE of the shared pass.
+  c.benice.unshared_ce_weight = 1.0  # Weight of the CE of the unshared pass.
+  c.benice.kl_weight = 0.0  # Weight of KL(frozen pretrained model || student) (0: off).
+  c.benice.kl_pass = "shared"  # Student pass the KL applies to: 'shared', 'unshared', 'both'.
+  c.benice.residual_weight = 0.0  # Weight of shared-vs-unshared state matching (0: off).
+  c.benice.kv_passes = 0  # Shared Jacobi passes (no gradient) before the broadcast K/V are
+  # taken: 0 = the unshared pass's final K/V (the paper); n = trained pass is Jacobi pass n + 1.
+
+  c.eval = ml_collections.ConfigDict()  # Shareability evaluation of each model.
+  c.eval.jacobi_passes = (1, 4)  # Jacobi shared-pass counts reported (one compilation for all).
+  c.eval.decode_batches = 2  # First N eval batches also measured by exact shared decode.
+
+  c.pipeline = ml_collections.ConfigDict()  # Reuse of finished stages from other runs.
+  c.pipeline.pretrain_workdir = ""  # Finished pretraining run to start from ('' = train one).
+  c.pipeline.finetune_workdir = ""  # Finished standard-finetune run ('' = train one).
+
+  if "smoke" in args:
+    c.train.num_steps = 20
+    c.train.eval_every = 20
+    c.train.checkpoint_every = 20
+    c.post.train.num_steps = 6
+    c.post.train.warmup_steps = 2
+    c.post.train.log_every = 2
+    c.post.train.eval_every = 6
+    c.post.train.checkpoint_every = 6
+    c.eval.jacobi_passes = (1, 2)
+    c.eval.decode_batches = 1
+  return c

@@ -1,0 +1,148 @@
+"""The BeNice! post-training objective (DESIGN.md §4), as a trainer `Objective`.
+
+One step, for a batch x at post-training depth (fixed R unless configured):
+
+  unshared pass   logits_u, h_u,r = f(x)                       (ordinary forward, differentiated)
+  broadcast K/V   kv = sg(final-recurrence K/V of the unshared pass)            (kv_passes = 0)
+                  or sg(K/V after kv_passes shared Jacobi passes)               (kv_passes > 0)
+  shared pass     logits_s, h_s,r = f(x; recurrences in `read` attend to kv for s < t and to
+                  their own K/V at s = t)                      (differentiated)
+
+  loss = w_shared   * CE(logits_s)
+       + w_unshared * CE(logits_u)
+       + w_kl       * KL(p_frozen || p_student)     on the shared and/or unshared pass
+       + w_residual * (1/R) sum_r sum ||h_s,r - sg(h_u,r)||^2 / sum ||sg(h_u,r)||^2
+
+The broadcast K/V never carry gradient, so the shared pass learns to *use* the final K/V it is
+given, not to move them. With kv_passes = n > 0 the broadcast K/V come from Jacobi pass n
+(itself built from shared reads), so the trained pass is Jacobi pass n + 1: closer to exact
+shared decode, where every earlier token's K/V were computed under sharing too. The residual
+term is a relative squared error per recurrence (scale-free, so its weight does not depend on
+the state norm), pulling the shared states onto the unshared trajectory; the unshared states are
+its fixed target. The frozen pretrained params arrive as `Objective.frozen`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from looped.model.looped_lm import LoopedLM
+from looped.train.objectives import Objective, sample_depth, token_cross_entropy
+
+READ_MODES = ("all", "first", "none")
+KL_PASSES = ("shared", "unshared", "both")
+
+
+def read_mask_R(mode: str, num_recurrences: int) -> jax.Array:
+  """bool[R]: which recurrences read the broadcast K/V ('none': the sharing-off control)."""
+  index_R = jnp.arange(num_recurrences)
+  if mode == "all":
+    return index_R >= 0
+  if mode == "first":
+    return index_R == 0
+  if mode == "none":
+    return index_R < 0
+  raise ValueError(f"Unknown read mode {mode!r}; allowed: {READ_MODES}.")
+
+
+def broadcast_kv(model: LoopedLM, params, tokens_BxT, final_kv, read_R, kv_passes: int, **kw):
+  """The K/V broadcast into the shared pass; carries no gradient.
+
+  kv_passes = 0: the unshared pass's final K/V (the paper's pass 1). n > 0: n further shared
+  passes (Jacobi), each reading the previous one's final K/V, run in one traced loop.
+  """
+  kv = jax.lax.stop_gradient(final_kv)
+  if kv_passes == 0:
+    return kv
+  frozen_params = jax.lax.stop_gradient(params)
+
+  def shared_pass(_, kv):
+    _, aux = model.apply(frozen_params, tokens_BxT, shared_kv=kv, read_shared_R=read_R, **kw)
+    return aux["final_kv"]
+
+  return jax.lax.stop_gradient(jax.lax.fori_loop(0, kv_passes, shared_pass, kv))
+
+
+def kl_divergence(teacher_BxTxV: jax.Array, student_BxTxV: jax.Array) -> jax.Array:
+  """Mean over tokens of KL(softmax(teacher) || softmax(student)), in nats."""
+  log_p = jax.nn.log_softmax(teacher_BxTxV.astype(jnp.float32))
+  log_q = jax.nn.log_softmax(student_BxTxV.astype(jnp.float32))
+  return jnp.mean(jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1))
+
+
+def residual_matching(shared_RxBxTxD: jax.Array, unshared_RxBxTxD: jax.Array) -> jax.Array:
+  """(1/R) sum_r ||h_s,r - sg(h_u,r)||^2 / ||sg(h_u,r)||^2 (sums over batch, tokens, width)."""
+  target = jax.lax.stop_gradient(unshared_RxBxTxD).astype(jnp.float32)
+  diff = shared_RxBxTxD.astype(jnp.float32) - target
+  per_r = jnp.sum(jnp.square(diff), axis=(1, 2, 3)) / (
+    jnp.sum(jnp.square(target), axis=(1, 2, 3)) + 1e-12
+  )
+  return jnp.mean(per_r)
+
+
+def benice(model: LoopedLM, depth_cfg, benice_cfg, frozen_params=None) -> Objective:
+  """BeNice! objective; weights, read mode and kv_passes are static (from the config).
+
+  The depth mask and the state-noise key are drawn exactly as in `language_modeling`, so with
+  only the unshared CE weighted this is standard finetuning, step for step.
+  """
+  w_shared = float(benice_cfg.shared_ce_weight)
+  w_unshared = float(benice_cfg.unshared_ce_weight)
+  w_kl = float(benice_cfg.kl_weight)
+  w_residual = float(benice_cfg.residual_weight)
+  kl_pass = benice_cfg.kl_pass
+  kv_passes = int(benice_cfg.kv_passes)
+  read_R = read_mask_R(benice_cfg.read_recurrences, model.cfg.num_recurrences)
+  kl_shared = w_kl > 0 and kl_pass in ("shared", "both")
+  kl_unshared = w_kl > 0 and kl_pass in ("unshared", "both")
+  need_shared = w_shared > 0 or w_residual > 0 or kl_shared
+  need_states = w_residual > 0
+  if w_kl > 0 and frozen_params is None:
+    raise ValueError("kl_weight > 0 needs the frozen pretrained params.")
+
+  def loss_fn(params, frozen, batch, key):
+    depth_key, state_key = jax.random.split(key)
+    inputs_BxT, targets_BxT = batch["inputs"], batch["targets"]
+    mask_BxR = sample_depth(depth_key, inputs_BxT.shape[0], model, depth_cfg)
+    kw = dict(
+      depth_mask_BxR=mask_BxR,
+      backprop_recurrences=depth_cfg.backprop_recurrences,
+      rngs={"state": state_key},
+    )
+    logits_u, aux_u = model.apply(params, inputs_BxT, collect_states=need_states, **kw)
+    ce_u = jnp.mean(token_cross_entropy(logits_u, targets_BxT))
+    loss = w_unshared * ce_u
+    metrics = {
+      "ce_unshared": ce_u,
+      "mean_depth": jnp.mean(jnp.sum(mask_BxR, axis=1)),
+      "relative_residual_R": aux_u["relative_residual_R"],
+    }
+    if need_shared:
+      kv = broadcast_kv(model, params, inputs_BxT, aux_u["final_kv"], read_R, kv_passes, **kw)
+      logits_s, aux_s = model.apply(
+        params, inputs_BxT, shared_kv=kv, read_shared_R=read_R, collect_states=need_states, **kw
+      )
+      ce_s = jnp.mean(token_cross_entropy(logits_s, targets_BxT))
+      loss = loss + w_shared * ce_s
+      metrics["ce_shared"] = ce_s
+      metrics["shared_gap"] = jnp.exp(ce_s - ce_u) - 1.0
+    if w_kl > 0:
+      teacher_BxTxV, _ = model.apply(frozen, inputs_BxT, **kw)
+      teacher_BxTxV = jax.lax.stop_gradient(teacher_BxTxV)
+      kl = 0.0
+      if kl_shared:
+        metrics["kl_shared"] = kl_divergence(teacher_BxTxV, logits_s)
+        kl = kl + metrics["kl_shared"]
+      if kl_unshared:
+        metrics["kl_unshared"] = kl_divergence(teacher_BxTxV, logits_u)
+        kl = kl + metrics["kl_unshared"]
+      loss = loss + w_kl * kl
+    if need_states:
+      res = residual_matching(aux_s["states_RxBxTxD"], aux_u["states_RxBxTxD"])
+      metrics["residual_match"] = res
+      loss = loss + w_residual * res
+    metrics["loss"] = loss
+    return loss, metrics
+
+  return Objective(loss_fn, frozen_params if w_kl > 0 else None)

@@ -1,0 +1,180 @@
+"""The BeNice! program (DESIGN.md §4): one command from pretraining to the shareability report.
+
+  stage 1  pretrain     WORKDIR/pretrain  LM loss with config.depth (stochastic depth by default)
+  stage 2  finetune     WORKDIR/finetune  standard finetuning from the pretrained params
+           benice       WORKDIR/benice    BeNice! from the same params (same data and schedule)
+  stage 3  evaluate     WORKDIR/eval/{zero_shot,finetune,benice}.json
+  stage 4  report       WORKDIR/report/shareability.{json,md} and PNG plots; table printed
+
+Stages resume and skip (stages.py); evaluations are cached by checkpoint step and eval config.
+`config.pipeline.pretrain_workdir` / `finetune_workdir` take those stages read-only from
+another run, so BeNice! ablations share one pretraining and one finetuning baseline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+from absl import logging
+
+from looped import config_checks as cc
+from looped import data as data_lib
+from looped import model as model_lib
+from looped.benice import evaluation, objectives, report, stages
+from looped.model.looped_lm import LoopedLM
+from looped.train import checkpointing, trainer
+from looped.train import objectives as train_objectives
+
+MODELS = {"zero_shot": stages.PRETRAIN, "finetune": stages.FINETUNE, "benice": stages.BENICE}
+
+
+def validate(config) -> None:
+  """The whole config, every stage's effective training config included; no compute."""
+  cc.choice(config, "program", ("benice",))
+  for stage in stages.STAGES:
+    stages.validate_stage(config, stage)
+  cc.choice(config, "benice.read_recurrences", objectives.READ_MODES)
+  for name in ("shared_ce_weight", "unshared_ce_weight", "kl_weight", "residual_weight"):
+    cc.number(config, "benice." + name, min_value=0.0)
+  cc.choice(config, "benice.kl_pass", objectives.KL_PASSES)
+  cc.integer(config, "benice.kv_passes", min_value=0)
+  b = config.benice
+  if b.shared_ce_weight + b.unshared_ce_weight + b.kl_weight + b.residual_weight <= 0:
+    cc.fail("benice.shared_ce_weight", b.shared_ce_weight, "some loss weight must be > 0")
+
+  passes = cc.get(config, "eval.jacobi_passes")
+  if (
+    not isinstance(passes, (tuple, list))
+    or not passes
+    or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in passes)
+  ):
+    cc.fail("eval.jacobi_passes", passes, "must be a non-empty tuple of integers >= 1")
+  cc.integer(
+    config, "eval.decode_batches", min_value=1, max_value=cc.get(config, "data.num_eval_batches")
+  )
+  for name, stage in (("pretrain_workdir", "pretrain"), ("finetune_workdir", "finetune")):
+    path = cc.string(config, "pipeline." + name, allow_empty=True)
+    if path and stages.latest_step(path) is None:
+      cc.fail("pipeline." + name, path, f"must be a {stage} run directory with a checkpoint")
+  if config.pipeline.finetune_workdir:
+    step, wanted = stages.latest_step(config.pipeline.finetune_workdir), config.post.train.num_steps
+    if step != wanted:
+      cc.fail(
+        "pipeline.finetune_workdir",
+        config.pipeline.finetune_workdir,
+        f"its checkpoint is at step {step}, but the baseline must have post.train.num_steps = "
+        f"{wanted} steps like BeNice!",
+      )
+
+
+def _abstract_params(model: LoopedLM, seq_len: int):
+  dummy = jnp.zeros((1, seq_len), jnp.int32)
+  return jax.eval_shape(lambda: {"params": model.init(jax.random.PRNGKey(0), dummy)["params"]})
+
+
+def _train_stage(
+  config, stage: str, stage_dir: str, model: LoopedLM, make_objective, init_params=None
+) -> None:
+  """Trains one stage unless its done-marker says it finished; resumes an interrupted one."""
+  stage_cfg = stages.stage_config(config, stage)
+  stages.begin(stage_dir, stage_cfg)
+  num_steps = stage_cfg.train.num_steps
+  done = stages.done_step(stage_dir)
+  if done is not None and done >= num_steps:
+    logging.info("Stage %s: done (step %d) in %s; skipped.", stage, done, stage_dir)
+    return
+  logging.info("Stage %s: training to step %d in %s", stage, num_steps, stage_dir)
+  start = time.time()
+  objective = make_objective(stage_cfg)
+  init = init_params() if init_params is not None else None
+  result = trainer.train(stage_cfg, stage_dir, model, objective, init_params=init)
+  stages.mark_done(stage_dir, int(result.state.step), time.time() - start)
+
+
+def _evaluate(config, workdir: str, model: LoopedLM, abstract, stage_dirs: dict) -> dict:
+  """Shareability metrics of each model, from cache where checkpoint and settings match."""
+  eval_batches = data_lib.make_eval_batches(config, process_index=0, process_count=1)
+  results = {}
+  for name, stage in MODELS.items():
+    stage_dir = stage_dirs[stage]
+    key = {
+      "checkpoint": os.path.abspath(stage_dir),
+      "step": stages.latest_step(stage_dir),
+      "eval": config.eval.to_dict(),
+      "data": config.data.to_dict(),
+    }
+    key = json.loads(json.dumps(key))
+    path = os.path.join(workdir, "eval", f"{name}.json")
+    if os.path.exists(path):
+      with open(path) as f:
+        cached = json.load(f)
+      if cached["key"] == key:
+        logging.info("Evaluation %s: cached in %s", name, path)
+        results[name] = cached["metrics"]
+        continue
+    logging.info("Evaluation %s: %s step %d", name, stage_dir, key["step"])
+    params = checkpointing.restore_params(stage_dir, abstract)
+    start = time.time()
+    metrics = evaluation.evaluate(
+      evaluation.make_stats_fns(model.cfg),
+      model.cfg,
+      params,
+      eval_batches,
+      tuple(config.eval.jacobi_passes),
+      config.eval.decode_batches,
+    )
+    logging.info("Evaluation %s: %.1f s, %s", name, time.time() - start, report.summary(metrics))
+    if jax.process_index() == 0:
+      os.makedirs(os.path.dirname(path), exist_ok=True)
+      with open(path, "w") as f:
+        json.dump({"key": key, "metrics": metrics}, f, indent=1)
+    results[name] = metrics
+  return results
+
+
+def run(config, workdir: str) -> dict:
+  """Runs (or skips) every stage, then writes and prints the report. Returns the report."""
+  model = LoopedLM(model_lib.from_config(config.model))
+  abstract = _abstract_params(model, config.data.seq_len)
+  stage_dirs = {
+    stages.PRETRAIN: config.pipeline.pretrain_workdir or os.path.join(workdir, "pretrain"),
+    stages.FINETUNE: config.pipeline.finetune_workdir or os.path.join(workdir, "finetune"),
+    stages.BENICE: os.path.join(workdir, "benice"),
+  }
+  language_modeling = lambda c: train_objectives.language_modeling(model, c.depth)
+  # Restored afresh for each use: the trainer donates its initial params' buffers, so the
+  # frozen copy for the KL term must not share them.
+  pretrained = lambda: checkpointing.restore_params(stage_dirs[stages.PRETRAIN], abstract)
+
+  if config.pipeline.pretrain_workdir:
+    logging.info("Stage pretrain: reusing %s", config.pipeline.pretrain_workdir)
+  else:
+    _train_stage(config, stages.PRETRAIN, stage_dirs[stages.PRETRAIN], model, language_modeling)
+
+  if config.pipeline.finetune_workdir:
+    logging.info("Stage finetune: reusing %s", config.pipeline.finetune_workdir)
+  else:
+    _train_stage(
+      config, stages.FINETUNE, stage_dirs[stages.FINETUNE], model, language_modeling, pretrained
+    )
+
+  def benice_objective(c):
+    frozen = pretrained() if c.benice.kl_weight > 0 else None
+    return objectives.benice(model, c.depth, c.benice, frozen)
+
+  _train_stage(
+    config, stages.BENICE, stage_dirs[stages.BENICE], model, benice_objective, pretrained
+  )
+
+  results = _evaluate(config, workdir, model, abstract, stage_dirs)
+  out = report.build(config, results, stage_dirs)
+  if jax.process_index() == 0:
+    report_dir = os.path.join(workdir, "report")
+    report.write(report_dir, out, stage_dirs)
+    print(report.markdown(out), flush=True)
+    logging.info("Report: %s (table: shareability.md, plots: *.png)", report_dir)
+  return out

@@ -1,0 +1,94 @@
+"""The shareability report: JSON, a Markdown table and the plots, from the evaluations."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from looped.benice import plots, stages
+from looped.train.metrics_writer import read_metrics
+
+
+def build(config, results: dict, stage_dirs: dict) -> dict:
+  """{'models': {name: metrics}, 'stages': where each model came from, 'settings': ...}."""
+  return {
+    "models": results,
+    "stages": {
+      stage: {"workdir": os.path.abspath(d), "step": stages.latest_step(d)}
+      for stage, d in stage_dirs.items()
+    },
+    "settings": {
+      "seed": config.seed,
+      "pretrain_depth": config.depth.to_dict(),
+      "post_depth": config.post.depth.to_dict(),
+      "benice": config.benice.to_dict(),
+      "eval": json.loads(json.dumps(config.eval.to_dict())),
+    },
+  }
+
+
+def _floats(values, fmt="{:.3f}") -> str:
+  return " ".join(fmt.format(v) for v in values)
+
+
+def summary(m: dict) -> str:
+  """One log line per model."""
+  jacobi = ", ".join(f"J{n} {p:.3f}" for n, p in m["ppl_shared_jacobi"].items())
+  return (
+    f"ppl unshared {m['ppl_unshared']:.3f}, shared exact {m['ppl_shared']:.3f} "
+    f"(gap {100 * m['gap']:+.1f}%), {jacobi}, residuals {_floats(m['residual_norms'])}"
+  )
+
+
+def markdown(report: dict) -> str:
+  models = report["models"]
+  first = next(iter(models.values()))
+  passes = list(first["ppl_shared_jacobi"])
+  subset = first["decode_subset"]
+  header = (
+    ["model", "ppl unshared", "ppl unshared (subset)", "ppl shared exact (subset)", "gap exact"]
+    + [f"ppl shared J{n}" for n in passes]
+    + [f"gap J{n}" for n in passes]
+    + ["residual norm r=1..R", "contraction r=2..R", "KV B/token shared / unshared"]
+  )
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  for name, m in models.items():
+    kv = m["kv_bytes_per_token"]
+    row = (
+      [name, f"{m['ppl_unshared']:.3f}", f"{m['decode_subset']['ppl_unshared']:.3f}"]
+      + [f"{m['ppl_shared']:.3f}", f"{100 * m['gap']:+.1f}%"]
+      + [f"{m['ppl_shared_jacobi'][n]:.3f}" for n in passes]
+      + [f"{100 * m['gap_jacobi'][n]:+.1f}%" for n in passes]
+      + [_floats(m["residual_norms"]), _floats(m["contraction_ratios"], "{:.2f}")]
+      + [f"{kv['shared']:.0f} / {kv['unshared']:.0f}"]
+    )
+    lines.append("| " + " | ".join(row) + " |")
+  lines.append("")
+  lines.append(
+    f"Exact shared ppl: token-by-token shared decode on the first {subset['rows']} eval rows "
+    f"({subset['tokens']} tokens), gap against the unshared ppl of the same rows. Jacobi Jn: n "
+    f"shared passes on the whole eval set ({first['eval_tokens']} tokens). Residual norm: mean "
+    "||h_r - h_(r-1)|| of the unshared forward; contraction: its ratio between consecutive "
+    "recurrences. KV bytes per token in bf16."
+  )
+  return "\n".join(lines)
+
+
+def _curves(stage_dirs: dict) -> dict:
+  out = {}
+  for stage, d in stage_dirs.items():
+    if os.path.exists(os.path.join(d, "metrics.jsonl")):
+      out[stage] = read_metrics(d)
+  return out
+
+
+def write(report_dir: str, report: dict, stage_dirs: dict) -> None:
+  """shareability.json, shareability.md and the PNG plots under report_dir."""
+  os.makedirs(report_dir, exist_ok=True)
+  with open(os.path.join(report_dir, "shareability.json"), "w") as f:
+    json.dump(report, f, indent=1)
+  with open(os.path.join(report_dir, "shareability.md"), "w") as f:
+    f.write(markdown(report) + "\n")
+  plots.residual_norms(os.path.join(report_dir, "residual_norms.png"), report["models"])
+  plots.perplexities(os.path.join(report_dir, "perplexity.png"), report["models"])
+  plots.training_curves(os.path.join(report_dir, "training_curves.png"), _curves(stage_dirs))

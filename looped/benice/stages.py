@@ -1,0 +1,127 @@
+"""Per-stage configs and markers of the BeNice! pipeline.
+
+Each training stage is one `trainer.train` call on an *effective* config: the base config's
+seed/model/data/depth/train, where the post-training stages (standard finetune and BeNice!)
+take `config.post.depth` as their depth and `config.post.train`'s fields over `config.train`'s.
+Both post-training arms therefore share data order (same seed), steps, optimizer and schedule.
+
+A stage directory holds `stage_config.json` (the effective config it was started with) and, once
+its trainer call returned, `done.json`. A rerun skips a stage whose done.json reached the
+configured steps, resumes an unfinished one (the trainer restores its latest checkpoint), and
+refuses to continue a stage whose recorded config differs in anything but the step cadence:
+mixing two configs in one run would make its numbers meaningless.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import ml_collections
+
+from looped import config_checks as cc
+from looped.train import checkpointing, trainer
+
+PRETRAIN, FINETUNE, BENICE = "pretrain", "finetune", "benice"
+STAGES = (PRETRAIN, FINETUNE, BENICE)
+POST_STAGES = (FINETUNE, BENICE)
+# Train fields that may change between a run and its resumption (they do not change the math).
+_CADENCE = ("num_steps", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints")
+
+
+def _copy(node) -> ml_collections.ConfigDict:
+  return ml_collections.ConfigDict(node.to_dict())
+
+
+def stage_config(config, stage: str) -> ml_collections.ConfigDict:
+  """The config `trainer.train` gets for `stage` (module docstring)."""
+  c = ml_collections.ConfigDict()
+  c.seed = config.seed
+  for section in ("model", "data", "depth", "train"):
+    c[section] = _copy(config[section])
+  if stage in POST_STAGES:
+    c.depth = _copy(config.post.depth)
+    for name, value in config.post.train.items():
+      c.train[name] = value
+    c.train.init_from = ""  # Post-training starts from the pretrained params, passed directly.
+  if stage == BENICE:
+    c.benice = _copy(config.benice)
+  return c
+
+
+def validate_stage(config, stage: str) -> None:
+  """trainer.validate_training on the stage's effective config, naming the fields as set."""
+  if stage in POST_STAGES:
+    unknown = sorted(set(config.post.train.keys()) - set(config.train.keys()))
+    if unknown:
+      raise cc.ConfigError(
+        f"config.post.train has unknown field(s) {unknown}; allowed: the fields of config.train "
+        f"({', '.join(sorted(config.train.keys()))})."
+      )
+  try:
+    trainer.validate_training(stage_config(config, stage))
+  except cc.ConfigError as e:
+    message = str(e)
+    if stage in POST_STAGES:
+      message = message.replace("config.depth.", "config.post.depth.")
+      for name in config.post.train.keys():
+        message = message.replace(f"config.train.{name} ", f"config.post.train.{name} ")
+    raise cc.ConfigError(message) from None
+
+
+def latest_step(workdir: str) -> int | None:
+  """Latest finished checkpoint step of a run directory (None: no checkpoint)."""
+  directory = checkpointing.checkpoint_dir(workdir)
+  if not os.path.isdir(directory):
+    return None
+  steps = [int(d) for d in os.listdir(directory) if d.isdigit()]
+  return max(steps) if steps else None
+
+
+def _fingerprint(stage_cfg) -> dict:
+  d = json.loads(json.dumps(stage_cfg.to_dict()))
+  for name in _CADENCE:
+    d["train"].pop(name, None)
+  return d
+
+
+def _differences(old, new, prefix="") -> list[str]:
+  if isinstance(old, dict) and isinstance(new, dict):
+    out = []
+    for key in sorted(set(old) | set(new)):
+      out += _differences(old.get(key), new.get(key), f"{prefix}{key}.")
+    return out
+  return [] if old == new else [f"{prefix[:-1]}: {old!r} -> {new!r}"]
+
+
+def begin(stage_dir: str, stage_cfg) -> None:
+  """Records the stage's config, or checks it against the one it was started with."""
+  path = os.path.join(stage_dir, "stage_config.json")
+  current = _fingerprint(stage_cfg)
+  if os.path.exists(path):
+    with open(path) as f:
+      recorded = json.load(f)
+    changed = _differences(recorded, current)
+    if changed:
+      raise cc.ConfigError(
+        f"{stage_dir} was started with a different config ({'; '.join(changed)}). "
+        "Use a new --workdir for a different configuration."
+      )
+    return
+  os.makedirs(stage_dir, exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(current, f, indent=1)
+
+
+def done_step(stage_dir: str) -> int | None:
+  """The step a finished stage reached (None: never finished)."""
+  path = os.path.join(stage_dir, "done.json")
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)["step"]
+
+
+def mark_done(stage_dir: str, step: int, wall_s: float) -> None:
+  with open(os.path.join(stage_dir, "done.json"), "w") as f:
+    json.dump({"step": int(step), "wall_s": wall_s}, f)

@@ -1,0 +1,164 @@
+"""The BeNice! program: config validation, the smoke pipeline end to end, rerun and reuse."""
+
+import contextlib
+import io
+import json
+import math
+import os
+import shutil
+import tempfile
+from unittest import mock
+
+from absl.testing import absltest, parameterized
+
+from configs import benice as benice_config
+from looped import config_checks, programs
+from looped.benice import collect, evaluation, pipeline
+from looped.train import trainer
+
+BAD_VALUES = [
+  ("post.train.learning_rate", 0.0, "config.post.train.learning_rate = 0.0"),
+  ("post.depth.sampler", "uniform", "config.post.depth.sampler = 'uniform'"),
+  ("train.num_steps", 0, "config.train.num_steps = 0"),
+  ("benice.read_recurrences", "last", "'all', 'first', 'none'"),
+  ("benice.kl_weight", -1.0, ">= 0.0"),
+  ("benice.kl_pass", "teacher", "'shared', 'unshared', 'both'"),
+  ("benice.kv_passes", -1, ">= 0"),
+  ("eval.jacobi_passes", (0, 4), "tuple of integers >= 1"),
+  ("eval.decode_batches", 3, "<= 2"),
+  ("pipeline.pretrain_workdir", "/nonexistent/run", "pretrain run directory"),
+  ("program", "train", "'benice'"),
+]
+
+
+def _set(config, dotted, value):
+  node = config
+  *parents, leaf = dotted.split(".")
+  for p in parents:
+    node = node[p]
+  with node.ignore_type():
+    node[leaf] = value
+
+
+class ConfigTest(parameterized.TestCase):
+  def test_variants_are_valid(self):
+    for arg in ("", "smoke", "fixed", "smoke,fixed"):
+      config = benice_config.get_config(arg)
+      self.assertIs(programs.load(config), pipeline)
+      pipeline.validate(config)
+    self.assertEqual(benice_config.get_config("fixed").depth.sampler, "fixed")
+    self.assertEqual(benice_config.get_config("").depth.sampler, "poisson")
+
+  def test_unknown_arg(self):
+    with self.assertRaisesRegex(ValueError, "Unknown config args"):
+      benice_config.get_config("smoke,fast")
+
+  @parameterized.parameters(*BAD_VALUES)
+  def test_bad_value_names_field(self, field, value, expected):
+    config = benice_config.get_config("smoke")
+    _set(config, field, value)
+    with self.assertRaises(config_checks.ConfigError) as ctx:
+      pipeline.validate(config)
+    self.assertIn(expected, str(ctx.exception))
+
+  def test_unknown_post_train_field(self):
+    config = benice_config.get_config("smoke")
+    config.post.train.lr = 1e-3
+    with self.assertRaisesRegex(config_checks.ConfigError, r"config.post.train .*\['lr'\]"):
+      pipeline.validate(config)
+
+
+class PipelineTest(absltest.TestCase):
+  def setUp(self):
+    super().setUp()
+    self._tmp = tempfile.TemporaryDirectory()
+    self.tmp = self._tmp.name
+
+  def tearDown(self):
+    self._tmp.cleanup()
+    super().tearDown()
+
+  def _run(self, config, workdir):
+    pipeline.validate(config)
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+      report = pipeline.run(config, workdir)
+    return report, stdout.getvalue()
+
+  def test_smoke_pipeline_rerun_and_reuse(self):
+    config = benice_config.get_config("smoke")
+    # Every loss term on, so the frozen params and the collected states go through the trainer.
+    config.benice.kl_weight = 0.5
+    config.benice.kl_pass = "both"
+    config.benice.residual_weight = 0.5
+    workdir = os.path.join(self.tmp, "run")
+    report, printed = self._run(config, workdir)
+
+    models = report["models"]
+    self.assertEqual(list(models), ["zero_shot", "finetune", "benice"])
+    r = config.model.num_recurrences
+    for m in models.values():
+      for key in ("ppl_unshared", "ppl_shared"):
+        self.assertTrue(1.0 < m[key] < config.model.vocab_size, m[key])
+      self.assertTrue(math.isfinite(m["gap"]))
+      self.assertEqual(list(m["ppl_shared_jacobi"]), ["1", "2"])
+      self.assertLen(m["residual_norms"], r)
+      self.assertEqual(set(m["kv_bytes_per_token"]), {"shared", "unshared"})
+    # Both post-training arms ran the configured steps from the pretrained checkpoint.
+    self.assertEqual(
+      {s: v["step"] for s, v in report["stages"].items()},
+      {
+        "pretrain": config.train.num_steps,
+        "finetune": config.post.train.num_steps,
+        "benice": config.post.train.num_steps,
+      },
+    )
+    with open(os.path.join(workdir, "benice", "metrics.jsonl")) as f:
+      record = json.loads(f.readline())
+    for name in ("ce_shared", "ce_unshared", "kl_shared", "kl_unshared", "residual_match"):
+      self.assertIn(name, record)
+    report_dir = os.path.join(workdir, "report")
+    with open(os.path.join(report_dir, "shareability.json")) as f:
+      self.assertEqual(json.load(f)["models"], models)
+    for name in ("residual_norms.png", "perplexity.png", "training_curves.png"):
+      self.assertGreater(os.path.getsize(os.path.join(report_dir, name)), 1000)
+    self.assertIn("| benice |", printed)
+
+    # Rerun: no training, no evaluation; the same report is printed again.
+    no_train = mock.patch.object(trainer, "train", side_effect=AssertionError("trained"))
+    no_eval = mock.patch.object(evaluation, "evaluate", side_effect=AssertionError("evaluated"))
+    with no_train, no_eval:
+      again, printed_again = self._run(config, workdir)
+    self.assertEqual(again["models"], models)
+    self.assertEqual(printed_again, printed)
+
+    # A changed BeNice! setting in the same workdir is refused, naming the field.
+    config.benice.read_recurrences = "first"
+    with self.assertRaisesRegex(config_checks.ConfigError, "read_recurrences: 'all' -> 'first'"):
+      self._run(config, workdir)
+
+    # Ablation layout: pretraining and the finetune baseline reused read-only from the first
+    # run (the BeNice! stage is copied here so that nothing trains in this test).
+    ablation = os.path.join(self.tmp, "ablation")
+    shutil.copytree(os.path.join(workdir, "benice"), os.path.join(ablation, "benice"))
+    config.benice.read_recurrences = "all"
+    config.pipeline.pretrain_workdir = os.path.join(workdir, "pretrain")
+    config.pipeline.finetune_workdir = os.path.join(workdir, "finetune")
+    with no_train:
+      reused, _ = self._run(config, ablation)
+    self.assertEqual(reused["stages"]["pretrain"]["workdir"], config.pipeline.pretrain_workdir)
+    self.assertEqual(sorted(os.listdir(ablation)), ["benice", "eval", "report"])
+    for name, m in models.items():
+      self.assertAlmostEqual(reused["models"][name]["ppl_shared"], m["ppl_shared"], places=4)
+
+    # Runs named <group>_s<seed> are averaged per group across seeds.
+    shutil.copytree(ablation, os.path.join(self.tmp, "ablation_s1"))
+    os.rename(ablation, os.path.join(self.tmp, "ablation_s0"))
+    text = collect.table([workdir] + [os.path.join(self.tmp, f"ablation_s{i}") for i in (0, 1)])
+    self.assertIn(f"| ablation_s1 | benice | {models['benice']['ppl_unshared']:.3f} |", text)
+    self.assertIn("| ablation | benice | 2 |", text)
+    self.assertIn("| run | zero_shot | 1 |", text)
+
+
+if __name__ == "__main__":
+  absltest.main()
