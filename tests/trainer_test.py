@@ -127,6 +127,17 @@ class TrainerTest(absltest.TestCase):
     self.assertNotIn("step 2/12", second.stderr)
     self.assertEqual(read_metrics(workdir)[-1]["step"], 12)
 
+  def test_init_params_stay_valid_after_training(self):
+    config = _config(**{"train.num_steps": 3})
+    first = trainer.run(config, os.path.join(self.tmp, "a")).state.params
+    init = jax.tree.map(np.asarray, jax.device_get(first))
+    on_device = jax.device_put(init)
+    model = trainer.LoopedLM(trainer.model_lib.from_config(config.model))
+    objective = trainer.objectives.language_modeling(model, config.depth)
+    trainer.train(config, os.path.join(self.tmp, "b"), model, objective, init_params=on_device)
+    # The caller's arrays were not donated away, and still hold the values passed in.
+    chex.assert_trees_all_equal(jax.device_get(on_device), init)
+
   def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(self):
     workdir = os.path.join(self.tmp, "nan")
     config = _config(**{"train.learning_rate": 1e30, "train.checkpoint_every": 1})

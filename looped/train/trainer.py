@@ -148,7 +148,8 @@ def train(
   """Trains `model` on `objective` until config.train.num_steps, resuming from the workdir.
 
   init_params: params to start from when the workdir has no checkpoint (else
-  config.train.init_from, else random init).
+    config.train.init_from, else random init). They are copied, so the caller's arrays stay
+    valid although the train state is donated to each step.
   """
   tc = config.train
   os.makedirs(workdir, exist_ok=True)
@@ -174,7 +175,10 @@ def train(
   elif init_params is not None or tc.init_from:
     if init_params is None:
       init_params = checkpointing.restore_params(tc.init_from, state.params)
-    state = state.replace(params=jax.device_put(init_params, NamedSharding(mesh, P())))
+    # Copy: the train state is donated to the step, and the caller may keep using its params
+    # (e.g. as a frozen teacher).
+    copied = jax.tree.map(lambda x: jnp.array(x, copy=True), init_params)
+    state = state.replace(params=jax.device_put(copied, NamedSharding(mesh, P())))
   start = int(state.step)
   writer = MetricsWriter(workdir, resume_step=start, enabled=is_chief)
 
