@@ -61,6 +61,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.eval = ml_collections.ConfigDict()  # Shareability evaluation of each model.
   c.eval.jacobi_passes = (1, 4)  # Jacobi shared-pass counts reported (one compilation for all).
   c.eval.decode_batches = 2  # First N eval batches also measured by exact shared decode.
+  c.eval.kv_formats = ("bf16", "fp8", "mxfp8", "nvfp4")  # Cache formats also evaluated.
 
   c.pipeline = ml_collections.ConfigDict()  # Reuse of finished stages from other runs.
   c.pipeline.pretrain_workdir = ""  # Finished pretraining run to start from ('' = train one).
@@ -77,4 +78,5 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.post.train.checkpoint_every = 6
     c.eval.jacobi_passes = (1, 2)
     c.eval.decode_batches = 1
+    c.eval.kv_formats = ("nvfp4",)
   return c

@@ -56,6 +56,27 @@ class EvaluateTest(absltest.TestCase):
     self.assertLen(m["residual_norms"], TINY.num_recurrences)
     self.assertLen(m["contraction_ratios"], TINY.num_recurrences - 1)
 
+  def test_kv_format_exact_decode_equals_jacobi_at_t_passes(self):
+    t = 6
+    model = LoopedLM(TINY)
+    rows = jax.random.randint(jax.random.PRNGKey(2), (1, 2, t + 1), 0, TINY.vocab_size)
+    batches = [{"inputs": np.asarray(r[:, :-1]), "targets": np.asarray(r[:, 1:])} for r in rows]
+    params = {"params": model.init(jax.random.PRNGKey(0), batches[0]["inputs"])["params"]}
+    exact = evaluation.evaluate(
+      evaluation.make_stats_fns(TINY), TINY, params, batches, (t,), decode_batches=1
+    )
+    fp8 = evaluation.evaluate(
+      evaluation.make_stats_fns(TINY, "fp8"), TINY, params, batches, (t,), 1, kv_format="fp8"
+    )
+    # The quantized cache in exact decode and the quantized Jacobi reads agree ...
+    np.testing.assert_allclose(fp8["ppl_shared_jacobi"][str(t)], fp8["ppl_shared"], rtol=1e-5)
+    # ... and differ from float32 K/V; fp8 stores 1 byte per value + a 4-byte scale per head.
+    self.assertGreater(abs(fp8["ppl_unshared"] - exact["ppl_unshared"]), 1e-6)
+    self.assertEqual(
+      fp8["kv_bytes_per_token"],
+      {"shared": (1 + 1 + 2) * 2 * 2 * (8 + 4), "unshared": (1 + 1 + 2 * 3) * 2 * 2 * (8 + 4)},
+    )
+
   def test_kv_bytes_per_token(self):
     # Shared: prelude 1 + coda 1 + core 2 layers; unshared: core 2 x R=3. K and V, 2 KV heads
     # of 8 values, 2 bytes each (bf16).

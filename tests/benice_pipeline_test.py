@@ -104,6 +104,9 @@ class PipelineTest(absltest.TestCase):
       self.assertEqual(list(m["ppl_shared_jacobi"]), ["1", "2"])
       self.assertLen(m["residual_norms"], r)
       self.assertEqual(set(m["kv_bytes_per_token"]), {"shared", "unshared"})
+      self.assertEqual(list(m["kv_formats"]), list(config.eval.kv_formats))
+      nvfp4 = m["kv_formats"]["nvfp4"]
+      self.assertLess(nvfp4["kv_bytes_per_token"]["shared"], m["kv_bytes_per_token"]["shared"])
     # Both post-training arms ran the configured steps from the pretrained checkpoint.
     self.assertEqual(
       {s: v["step"] for s, v in report["stages"].items()},
@@ -123,6 +126,7 @@ class PipelineTest(absltest.TestCase):
     for name in ("residual_norms.png", "perplexity.png", "training_curves.png"):
       self.assertGreater(os.path.getsize(os.path.join(report_dir, name)), 1000)
     self.assertIn("| benice |", printed)
+    self.assertIn("| benice | nvfp4 |", printed)
 
     # Rerun: no training, no evaluation; the same report is printed again.
     no_train = mock.patch.object(trainer, "train", side_effect=AssertionError("trained"))

@@ -14,7 +14,11 @@ Definitions (all at full depth R, next-token perplexities = exp(mean CE in nats)
                        state), unshared forward; relative_residuals divide by ||h_r||.
   contraction_ratios   residual_norms[r] / residual_norms[r-1], r = 2..R: < 1 means the
                        recurrence contracts towards a common limit.
-  kv_bytes_per_token   KV-cache bytes one token takes, shared and unshared layouts, bf16.
+  kv_bytes_per_token   KV-cache bytes one token takes, shared and unshared layouts, in the
+                       evaluated KV format (bf16 when none).
+With a `kv_format` (looped.kv_quant.FORMATS) every read of an earlier position's K/V, in every
+forward above (unshared included), goes through that format's per-token quantize/dequantize,
+and exact decode stores the packed bytes in its cache.
 
 One compilation serves every Jacobi pass count (the count is a traced argument; 0 passes is
 the unshared forward), and the decode subset reuses the eval batches' shapes.
@@ -37,7 +41,7 @@ from looped.model.looped_lm import LoopedLM
 from looped.model.sharing import decode_forward, jacobi_forward
 from looped.train.objectives import token_cross_entropy
 
-KV_FORMAT = "bf16"  # The cache format the byte counts assume.
+KV_FORMAT = "bf16"  # The cache format the byte counts assume when none is evaluated.
 
 
 class StatsFns(NamedTuple):
@@ -45,26 +49,26 @@ class StatsFns(NamedTuple):
   decode: Callable  # (params, inputs, targets) -> ce_sum of exact shared decode
 
 
-@functools.lru_cache(maxsize=8)
-def make_stats_fns(cfg: ModelConfig) -> StatsFns:
+@functools.lru_cache(maxsize=16)
+def make_stats_fns(cfg: ModelConfig, kv_format: str | None = None) -> StatsFns:
   """Jitted per-batch statistics; cached per model config, so repeated evaluations in one
   process (several models, several pipeline runs) compile once."""
   model = LoopedLM(cfg)
 
   def jacobi(params, inputs_BxT, targets_BxT, num_passes):
-    logits, aux = jacobi_forward(model, params, inputs_BxT, num_passes)
+    logits, aux = jacobi_forward(model, params, inputs_BxT, num_passes, kv_format=kv_format)
     ce_sum = jnp.sum(token_cross_entropy(logits, targets_BxT))
     return ce_sum, aux["residual_norm_R"], aux["relative_residual_R"]
 
   def decode(params, inputs_BxT, targets_BxT):
-    logits, _ = decode_forward(model, params, inputs_BxT, share_kv=True)
+    logits, _ = decode_forward(model, params, inputs_BxT, share_kv=True, kv_format=kv_format)
     return jnp.sum(token_cross_entropy(logits, targets_BxT))
 
   return StatsFns(jax.jit(jacobi), jax.jit(decode))
 
 
-def kv_bytes_per_token(cfg: ModelConfig) -> dict:
-  per_value = kv_quant.bytes_per_value(KV_FORMAT, cfg.head_dim)
+def kv_bytes_per_token(cfg: ModelConfig, kv_format: str | None = None) -> dict:
+  per_value = kv_quant.bytes_per_value(kv_format or KV_FORMAT, cfg.head_dim)
   return {
     layout: cfg.kv_entries_per_token(share) * cfg.head_dim * per_value
     for layout, share in (("shared", True), ("unshared", False))
@@ -87,6 +91,7 @@ def evaluate(
   eval_batches: list[dict],
   jacobi_passes: tuple[int, ...],
   decode_batches: int,
+  kv_format: str | None = None,
 ) -> dict:
   """Shareability metrics (module docstring) of `params`; JSON-ready (pass counts as str)."""
   passes = sorted({0, *(int(n) for n in jacobi_passes)})
@@ -132,6 +137,6 @@ def evaluate(
     "residual_norms": residual_norms,
     "relative_residuals": (relative_R / num).tolist(),
     "contraction_ratios": contraction_ratios(residual_norms),
-    "kv_bytes_per_token": kv_bytes_per_token(model_cfg),
+    "kv_bytes_per_token": kv_bytes_per_token(model_cfg, kv_format),
     "eval_tokens": count,
   }

@@ -13,6 +13,7 @@ another run, so BeNice! ablations share one pretraining and one finetuning basel
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -23,6 +24,7 @@ from absl import logging
 
 from looped import config_checks as cc
 from looped import data as data_lib
+from looped import kv_quant
 from looped import model as model_lib
 from looped.benice import evaluation, objectives, report, stages
 from looped.model.looped_lm import LoopedLM
@@ -53,6 +55,14 @@ def validate(config) -> None:
     or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in passes)
   ):
     cc.fail("eval.jacobi_passes", passes, "must be a non-empty tuple of integers >= 1")
+  formats = cc.get(config, "eval.kv_formats")
+  if not isinstance(formats, (tuple, list)) or any(f not in kv_quant.FORMATS for f in formats):
+    cc.fail("eval.kv_formats", formats, f"must be a tuple of formats from {kv_quant.FORMATS}")
+  for fmt in formats:
+    try:
+      kv_quant.check_format(fmt, config.model.head_dim)
+    except ValueError as e:
+      cc.fail("eval.kv_formats", formats, str(e).rstrip("."))
   cc.integer(
     config, "eval.decode_batches", min_value=1, max_value=cc.get(config, "data.num_eval_batches")
   )
@@ -119,14 +129,18 @@ def _evaluate(config, workdir: str, model: LoopedLM, abstract, stage_dirs: dict)
     logging.info("Evaluation %s: %s step %d", name, stage_dir, key["step"])
     params = checkpointing.restore_params(stage_dir, abstract)
     start = time.time()
-    metrics = evaluation.evaluate(
-      evaluation.make_stats_fns(model.cfg),
-      model.cfg,
-      params,
-      eval_batches,
-      tuple(config.eval.jacobi_passes),
-      config.eval.decode_batches,
+    evaluate = functools.partial(
+      evaluation.evaluate,
+      params=params,
+      eval_batches=eval_batches,
+      jacobi_passes=tuple(config.eval.jacobi_passes),
+      decode_batches=config.eval.decode_batches,
     )
+    metrics = evaluate(evaluation.make_stats_fns(model.cfg), model.cfg)
+    metrics["kv_formats"] = {
+      fmt: evaluate(evaluation.make_stats_fns(model.cfg, fmt), model.cfg, kv_format=fmt)
+      for fmt in config.eval.kv_formats
+    }
     logging.info("Evaluation %s: %.1f s, %s", name, time.time() - start, report.summary(metrics))
     if jax.process_index() == 0:
       os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -71,6 +71,45 @@ def markdown(report: dict) -> str:
     "||h_r - h_(r-1)|| of the unshared forward; contraction: its ratio between consecutive "
     "recurrences. KV bytes per token in bf16."
   )
+  if any(m.get("kv_formats") for m in models.values()):
+    lines += ["", kv_formats_markdown(models)]
+  return "\n".join(lines)
+
+
+def kv_formats_markdown(models: dict) -> str:
+  """Perplexities with the cache read through each KV format, and its bytes per token."""
+  first = next(iter(models.values()))
+  base = first["kv_bytes_per_token"]["unshared"]  # Unshared bf16: the reference memory.
+  header = [
+    "model",
+    "KV format",
+    "ppl unshared",
+    "ppl shared exact (subset)",
+    "gap exact",
+    "KV bytes shared / unshared (x bf16 unshared)",
+  ]
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  for name, m in models.items():
+    rows = [("none (fp32)", m)] + list(m.get("kv_formats", {}).items())
+    for fmt, f in rows:
+      kv = f["kv_bytes_per_token"] if fmt != "none (fp32)" else None
+      size = (
+        "-"
+        if kv is None
+        else f"{kv['shared']:.0f} / {kv['unshared']:.0f} "
+        f"({kv['shared'] / base:.3f} / {kv['unshared'] / base:.3f})"
+      )
+      lines.append(
+        f"| {name} | {fmt} | {f['ppl_unshared']:.3f} | {f['ppl_shared']:.3f} | "
+        f"{100 * f['gap']:+.1f}% | {size} |"
+      )
+  lines.append("")
+  lines.append(
+    "Every read of an earlier position's K/V goes through the format's per-token quantize/"
+    "dequantize (unshared forward, Jacobi passes and exact shared decode, whose cache stores "
+    "the packed bytes); 'none' keeps float32 K/V. Gap: exact shared vs unshared ppl on the "
+    "decode subset, both in that format."
+  )
   return "\n".join(lines)
 
 
