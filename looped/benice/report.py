@@ -84,6 +84,7 @@ def kv_formats_markdown(models: dict) -> str:
     "model",
     "KV format",
     "ppl unshared",
+    "ppl unshared (subset)",
     "ppl shared exact (subset)",
     "gap exact",
     "KV bytes shared / unshared (x bf16 unshared)",
@@ -100,7 +101,8 @@ def kv_formats_markdown(models: dict) -> str:
         f"({kv['shared'] / base:.3f} / {kv['unshared'] / base:.3f})"
       )
       lines.append(
-        f"| {name} | {fmt} | {f['ppl_unshared']:.3f} | {f['ppl_shared']:.3f} | "
+        f"| {name} | {fmt} | {f['ppl_unshared']:.3f} | {f['decode_subset']['ppl_unshared']:.3f} | "
+        f"{f['ppl_shared']:.3f} | "
         f"{100 * f['gap']:+.1f}% | {size} |"
       )
   lines.append("")
