@@ -6,20 +6,11 @@ import jax
 import numpy as np
 from absl.testing import absltest
 
+from looped import testing
 from looped.benice import evaluation
-from looped.model import LoopedLM, ModelConfig
+from looped.model import LoopedLM
 
-TINY = ModelConfig(
-  vocab_size=61,
-  d_model=32,
-  num_heads=4,
-  num_kv_heads=2,
-  head_dim=8,
-  mlp_dim=48,
-  num_recurrences=3,
-  max_seq_len=16,
-  init_std=0.2,  # Recurrences differ visibly, so sharing changes the outputs.
-)
+TINY = testing.TINY_MODEL
 
 
 class EvaluateTest(absltest.TestCase):

@@ -10,21 +10,12 @@ import ml_collections
 import numpy as np
 from absl.testing import absltest
 
+from looped import testing
 from looped.benice import objectives
-from looped.model import LoopedLM, ModelConfig
+from looped.model import LoopedLM
 from looped.train import objectives as train_objectives
 
-TINY = ModelConfig(
-  vocab_size=61,
-  d_model=32,
-  num_heads=4,
-  num_kv_heads=2,
-  head_dim=8,
-  mlp_dim=48,
-  num_recurrences=3,
-  max_seq_len=16,
-  init_std=0.2,  # Recurrences differ visibly, so sharing changes the outputs.
-)
+TINY = testing.TINY_MODEL
 R = TINY.num_recurrences
 
 

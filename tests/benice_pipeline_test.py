@@ -6,13 +6,12 @@ import json
 import math
 import os
 import shutil
-import tempfile
 from unittest import mock
 
 from absl.testing import absltest, parameterized
 
 from configs import benice as benice_config
-from looped import config_checks, programs
+from looped import config_checks, programs, testing
 from looped.benice import collect, evaluation, pipeline
 from looped.train import trainer
 
@@ -31,15 +30,6 @@ BAD_VALUES = [
 ]
 
 
-def _set(config, dotted, value):
-  node = config
-  *parents, leaf = dotted.split(".")
-  for p in parents:
-    node = node[p]
-  with node.ignore_type():
-    node[leaf] = value
-
-
 class ConfigTest(parameterized.TestCase):
   def test_variants_are_valid(self):
     for arg in ("", "smoke", "fixed", "smoke,fixed"):
@@ -56,7 +46,7 @@ class ConfigTest(parameterized.TestCase):
   @parameterized.parameters(*BAD_VALUES)
   def test_bad_value_names_field(self, field, value, expected):
     config = benice_config.get_config("smoke")
-    _set(config, field, value)
+    testing.set_field(config, field, value)
     with self.assertRaises(config_checks.ConfigError) as ctx:
       pipeline.validate(config)
     self.assertIn(expected, str(ctx.exception))
@@ -68,16 +58,7 @@ class ConfigTest(parameterized.TestCase):
       pipeline.validate(config)
 
 
-class PipelineTest(absltest.TestCase):
-  def setUp(self):
-    super().setUp()
-    self._tmp = tempfile.TemporaryDirectory()
-    self.tmp = self._tmp.name
-
-  def tearDown(self):
-    self._tmp.cleanup()
-    super().tearDown()
-
+class PipelineTest(testing.TempDirTestCase):
   def _run(self, config, workdir):
     pipeline.validate(config)
     stdout = io.StringIO()

@@ -7,7 +7,7 @@ import sys
 from absl.testing import absltest, parameterized
 
 from configs import pretrain
-from looped import config_checks, programs
+from looped import config_checks, programs, testing
 from looped.train import trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,15 +46,6 @@ BAD_VALUES = [
 ]
 
 
-def _set(config, dotted, value):
-  node = config
-  *parents, leaf = dotted.split(".")
-  for p in parents:
-    node = node[p]
-  with node.ignore_type():
-    node[leaf] = value
-
-
 class ConfigValidationTest(parameterized.TestCase):
   def test_default_and_variants_are_valid(self):
     for arg in ("", "smoke", "fixed", "smoke,fixed"):
@@ -68,8 +59,8 @@ class ConfigValidationTest(parameterized.TestCase):
   def test_bad_value_names_field(self, field, value, expected):
     config = pretrain.get_config("smoke")
     if field == "data.text_glob":
-      _set(config, "data.source", "text")
-    _set(config, field, value)
+      testing.set_field(config, "data.source", "text")
+    testing.set_field(config, field, value)
     with self.assertRaises(config_checks.ConfigError) as ctx:
       programs.load(config).validate(config)
     message = str(ctx.exception)

@@ -10,25 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from looped.model import LoopedLM, ModelConfig, depth, init_cache
+from looped import testing
+from looped.model import LoopedLM, depth, init_cache
 from looped.model.kv_cache import num_cached_values
 from looped.model.sharing import decode_forward, jacobi_forward
 
-TINY = ModelConfig(
-  vocab_size=61,
-  d_model=32,
-  num_heads=4,
-  num_kv_heads=2,
-  head_dim=8,
-  mlp_dim=48,
-  num_prelude_layers=1,
-  num_core_layers=2,
-  num_coda_layers=1,
-  num_recurrences=3,
-  max_seq_len=16,
-  # Larger weights than the default init so recurrences differ visibly from each other.
-  init_std=0.2,
-)
+TINY = testing.TINY_MODEL
 
 
 def _jacobi(model):

@@ -4,7 +4,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import chex
@@ -13,6 +12,7 @@ import numpy as np
 from absl.testing import absltest
 
 from configs import pretrain
+from looped import testing
 from looped.train import checkpointing, trainer
 from looped.train.metrics_writer import read_metrics
 
@@ -35,11 +35,7 @@ OVERRIDES = {
 def _config(**extra):
   config = pretrain.get_config("smoke")
   for key, value in {**OVERRIDES, **extra}.items():
-    node = config
-    *parents, leaf = key.split(".")
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
+    testing.set_field(config, key, value)
   return config
 
 
@@ -55,16 +51,7 @@ def _cli(workdir, **extra):
   ]
 
 
-class TrainerTest(absltest.TestCase):
-  def setUp(self):
-    super().setUp()
-    self._tmp = tempfile.TemporaryDirectory()
-    self.tmp = self._tmp.name
-
-  def tearDown(self):
-    self._tmp.cleanup()
-    super().tearDown()
-
+class TrainerTest(testing.TempDirTestCase):
   def test_loss_falls_and_metrics_are_written(self):
     workdir = os.path.join(self.tmp, "run")
     result = trainer.run(_config(), workdir)

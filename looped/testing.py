@@ -1,0 +1,54 @@
+"""Shared test utilities: a tiny model, config overrides, temporary workdirs.
+
+Lives in the library (like flax.testing / chex) so every test file, and users' own tests of
+extensions, build the same fixtures.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+from absl.testing import absltest
+
+from looped.model.config import ModelConfig
+
+# Larger weights than the default init, so recurrences differ visibly and sharing changes the
+# outputs; P/B/C = 1/2/1, R = 3, GQA 4 query / 2 KV heads of 8.
+TINY_MODEL = ModelConfig(
+  vocab_size=61,
+  d_model=32,
+  num_heads=4,
+  num_kv_heads=2,
+  head_dim=8,
+  mlp_dim=48,
+  num_prelude_layers=1,
+  num_core_layers=2,
+  num_coda_layers=1,
+  num_recurrences=3,
+  max_seq_len=16,
+  init_std=0.2,
+)
+
+
+def set_field(config, dotted: str, value) -> None:
+  """config.<dotted> = value, even if the type differs (to test bad values)."""
+  node = config
+  *parents, leaf = dotted.split(".")
+  for p in parents:
+    node = node[p]
+  with node.ignore_type():
+    node[leaf] = value
+
+
+class TempDirTestCase(absltest.TestCase):
+  """self.tmp: a fresh directory per test (absltest's create_tempdir needs parsed flags,
+  which pytest does not provide)."""
+
+  def setUp(self):
+    super().setUp()
+    self._tmp = tempfile.TemporaryDirectory()
+    self.tmp = self._tmp.name
+
+  def tearDown(self):
+    self._tmp.cleanup()
+    super().tearDown()
