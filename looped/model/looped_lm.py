@@ -67,7 +67,8 @@ class Recurrence(nn.Module):
 
   carry: {'h': h_BxTxD, 'final_kv': per-layer KV of the last active recurrence (parallel)}.
   xs (per recurrence): {'active_B', 'stop_B', 'read_shared' (scalar), 'past' (unshared decode)}.
-  bcast: {'e', 'positions', 'self_mask', 'past_mask', 'shared_kv' (per layer or None)}.
+  bcast: {'e', 'positions', 'self_mask', 'past_mask', 'shared_kv' (per layer or None),
+    'read_past' (optional: KV-format read of earlier positions' K/V)}.
   """
 
   cfg: ModelConfig
