@@ -254,9 +254,7 @@ class Scheduler:
         if seq.num_output == seq.request.output_len:
           self._finish(seq, end)
           any_finished = True
-    if any_finished:
-      self.running = [s for s in self.running if s.finish_s is None]
-    return end
+    return self._drop_finished(any_finished, end)
 
   def _decode_run(self, seqs: list[Sequence], context: int, now: float, next_arrival: float):
     """Applies k identical-shape decode steps at once (see module docstring)."""
@@ -307,6 +305,10 @@ class Scheduler:
       if seq.num_output == seq.request.output_len:
         self._finish(seq, end)
         any_finished = True
+    return self._drop_finished(any_finished, end)
+
+  def _drop_finished(self, any_finished: bool, end: float) -> float:
+    """Removes finished sequences from the running list; returns the step's end time."""
     if any_finished:
       self.running = [s for s in self.running if s.finish_s is None]
     return end
