@@ -1,10 +1,12 @@
 r"""One Markdown table over many pipeline runs (seeds, arms, ablations), with per-group means.
 
-  python -m looped.benice.collect /work/runs/benice/*
+  python -m looped.benice.collect /work/runs/benice/*_s[0-9]
+  python -m looped.benice.collect --models=benice /work/runs/benice/abl_*
 
-Each argument is a pipeline workdir (or its report/shareability.json). Runs whose names differ
-only in a trailing `_s<seed>` form a group; the table lists every run and model, then each
-group's mean and spread (max - min) over seeds.
+Each argument is a pipeline workdir (or its report/shareability.json); `--models=a,b` keeps only
+those models. Runs whose names differ only in a trailing `_s<seed>` form a group; the table
+lists every run and model, then each group's mean with its spread (max - min over seeds) in
+brackets.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ COLUMNS = ("ppl_unshared", "ppl_shared", "gap")
 def load(path: str) -> dict:
   if os.path.isdir(path):
     path = os.path.join(path, "report", "shareability.json")
+  if not os.path.isfile(path):
+    raise SystemExit(f"collect: no report at {path} (has that pipeline run finished?)")
   with open(path) as f:
     return json.load(f)
 
@@ -37,61 +41,76 @@ def _group(name: str) -> str:
   return re.sub(r"_s\d+$", "", name)
 
 
-def rows(paths: list[str]) -> list[dict]:
-  """One row per (run, model): the headline numbers and the largest Jacobi pass count's gap."""
+def rows(paths: list[str], models: tuple[str, ...] = ()) -> list[dict]:
+  """One row per (run, model): headline numbers and the gap at every Jacobi pass count."""
   out = []
   for path in paths:
     report = load(path)
     for model, m in report["models"].items():
-      last = list(m["gap_jacobi"])[-1]
+      if models and model not in models:
+        continue
       out.append(
         {
           "run": _run_name(path),
           "model": model,
           **{k: m[k] for k in COLUMNS},
-          "gap_jacobi": m["gap_jacobi"][last],
-          "jacobi_passes": last,
+          "gap_jacobi": {int(n): g for n, g in m["gap_jacobi"].items()},
           "contraction": m["contraction_ratios"],
         }
       )
   return out
 
 
-def table(paths: list[str]) -> str:
-  rs = rows(paths)
+def _pct(x: float) -> str:
+  return f"{100 * x:+.1f}%"
+
+
+def table(paths: list[str], models: tuple[str, ...] = ()) -> str:
+  """Per-run rows, then per-group means with the spread (max - min over seeds) in brackets."""
+  rs = rows(paths, models)
+  passes = sorted({n for r in rs for n in r["gap_jacobi"]})
+  jacobi_head = " | ".join(f"gap J{n}" for n in passes)
   lines = [
-    "| run | model | ppl unshared | ppl shared exact | gap exact | gap Jacobi | contraction |",
-    "|---|---|---|---|---|---|---|",
+    f"| run | model | ppl unshared | ppl shared exact | gap exact | {jacobi_head} | contraction |",
+    "|---|---|---|---|---|" + "---|" * len(passes) + "---|",
   ]
   for r in rs:
+    jacobi = " | ".join(_pct(r["gap_jacobi"][n]) if n in r["gap_jacobi"] else "-" for n in passes)
     lines.append(
       f"| {r['run']} | {r['model']} | {r['ppl_unshared']:.3f} | {r['ppl_shared']:.3f} | "
-      f"{100 * r['gap']:+.1f}% | {100 * r['gap_jacobi']:+.1f}% (J{r['jacobi_passes']}) | "
-      + " ".join(f"{c:.2f}" for c in r["contraction"])
-      + " |"
+      f"{_pct(r['gap'])} | {jacobi} | " + " ".join(f"{c:.2f}" for c in r["contraction"]) + " |"
     )
   groups: dict = {}
   for r in rs:
     groups.setdefault((_group(r["run"]), r["model"]), []).append(r)
   lines += [
     "",
-    "| group | model | seeds | ppl unshared | ppl shared exact | gap exact (mean, spread) |",
-    "|---|---|---|---|---|---|",
+    f"| group | model | seeds | ppl unshared | ppl shared exact | gap exact | {jacobi_head} |",
+    "|---|---|---|---|---|---|" + "---|" * len(passes),
   ]
+
+  def stat(values, fmt) -> str:
+    values = [v for v in values if v is not None]
+    if not values:
+      return "-"
+    mean, spread = float(np.mean(values)), float(np.ptp(values))
+    return f"{fmt(mean)} ({fmt(spread).lstrip('+')})" if len(values) > 1 else fmt(mean)
+
+  f3 = lambda x: f"{x:.3f}"
   for (group, model), members in groups.items():
-    mean = {k: float(np.mean([m[k] for m in members])) for k in COLUMNS}
-    spread = float(np.ptp([m["gap"] for m in members]))
-    lines.append(
-      f"| {group} | {model} | {len(members)} | {mean['ppl_unshared']:.3f} | "
-      f"{mean['ppl_shared']:.3f} | {100 * mean['gap']:+.1f}% ({100 * spread:.1f} pts) |"
-    )
+    cells = [stat([m[k] for m in members], f3) for k in ("ppl_unshared", "ppl_shared")]
+    cells.append(stat([m["gap"] for m in members], _pct))
+    cells += [stat([m["gap_jacobi"].get(n) for m in members], _pct) for n in passes]
+    lines.append(f"| {group} | {model} | {len(members)} | " + " | ".join(cells) + " |")
   return "\n".join(lines)
 
 
 def main(argv: list[str]) -> None:
-  if not argv:
+  models = tuple(m for a in argv if a.startswith("--models=") for m in a[9:].split(",") if m)
+  paths = [a for a in argv if not a.startswith("--")]
+  if not paths or any(a.startswith("--") and not a.startswith("--models=") for a in argv):
     raise SystemExit(__doc__)
-  print(table(argv))
+  print(table(paths, models))
 
 
 if __name__ == "__main__":

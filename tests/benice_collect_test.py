@@ -1,0 +1,60 @@
+"""looped.benice.collect: the many-run table, on hand-written reports with hand-derived means."""
+
+import json
+import os
+
+from absl.testing import absltest
+
+from looped import testing
+from looped.benice import collect
+
+
+def _model(ppl_unshared, ppl_shared, gap, gap_j1, gap_j4):
+  return {
+    "ppl_unshared": ppl_unshared,
+    "ppl_shared": ppl_shared,
+    "gap": gap,
+    "gap_jacobi": {"1": gap_j1, "4": gap_j4},
+    "contraction_ratios": [0.5, 0.25],
+  }
+
+
+class CollectTest(testing.TempDirTestCase):
+  def _write(self, run, models):
+    os.makedirs(os.path.join(self.tmp, run, "report"))
+    with open(os.path.join(self.tmp, run, "report", "shareability.json"), "w") as f:
+      json.dump({"models": models}, f)
+    return os.path.join(self.tmp, run)
+
+  def test_groups_seeds_with_mean_and_spread(self):
+    runs = [
+      self._write("arm_s0", {"zero_shot": _model(4.0, 4.4, 0.10, 0.02, 0.08)}),
+      self._write("arm_s1", {"zero_shot": _model(5.0, 5.2, 0.04, 0.00, 0.06)}),
+      self._write("other_s0", {"zero_shot": _model(3.0, 3.0, 0.0, 0.0, 0.0)}),
+    ]
+    text = collect.table(runs)
+    self.assertIn(
+      "| arm_s1 | zero_shot | 5.000 | 5.200 | +4.0% | +0.0% | +6.0% | 0.50 0.25 |", text
+    )
+    # Means (4.5, 4.8, 7%, 1%, 7%), spreads (1.0, 0.8, 6, 2, 2 points).
+    self.assertIn(
+      "| arm | zero_shot | 2 | 4.500 (1.000) | 4.800 (0.800) | +7.0% (6.0%) | +1.0% (2.0%) "
+      "| +7.0% (2.0%) |",
+      text,
+    )
+    self.assertIn("| other | zero_shot | 1 | 3.000 | 3.000 | +0.0% | +0.0% | +0.0% |", text)
+
+  def test_models_filter_and_missing_report(self):
+    run = self._write(
+      "abl_s0",
+      {"finetune": _model(4.0, 4.0, 0.0, 0.0, 0.0), "benice": _model(4.1, 4.1, 0.0, 0.0, 0.0)},
+    )
+    text = collect.table([run], models=("benice",))
+    self.assertIn("| abl_s0 | benice |", text)
+    self.assertNotIn("finetune", text)
+    with self.assertRaisesRegex(SystemExit, "no report at .*missing"):
+      collect.table([os.path.join(self.tmp, "missing")])
+
+
+if __name__ == "__main__":
+  absltest.main()
