@@ -54,6 +54,11 @@ class CollectTest(testing.TempDirTestCase):
     self.assertNotIn("finetune", text)
     with self.assertRaisesRegex(SystemExit, "no report at .*missing"):
       collect.table([os.path.join(self.tmp, "missing")])
+    log = os.path.join(self.tmp, "abl_s0.log")
+    with open(log, "w") as f:
+      f.write("I1130 training log\n")
+    with self.assertRaisesRegex(SystemExit, "abl_s0.log is not a shareability report"):
+      collect.table([log])
 
 
 if __name__ == "__main__":

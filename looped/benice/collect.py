@@ -27,7 +27,13 @@ def load(path: str) -> dict:
   if not os.path.isfile(path):
     raise SystemExit(f"collect: no report at {path} (has that pipeline run finished?)")
   with open(path) as f:
-    return json.load(f)
+    try:
+      report = json.load(f)
+    except json.JSONDecodeError as e:
+      raise SystemExit(f"collect: {path} is not a shareability report ({e})") from None
+  if not isinstance(report, dict) or "models" not in report:
+    raise SystemExit(f"collect: {path} is not a shareability report (no 'models')")
+  return report
 
 
 def _run_name(path: str) -> str:
