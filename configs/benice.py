@@ -7,7 +7,8 @@
       --config.pipeline.finetune_workdir=/tmp/fixed/finetune --config.benice.read_recurrences=first
 
 Args (comma-separated): `smoke` (tiny, runs in about a minute on a CPU, for tests), `fixed`
-(pretrain at fixed depth: every recurrence runs for every sequence, no stochastic depth).
+(pretrain at fixed depth: every recurrence runs for every sequence, no stochastic depth),
+`zero_shot` (pretraining and its zero-shot shareability evaluation only, no KV formats).
 
 Stage configs: pretraining reads seed/model/data/depth/train (fields and comments as in
 configs/pretrain.py). Both post-training stages (standard finetune and BeNice!) read the same
@@ -22,12 +23,14 @@ from configs import pretrain
 
 def get_config(arg: str = "") -> ml_collections.ConfigDict:
   args = {a for a in arg.split(",") if a}
-  unknown = args - {"smoke", "fixed"}
+  unknown = args - {"smoke", "fixed", "zero_shot"}
   if unknown:
-    raise ValueError(f"Unknown config args {sorted(unknown)}; allowed: 'smoke', 'fixed'.")
+    raise ValueError(
+      f"Unknown config args {sorted(unknown)}; allowed: 'smoke', 'fixed', 'zero_shot'."
+    )
 
   # seed, model, data, depth and train of stage 1, with `smoke`/`fixed` applied as there.
-  c = pretrain.get_config(",".join(sorted(args)))
+  c = pretrain.get_config(",".join(sorted(args - {"zero_shot"})))
   c.program = "benice"  # Which program main runs: the whole BeNice! pipeline.
   c.train.num_steps = 500  # Pretraining steps (default model: ~0.6-1.2 s/step on 2 CPU cores).
   c.train.eval_every = 250  # Pretraining steps between validation passes.
@@ -67,6 +70,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.pipeline = ml_collections.ConfigDict()  # Reuse of finished stages from other runs.
   c.pipeline.pretrain_workdir = ""  # Finished pretraining run to start from ('' = train one).
   c.pipeline.finetune_workdir = ""  # Finished standard-finetune run ('' = train one).
+  c.pipeline.models = ("zero_shot", "finetune", "benice")  # Models trained and evaluated.
 
   if "smoke" in args:
     c.train.num_steps = 20
@@ -80,4 +84,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.eval.jacobi_passes = (1, 2)
     c.eval.decode_batches = 1
     c.eval.kv_formats = ("nvfp4",)
+  if "zero_shot" in args:  # Pretraining and its zero-shot evaluation only (sweeps).
+    c.pipeline.models = ("zero_shot",)
+    c.eval.kv_formats = ()
   return c

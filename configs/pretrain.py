@@ -25,6 +25,7 @@ def model_config() -> ml_collections.ConfigDict:
   m.num_coda_layers = 1  # C: layers after the loop (run once, ordinary KV-cache).
   m.num_recurrences = 4  # R: core-block recurrences at evaluation (and the training maximum).
   m.injection = "diagonal"  # How e enters each recurrence: 'diagonal', 'linear', 'additive'.
+  m.diagonal_decay_init = 0.5  # injection='diagonal': per-channel decay of h at init, in (0, 1).
   m.state_init = "like_init"  # h_0: 'like_init' (scaled noise), 'zeros', 'embed' (h_0 = e).
   m.state_init_std = 0.02  # Std of h_0 noise for state_init='like_init'.
   m.prelude_norm = True  # RMSNorm on the prelude output e before injection.

@@ -66,13 +66,18 @@ def number(
   min_value: float | None = None,
   max_value: float | None = None,
   min_exclusive: bool = False,
+  max_exclusive: bool = False,
 ) -> float:
   value = get(config, path)
   if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
     fail(path, value, "must be a finite number")
   if min_exclusive and min_value is not None and value <= min_value:
     fail(path, value, f"must be > {min_value}")
-  _check_range(path, value, None if min_exclusive else min_value, max_value)
+  if max_exclusive and max_value is not None and value >= max_value:
+    fail(path, value, f"must be < {max_value}")
+  _check_range(
+    path, value, None if min_exclusive else min_value, None if max_exclusive else max_value
+  )
   return float(value)
 
 

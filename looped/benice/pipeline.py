@@ -39,6 +39,16 @@ def validate(config) -> None:
   cc.choice(config, "program", ("benice",))
   for stage in stages.STAGES:
     stages.validate_stage(config, stage)
+  models = cc.get(config, "pipeline.models")
+  if (
+    not isinstance(models, (tuple, list))
+    or not models
+    or any(m not in MODELS for m in models)
+    or len(set(models)) != len(models)
+  ):
+    cc.fail(
+      "pipeline.models", models, f"must be a non-empty tuple of distinct names from {tuple(MODELS)}"
+    )
   cc.choice(config, "benice.read_recurrences", objectives.READ_MODES)
   for name in ("shared_ce_weight", "unshared_ce_weight", "kl_weight", "residual_weight"):
     cc.number(config, "benice." + name, min_value=0.0)
@@ -109,7 +119,8 @@ def _evaluate(config, workdir: str, model: LoopedLM, abstract, stage_dirs: dict)
   """Shareability metrics of each model, from cache where checkpoint and settings match."""
   eval_batches = data_lib.make_eval_batches(config, process_index=0, process_count=1)
   results = {}
-  for name, stage in MODELS.items():
+  for name in config.pipeline.models:
+    stage = MODELS[name]
     stage_dir = stage_dirs[stage]
     key = {
       "checkpoint": os.path.abspath(stage_dir),
@@ -169,7 +180,10 @@ def run(config, workdir: str) -> dict:
   else:
     _train_stage(config, stages.PRETRAIN, stage_dirs[stages.PRETRAIN], model, language_modeling)
 
-  if config.pipeline.finetune_workdir:
+  models = tuple(config.pipeline.models)
+  if "finetune" not in models:
+    stage_dirs.pop(stages.FINETUNE)
+  elif config.pipeline.finetune_workdir:
     logging.info("Stage finetune: reusing %s", config.pipeline.finetune_workdir)
   else:
     _train_stage(
@@ -180,9 +194,12 @@ def run(config, workdir: str) -> dict:
     frozen = pretrained() if c.benice.kl_weight > 0 else None
     return objectives.benice(model, c.depth, c.benice, frozen)
 
-  _train_stage(
-    config, stages.BENICE, stage_dirs[stages.BENICE], model, benice_objective, pretrained
-  )
+  if "benice" in models:
+    _train_stage(
+      config, stages.BENICE, stage_dirs[stages.BENICE], model, benice_objective, pretrained
+    )
+  else:
+    stage_dirs.pop(stages.BENICE)
 
   results = _evaluate(config, workdir, model, abstract, stage_dirs)
   out = report.build(config, results, stage_dirs)

@@ -32,6 +32,7 @@ class ModelConfig:
   num_coda_layers: int = 1
   num_recurrences: int = 4
   injection: str = "diagonal"
+  diagonal_decay_init: float = 0.5
   state_init: str = "like_init"
   state_init_std: float = 0.02
   prelude_norm: bool = True
@@ -90,6 +91,14 @@ def validate(config, prefix: str = "model") -> None:
   cc.choice(config, p + "dtype", DTYPES)
   cc.choice(config, p + "param_dtype", DTYPES)
   cc.number(config, p + "state_init_std", min_value=0.0)
+  cc.number(
+    config,
+    p + "diagonal_decay_init",
+    min_value=0.0,
+    max_value=1.0,
+    min_exclusive=True,
+    max_exclusive=True,
+  )
   cc.number(config, p + "rope_base", min_value=1.0, min_exclusive=True)
   cc.number(config, p + "init_std", min_value=0.0, min_exclusive=True)
   for name in ("prelude_norm", "qk_norm", "tie_embeddings", "scan_recurrences", "remat"):

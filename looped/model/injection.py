@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import flax.linen as nn
 import jax.numpy as jnp
 
@@ -28,7 +30,9 @@ class Injection(nn.Module):
     if cfg.injection == "linear":
       w = projection(cfg, d, (2 * d) ** -0.5, "linear")
       return w(jnp.concatenate([h_BxTxD, e_BxTxD], axis=-1))
-    a_log_D = self.param("A_log", nn.initializers.zeros, (d,), jnp.float32)
+    # decay = exp(-softplus(dt) exp(A_log)); dt = 0 at init, A_log set so decay = decay_init.
+    a_log_init = math.log(-math.log(cfg.diagonal_decay_init) / math.log(2.0))
+    a_log_D = self.param("A_log", nn.initializers.constant(a_log_init), (d,), jnp.float32)
     dt_D = self.param("dt", nn.initializers.zeros, (d,), jnp.float32)
     step_D = nn.softplus(dt_D)
     decay_D = jnp.exp(-step_D * jnp.exp(a_log_D))
