@@ -7,6 +7,7 @@ setuptools.setup(
   version="0.1.0",
   description="Looped (recurrent-depth) LMs with KV-sharing across recurrences (BeNice!).",
   packages=setuptools.find_packages(include=["looped", "looped.*", "configs"]),
+  package_data={"looped.serving": ["traces_data/*.jsonl", "traces_data/*.md"]},
   python_requires=">=3.10",
   install_requires=[
     "jax>=0.6",

@@ -4,7 +4,7 @@ r"""Speed of the serving simulator: replays a whole trace at one KV budget.
   python benchmarks/serve_sim.py --budget_gb=32 --layout=unshared --profile
 
 Uses the paper-size model of configs/serve_sim.py on the H200 profile and, by default, the Mooncake
-conversation trace (12,031 requests) from ../shared/data/mooncake relative to the repository root.
+conversation trace (12,031 requests) bundled with the package (alias `mooncake_conversation`).
 Prints a table (wall seconds, simulated steps, the run's metrics) and writes JSON with --out.
 """
 
@@ -22,12 +22,12 @@ sys.path.insert(0, _REPO)
 from configs import serve_sim  # noqa: E402
 from looped.serving import hardware, scheduler, simulate, traces  # noqa: E402
 
-_TRACE = os.path.join(_REPO, "..", "shared", "data", "mooncake", "conversation_trace.jsonl")
-
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--trace", default=_TRACE, help="Mooncake JSONL trace.")
+  parser.add_argument(
+    "--trace", default="mooncake_conversation", help="Mooncake JSONL trace or bundled alias."
+  )
   parser.add_argument("--budget_gb", type=float, default=64.0, help="KV budget in GB (1e9).")
   parser.add_argument("--layout", choices=("shared", "unshared"), default="shared")
   parser.add_argument("--kv_format", default="bf16")

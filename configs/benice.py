@@ -1,4 +1,4 @@
-"""The BeNice! pipeline (DESIGN.md §4): pretrain -> standard finetune and BeNice! -> evaluate.
+"""The BeNice! pipeline (docs/design.md §4): pretrain -> standard finetune and BeNice! -> evaluate.
 
   python -m looped.main --config=configs/benice.py --workdir=/tmp/benice
   python -m looped.main --config=configs/benice.py:smoke,fixed --workdir=/tmp/benice_smoke

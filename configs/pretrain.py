@@ -11,7 +11,7 @@ import ml_collections
 
 
 def model_config() -> ml_collections.ConfigDict:
-  """The looped LM (DESIGN.md section 2). Shared by every program that needs a model's shape."""
+  """The looped LM (docs/design.md §2). Shared by every program that needs a model's shape."""
   m = ml_collections.ConfigDict()
   m.vocab_size = 257  # Embedding rows; >= the tokenizer's vocabulary (bytes: 256 + EOS).
   m.d_model = 128  # Residual stream width.

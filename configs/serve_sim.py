@@ -1,9 +1,9 @@
 """Serving simulation: prefix-cache hit rate, throughput and latency of a looped LM under KV
-memory budgets, with and without KV-sharing (DESIGN.md section 5).
+memory budgets, with and without KV-sharing (docs/design.md §5).
 
   python -m looped.main --config=configs/serve_sim.py --workdir=/tmp/sim
   python -m looped.main --config=configs/serve_sim.py --workdir=/tmp/sim \
-      --config.sim.trace=../shared/data/mooncake/conversation_trace.jsonl \
+      --config.sim.trace=mooncake_conversation \
       --config.sim.kv_budget_bytes='(2.4e10, 6.4e10, None)' --config.sim.kv_format=bf16,nvfp4
   python -m looped.main --config=configs/serve_sim.py:smoke --workdir=/tmp/sim_smoke
 
@@ -45,7 +45,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.model.max_seq_len = 131072  # Longest prompt + output served (Mooncake's longest is 126k).
 
   c.sim = ml_collections.ConfigDict()
-  c.sim.trace = ""  # Mooncake JSONL path; '' = the synthetic trace configured in c.synthetic.
+  c.sim.trace = (
+    ""  # Mooncake JSONL path or bundled alias ('mooncake_conversation'); '' = synthetic.
+  )
   c.sim.time_scale = 1.0  # Arrival times are multiplied by this (0.5 = replay twice as fast).
   c.sim.max_requests = 0  # Replay only the first N requests (0 = all).
   c.sim.kv_budget_bytes = (24e9, 32e9, 48e9, 64e9, 96e9, 128e9)  # KV budgets (None = unbounded).

@@ -1,7 +1,7 @@
 """Quantized storage for K/V vectors: bf16, fp8, mxfp8 (OCP MX, two scale roundings), nvfp4.
 
 Every KV cache in the project stores its pages through `quantize` and reads them through
-`dequantize` (DESIGN.md section 4: quantization is evaluated by running the real round trip on
+`dequantize` (docs/design.md §4: quantization is evaluated by running the real round trip on
 every cache read). Values are quantized along the last axis (the head dim); leading axes are
 arbitrary ([..., heads, head_dim], [pages, page_size, heads, head_dim], ...).
 

@@ -1,15 +1,11 @@
 """Scheduler: exact hit rates, pages in use, eviction order, preemption, invariants, no leaks."""
 
 import math
-import os
 import random
 
 from absl.testing import absltest
 
 from looped.serving import cost_model, hardware, metrics, pages, replay, scheduler, shape, traces
-
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_MOONCAKE = os.path.join(_REPO, "..", "shared", "data", "mooncake", "conversation_trace.jsonl")
 
 _TINY = shape.ModelShape(
   vocab_size=257,
@@ -225,7 +221,7 @@ class RandomWorkloadTest(absltest.TestCase):
 
 class MooncakeReuseTest(absltest.TestCase):
   def test_unbounded_non_overlapping_hit_rate_equals_trace_prefix_reuse(self):
-    reqs = traces.load_mooncake(_MOONCAKE, max_requests=400)
+    reqs = traces.load_mooncake("mooncake_conversation", max_requests=400)
     reqs = [
       traces.Request(r.request_id, 1e5 * i, r.prompt_len, 1, r.block_hashes)
       for i, r in enumerate(reqs)

@@ -55,6 +55,19 @@ class LoadMooncakeTest(absltest.TestCase):
         with self.assertRaisesRegex(traces.TraceError, f"trace.jsonl:2: .*{message}"):
           traces.load_mooncake(path)
 
+  def test_non_utf8_line_fails_with_its_line_number(self):
+    path = self._write([_line(ts=10), _line(ts=20)])
+    with open(path, "ab") as f:
+      f.write(b'{"timestamp": 30, "input_length": 5\xff}\n')
+    with self.assertRaisesRegex(traces.TraceError, "trace.jsonl:3: not UTF-8"):
+      traces.load_mooncake(path)
+
+  def test_bundled_mooncake_trace_by_alias(self):
+    reqs = traces.load_mooncake("mooncake_conversation")
+    self.assertLen(reqs, 12031)  # The README of traces_data: 12,031 requests.
+    self.assertTrue(os.path.isfile(traces.resolve("mooncake_conversation")))
+    self.assertEqual(traces.resolve("/some/file.jsonl"), "/some/file.jsonl")
+
   def test_empty_trace_fails(self):
     with self.assertRaisesRegex(traces.TraceError, "no requests"):
       traces.load_mooncake(self._write([""]))

@@ -1,4 +1,4 @@
-"""BeNice! post-training, its baselines and the KV-shareability evaluation (DESIGN.md §3-4).
+"""BeNice! post-training, its baselines and the KV-shareability evaluation (docs/design.md §3-4).
 
 objectives.py  the BeNice! loss           evaluation.py  shareability metrics of one model
 stages.py      per-stage configs/markers  pipeline.py    the `benice` program (all stages)

@@ -1,4 +1,4 @@
-"""KV-shareability of one set of params on held-out data (DESIGN.md §3).
+"""KV-shareability of one set of params on held-out data (docs/design.md §3).
 
 Definitions (all at full depth R, next-token perplexities = exp(mean CE in nats)):
   ppl_unshared         ordinary forward over the whole eval set.

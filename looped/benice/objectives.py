@@ -1,4 +1,4 @@
-"""The BeNice! post-training objective (DESIGN.md §4), as a trainer `Objective`.
+"""The BeNice! post-training objective (docs/design.md §4), as a trainer `Objective`.
 
 One step, for a batch x at post-training depth (fixed R unless configured):
 

@@ -1,4 +1,4 @@
-"""The BeNice! program (DESIGN.md §4): one command from pretraining to the shareability report.
+"""The BeNice! program (docs/design.md §4): one command from pretraining to the shareability report.
 
   stage 1  pretrain     WORKDIR/pretrain  LM loss with config.depth (stochastic depth by default)
   stage 2  finetune     WORKDIR/finetune  standard finetuning from the pretrained params

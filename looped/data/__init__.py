@@ -1,4 +1,4 @@
-"""Data: document sources, tokenizers, packing into rows, Grain iterators (DESIGN.md section 8).
+"""Data: document sources, tokenizers, packing into rows, Grain iterators (docs/design.md §8).
 
 The trainer uses only these names; row layout and split rules are documented in packing.py and
 sources.py.

@@ -2,7 +2,7 @@
 
 A sequence mixer maps x_BxTxD to y_BxTxD and returns the per-token state that a decode cache
 stores for it (for attention: post-RoPE keys and values). What the new tokens attend to is
-described by a `MixerContext`, so the same layer serves every KV-sharing mode (DESIGN.md §3):
+described by a `MixerContext`, so the same layer serves every KV-sharing mode (docs/design.md §3):
 
 - parallel unshared forward: no past; causal attention among the T tokens themselves;
 - Jacobi shared pass: past = final-recurrence K/V of the same positions (s < t), plus the token's

@@ -1,4 +1,4 @@
-"""Decode-time KV cache in the two layouts of DESIGN.md §3, stored raw or in a KV format.
+"""Decode-time KV cache in the two layouts of docs/design.md §3, stored raw or in a KV format.
 
 Unshared: one K/V per core layer *per recurrence* (core entries are [R, B, S, K, H]); memory
 grows with R. Shared: the final recurrence's K/V only (core entries are [B, S, K, H]). Prelude

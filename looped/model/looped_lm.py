@@ -1,4 +1,4 @@
-"""The looped LM (DESIGN.md §2): prelude -> R recurrences of one core block -> coda -> head.
+"""The looped LM (docs/design.md §2): prelude -> R recurrences of one core block -> coda -> head.
 
     tokens -> embed -> prelude -> [norm] -> e;  h_0 = init(e)
     h_r = core(inject(h_{r-1}, e))  for r = 1..R   (masked recurrences keep h_{r-1})

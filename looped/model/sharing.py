@@ -1,4 +1,4 @@
-"""Shared-KV forwards (DESIGN.md §3): parallel Jacobi passes and exact token-by-token decode.
+"""Shared-KV forwards (docs/design.md §3): parallel Jacobi passes and exact token-by-token decode.
 
 Exact shared decode is sequential: token t's recurrences read the *final* recurrence's K/V of
 tokens s < t, which themselves were computed with shared reads. The Jacobi scheme approximates it

@@ -124,8 +124,13 @@ def validate(config: Any) -> None:
   checks.choice(config, "program", ("serve_sim",))
   shape = model_shape(config)
   path = checks.string(config, "sim.trace", allow_empty=True)
-  if path and not os.path.isfile(path):
-    checks.fail("sim.trace", path, "must be an existing Mooncake JSONL file ('' = synthetic)")
+  if path and not os.path.isfile(traces.resolve(path)):
+    checks.fail(
+      "sim.trace",
+      path,
+      "must be an existing Mooncake JSONL file, a bundled trace "
+      f"({', '.join(sorted(traces.BUNDLED))}) or '' (synthetic)",
+    )
   if not path:
     _synthetic_spec(config)
   checks.number(config, "sim.time_scale", min_value=0, min_exclusive=True)

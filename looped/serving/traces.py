@@ -11,6 +11,7 @@ import collections
 import dataclasses
 import json
 import math
+import os
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -90,11 +91,24 @@ class _ChainChecker:
       parent = h
 
 
+# Traces shipped with the package (traces_data/README.md names source and license), by alias.
+BUNDLED = {
+  "mooncake_conversation": os.path.join(
+    os.path.dirname(__file__), "traces_data", "mooncake_conversation.jsonl"
+  ),
+}
+
+
+def resolve(trace: str) -> str:
+  """A bundled trace's alias -> its path; any other string is taken as a path."""
+  return BUNDLED.get(trace, trace)
+
+
 def load_mooncake(path: str, *, time_scale: float = 1.0, max_requests: int = 0) -> list[Request]:
   """Reads and validates a Mooncake JSONL trace.
 
   Args:
-    path: the .jsonl file.
+    path: the .jsonl file, or the alias of a bundled trace (`BUNDLED`).
     time_scale: arrival times are multiplied by this (0.5 replays the trace twice as fast).
     max_requests: keep only the first N requests (0: all).
 
@@ -106,11 +120,16 @@ def load_mooncake(path: str, *, time_scale: float = 1.0, max_requests: int = 0) 
   requests = []
   chain = _ChainChecker()
   last_ts = 0.0
-  with open(path) as f:
-    for lineno, line in enumerate(f, start=1):
+  path = resolve(path)
+  with open(path, "rb") as f:
+    for lineno, raw in enumerate(f, start=1):
+      where = f"{path}:{lineno}"
+      try:
+        line = raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise TraceError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start}).") from None
       if not line.strip():
         continue
-      where = f"{path}:{lineno}"
       try:
         row = json.loads(line)
       except json.JSONDecodeError as e:

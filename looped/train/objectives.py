@@ -45,7 +45,7 @@ def sample_depth(key, batch: int, model: LoopedLM, depth_cfg) -> jax.Array:
 
 
 def language_modeling(model: LoopedLM, depth_cfg) -> Objective:
-  """Next-token CE with stochastic depth and truncated backprop (stage 1, DESIGN.md §4)."""
+  """Next-token CE with stochastic depth and truncated backprop (stage 1, docs/design.md §4)."""
 
   def loss_fn(params, frozen, batch, key):
     del frozen
