@@ -53,6 +53,7 @@ def data_config() -> ml_collections.ConfigDict:
   d.tokenizer = "bytes"  # 'bytes' (UTF-8 bytes + EOS) or 'sentencepiece'.
   d.spm_path = ""  # SentencePiece model file for tokenizer='sentencepiece'.
   d.val_fraction = 0.05  # Fraction of documents (files) held out for validation.
+  d.segment_bytes = 4096  # Files longer than this are split train/val in segments (0: whole).
   d.max_documents = 0  # Use only the first N documents after the split hash (0 = all).
   d.seq_len = 128  # Tokens per training row.
   d.batch_size = 16  # Global batch size (rows per step, split across processes).

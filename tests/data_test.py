@@ -23,6 +23,7 @@ import looped.data as data
 from configs import pretrain
 from looped.config_checks import ConfigError
 from looped.data import packing, sources, tokenizers
+from looped.data import pipeline as data_pipeline
 
 EOS = 256
 SEQ = 8
@@ -119,6 +120,60 @@ def orbax_save_and_restore(test, iterator, fresh_iterator, step=3):
       step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(fresh_iterator))
     )
   return restored["data"]
+
+
+class SingleFileCorpusTest(absltest.TestCase):
+  """One long file is a corpus: its segments are split, and the pieces tile the file."""
+
+  def setUp(self):
+    super().setUp()
+    self.root = make_tempdir(self)
+    rng = np.random.default_rng(0)
+    words = ["looped", "Grüße", "κόσμε", "🙂", "recurrence", "cache", "\n"]
+    text = " ".join(rng.choice(words, size=180_000))  # ~1.1 MB with multi-byte characters.
+    self.path = os.path.join(self.root, "input.txt")
+    write_corpus(self.root, {"input.txt": text})
+    self.text = text
+    self.size = os.path.getsize(self.path)
+
+  def config(self, **fields):
+    c = text_config(self.root, **fields)
+    c.data.text_glob = self.path
+    return c
+
+  def test_segments_split_by_their_own_hash_and_tile_the_file(self):
+    c = self.config(val_fraction=0.05)
+    seg = c.data.segment_bytes
+    pieces = {s: sources.split_documents(c.data, s) for s in sources.SPLITS}
+    self.assertNotEmpty(pieces["train"])
+    self.assertNotEmpty(pieces["validation"])
+    # Independent membership: segment i is validation iff sha256('input.txt#i') < 0.05 * 2**64.
+    sha_fraction = lambda n: int.from_bytes(hashlib.sha256(n.encode()).digest()[:8], "big") / 2**64
+    num_segments = -(-self.size // seg)
+    want_val = [i for i in range(num_segments) if sha_fraction(f"input.txt#{i}") < 0.05]
+    got_val = [
+      i for d in pieces["validation"] for i in range(d.start // seg, (d.end or self.size) // seg)
+    ] + ([num_segments - 1] if pieces["validation"][-1].end is None else [])
+    self.assertEqual(sorted(set(got_val)), want_val)
+    # The pieces of both splits, in file order, reassemble the file's text exactly.
+    ordered = sorted(pieces["train"] + pieces["validation"], key=lambda d: d.start)
+    self.assertEqual("".join(sources.read_text(d) for d in ordered), self.text)
+
+  def test_whole_file_split_has_an_empty_train_split_and_says_what_to_change(self):
+    c = self.config(segment_bytes=0, val_fraction=0.05)
+    split = "train" if sha_fraction_of("input.txt") < 0.05 else "validation"
+    with self.assertRaisesRegex(ValueError, "segment_bytes"):
+      data_pipeline.split_stream(c.data, split)
+
+  def test_trains_from_one_file(self):
+    c = self.config(val_fraction=0.05)
+    batch = next(data.make_train_iterator(c, process_index=0, process_count=1))
+    self.assertEqual(batch["inputs"].shape, (4, SEQ))
+    self.assertLen(data.make_eval_batches(c, process_index=0, process_count=1), 3)
+
+
+def sha_fraction_of(name: str) -> float:
+  return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") / 2**64
 
 
 class TextCorpusTest(absltest.TestCase):

@@ -28,6 +28,7 @@ FIELDS = (
   "spm_path",
   "val_fraction",
   "max_documents",
+  "segment_bytes",
   "seq_len",
   "batch_size",
   "eval_batch_size",
@@ -55,6 +56,7 @@ def validate(config) -> None:
   if val_fraction >= 1:
     cc.fail("data.val_fraction", val_fraction, "must be < 1 (the rest is the train split)")
   cc.integer(config, "data.max_documents", min_value=0)
+  cc.integer(config, "data.segment_bytes", min_value=0)
   cc.integer(config, "data.seq_len", min_value=1)
   max_seq_len = cc.get(config, "model.max_seq_len")
   if data.seq_len > max_seq_len:

@@ -36,13 +36,17 @@ def split_stream(data_cfg, split: str) -> np.ndarray:
   if not docs:
     raise ValueError(
       f"The {split} split of {_describe(data_cfg)} has no documents (an empty corpus, or "
-      f"config.data.val_fraction = {data_cfg.val_fraction} leaves none in it)."
+      f"config.data.val_fraction = {data_cfg.val_fraction} leaves none in it; a smaller "
+      f"config.data.segment_bytes = {data_cfg.segment_bytes} cuts long files into more "
+      "segments to split)."
     )
   tokenizer = tokenizers.get(data_cfg)
   key = (
     data_cfg.tokenizer,
     getattr(tokenizer, "path", ""),
-    tuple((d.path, os.stat(d.path).st_size, os.stat(d.path).st_mtime_ns) for d in docs),
+    tuple(
+      (d.path, d.start, d.end, os.stat(d.path).st_size, os.stat(d.path).st_mtime_ns) for d in docs
+    ),
   )
   if key not in _STREAM_CACHE:
     parts = [tokenizers.encode_document(tokenizer, sources.read_text(d)) for d in docs]

@@ -5,10 +5,14 @@
 - 'text': the files matching `data.text_glob` (`**` recurses), sorted by path.
 - 'tfds': `tfds.data_source` over a TFDS dataset prepared as array_record, read lazily.
 
-File sources split by document: a file is validation iff sha256(its path relative to the corpus
-root) maps below `data.val_fraction`, so the split survives adding, removing or moving files
-(as a tree). TFDS datasets use their own named splits. Files are read as UTF-8 (undecodable bytes
-become U+FFFD) so every document is a str.
+File sources split by segment: a file of at most `data.segment_bytes` bytes is one segment,
+keyed by its path relative to the corpus root; a longer file is cut into segments of that many
+bytes, keyed `path#i`. A segment is validation iff sha256(its key) maps below
+`data.val_fraction`, so the split survives adding, removing or moving files (as a tree), and a
+single long file yields both splits. Consecutive segments of a file that land in the same split
+are read as one document. TFDS datasets use their own named splits. Files are read as UTF-8
+(undecodable bytes become U+FFFD) so every document is a str; segment cuts move forward to the
+next UTF-8 character boundary, so the pieces of a file tile it exactly.
 """
 
 from __future__ import annotations
@@ -30,8 +34,10 @@ _GLOB_CHARS = frozenset("*?[")
 
 @dataclasses.dataclass(frozen=True)
 class FileDocument:
-  name: str  # Path relative to the corpus root ('/'-separated): the key the split hashes.
+  name: str  # Path relative to the corpus root ('/'-separated), + '#i' for a file's segment i.
   path: str  # Path to open.
+  start: int = 0  # Byte range of the file this document covers (before UTF-8 alignment).
+  end: int | None = None  # None: to the end of the file.
 
 
 def is_validation(name: str, val_fraction: float) -> bool:
@@ -89,21 +95,56 @@ def file_documents(data_cfg) -> list[FileDocument]:
   raise ValueError(f"source {data_cfg.source!r} is not a file source.")
 
 
+def segment_documents(doc: FileDocument, segment_bytes: int, val_fraction: float, split: str):
+  """The pieces of one file in `split`: runs of consecutive segments of that split."""
+  want_val = split == "validation"
+  size = os.path.getsize(doc.path)
+  if segment_bytes <= 0 or size <= segment_bytes:
+    return [doc] if is_validation(doc.name, val_fraction) == want_val else []
+  pieces, run_start = [], None
+  num_segments = -(-size // segment_bytes)
+  for i in range(num_segments + 1):
+    inside = i < num_segments and is_validation(f"{doc.name}#{i}", val_fraction) == want_val
+    if inside and run_start is None:
+      run_start = i
+    elif not inside and run_start is not None:
+      end = None if i == num_segments else i * segment_bytes
+      name = f"{doc.name}#{run_start}"
+      pieces.append(FileDocument(name, doc.path, run_start * segment_bytes, end))
+      run_start = None
+  return pieces
+
+
 def split_documents(data_cfg, split: str) -> list[FileDocument]:
   """The documents of `split` ('train' or 'validation'), the first data.max_documents if > 0."""
   _check_split(split)
-  want_val = split == "validation"
   docs = [
-    d for d in file_documents(data_cfg) if is_validation(d.name, data_cfg.val_fraction) == want_val
+    piece
+    for d in file_documents(data_cfg)
+    for piece in segment_documents(d, data_cfg.segment_bytes, data_cfg.val_fraction, split)
   ]
   if data_cfg.max_documents > 0:
     docs = docs[: data_cfg.max_documents]
   return docs
 
 
+def _char_boundary(raw: bytes, i: int) -> int:
+  """The first index >= i that does not fall inside a UTF-8 character (continuation bytes)."""
+  while i < len(raw) and raw[i] & 0xC0 == 0x80:
+    i += 1
+  return i
+
+
 def read_text(doc: FileDocument) -> str:
   with open(doc.path, "rb") as f:
-    return f.read().decode("utf-8", errors="replace")
+    if doc.start == 0 and doc.end is None:
+      return f.read().decode("utf-8", errors="replace")
+    f.seek(doc.start)
+    # 3 bytes past the end cover the longest UTF-8 continuation of a cut character.
+    raw = f.read() if doc.end is None else f.read(doc.end - doc.start + 3)
+  stop = len(raw) if doc.end is None else _char_boundary(raw, doc.end - doc.start)
+  start = _char_boundary(raw, 0) if doc.start else 0
+  return raw[start:stop].decode("utf-8", errors="replace")
 
 
 def tfds_documents(data_cfg, split: str) -> grain.MapDataset:
