@@ -26,5 +26,6 @@ setuptools.setup(
   ],
   extras_require={
     "test": ["pytest>=8", "pytest-xdist>=3.5", "ruff>=0.6"],
+    "tensorboard": ["tensorboard>=2.15"],  # The viewer for WORKDIR/tensorboard/ event files.
   },
 )

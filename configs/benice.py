@@ -18,16 +18,18 @@ so they share data order, steps, optimizer and schedule.
 
 import ml_collections
 
+import configs
 from configs import pretrain
+
+VARIANTS = {
+  "smoke": "tiny, the whole pipeline in about a minute on a CPU (tests)",
+  "fixed": "pretrain at fixed depth (no stochastic depth)",
+  "zero_shot": "pretraining and its zero-shot shareability evaluation only",
+}
 
 
 def get_config(arg: str = "") -> ml_collections.ConfigDict:
-  args = {a for a in arg.split(",") if a}
-  unknown = args - {"smoke", "fixed", "zero_shot"}
-  if unknown:
-    raise ValueError(
-      f"Unknown config args {sorted(unknown)}; allowed: 'smoke', 'fixed', 'zero_shot'."
-    )
+  args = configs.parse_args(arg, VARIANTS)
 
   # seed, model, data, depth and train of stage 1, with `smoke`/`fixed` applied as there.
   c = pretrain.get_config(",".join(sorted(args - {"zero_shot"})))

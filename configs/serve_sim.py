@@ -19,14 +19,16 @@ token 48 KiB shared and 160 KiB unshared in bf16.
 
 import ml_collections
 
+import configs
 from configs import pretrain
+
+VARIANTS = {
+  "smoke": "tiny model, 300 synthetic requests, seconds, with invariant checks",
+}
 
 
 def get_config(arg: str = "") -> ml_collections.ConfigDict:
-  args = {a for a in arg.split(",") if a}
-  unknown = args - {"smoke"}
-  if unknown:
-    raise ValueError(f"Unknown config args {sorted(unknown)}; allowed: 'smoke'.")
+  args = configs.parse_args(arg, VARIANTS)
 
   c = ml_collections.ConfigDict()
   c.program = "serve_sim"  # Which program main runs.

@@ -2,14 +2,17 @@ r"""Command-line entry point: parses flags and hands the config to the library.
 
   python -m looped.main --config=configs/pretrain.py:smoke --workdir=/tmp/run \
       --config.train.num_steps=200
+
+`python -m looped.main` alone lists the config files and their variants.
 """
 
 import logging as std_logging
+import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from looped import programs
+from looped import cli, config_checks, programs
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (get_config(arg)).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and reports.")
@@ -35,9 +38,14 @@ def main(argv):
     import jax
 
     jax.distributed.initialize()
-  logging.info("Config:\n%s", _CONFIG.value)
-  programs.run(_CONFIG.value, _WORKDIR.value)
+  try:
+    with cli.quiet_logs():  # A bad config prints one line, not backend chatter before it.
+      programs.validate(_CONFIG.value, _WORKDIR.value)
+    programs.run(_CONFIG.value, _WORKDIR.value)
+  except config_checks.ConfigError as e:
+    cli.fail(str(e))
 
 
 if __name__ == "__main__":
-  app.run(main)
+  sys.modules["__main__"].__doc__ = cli.usage()  # What --help prints.
+  app.run(main, flags_parser=cli.parse_flags)

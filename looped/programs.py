@@ -7,6 +7,8 @@ pay for importing the trainer.
 
 import importlib
 
+from absl import logging
+
 from looped import config_checks
 
 PROGRAMS = {
@@ -22,9 +24,16 @@ def load(config):
   return importlib.import_module(PROGRAMS[name])
 
 
-def run(config, workdir: str):
+def validate(config, workdir: str):
+  """Checks the config and workdir before any compute; returns the program module."""
   if not workdir:
     raise config_checks.ConfigError("--workdir must be a non-empty path.")
   module = load(config)
   module.validate(config)
+  return module
+
+
+def run(config, workdir: str):
+  module = validate(config, workdir)
+  logging.info("Config (validated):\n%s", config)
   return module.run(config, workdir)

@@ -40,7 +40,7 @@ class ConfigTest(parameterized.TestCase):
     self.assertEqual(benice_config.get_config("").depth.sampler, "poisson")
 
   def test_unknown_arg(self):
-    with self.assertRaisesRegex(ValueError, "Unknown config args"):
+    with self.assertRaisesRegex(ValueError, "unknown config variant"):
       benice_config.get_config("smoke,fast")
 
   @parameterized.parameters(*BAD_VALUES)

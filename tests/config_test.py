@@ -52,7 +52,7 @@ class ConfigValidationTest(parameterized.TestCase):
       trainer.validate(pretrain.get_config(arg))
 
   def test_unknown_config_arg(self):
-    with self.assertRaisesRegex(ValueError, "Unknown config args"):
+    with self.assertRaisesRegex(ValueError, "unknown config variant"):
       pretrain.get_config("smok")
 
   @parameterized.parameters(*BAD_VALUES)
@@ -73,6 +73,50 @@ class ConfigValidationTest(parameterized.TestCase):
     with self.assertRaisesRegex(config_checks.ConfigError, "num_loops"):
       trainer.validate(config)
 
+  def _cli(self, *args):
+    return subprocess.run(
+      [sys.executable, "-m", "looped.main", *args], capture_output=True, text=True, cwd=REPO
+    )
+
+  def test_cli_misspelled_field_is_one_line_with_suggestion(self):
+    proc = self._cli(
+      "--config=configs/pretrain.py:smoke", "--workdir=/tmp/x_never", "--config.train.num_step=5"
+    )
+    self.assertEqual(proc.returncode, 2)
+    self.assertEqual(
+      proc.stderr.strip(),
+      "error: --config.train.num_step=5: the config has no field 'num_step' "
+      "(did you mean 'num_steps'?).",
+    )
+
+  def test_cli_bad_variant_and_missing_file_are_one_line(self):
+    for args, expected in (
+      (["--config=configs/pretrain.py:smok"], "unknown config variant(s) ['smok']"),
+      (["--config=configs/nope.py"], "No such file"),
+      (["--config=configs/pretrain.py", "--config.train.num_steps=abc"], "num_steps=abc"),
+    ):
+      with self.subTest(args=args):
+        proc = self._cli(*args, "--workdir=/tmp/x_never")
+        self.assertEqual(proc.returncode, 2)
+        self.assertLen(proc.stderr.strip().splitlines(), 1, proc.stderr)
+        self.assertIn(expected, proc.stderr)
+
+  def test_cli_without_flags_lists_configs_and_variants(self):
+    proc = self._cli()
+    self.assertEqual(proc.returncode, 2)
+    for text in (
+      "configs/pretrain.py",
+      "configs/benice.py",
+      "configs/serve_sim.py",
+      ":smoke",
+      ":fixed",
+      ":zero_shot",
+      "e.g. python -m looped.main --config=configs/benice.py",
+    ):
+      self.assertIn(text, proc.stderr)
+    helped = self._cli("--help")
+    self.assertIn("configs/benice.py", helped.stdout + helped.stderr)
+
   def test_cli_bad_value_fails_before_compute(self):
     proc = subprocess.run(
       [
@@ -89,6 +133,7 @@ class ConfigValidationTest(parameterized.TestCase):
     )
     self.assertNotEqual(proc.returncode, 0)
     self.assertIn("config.depth.sampler = 'uniform' is invalid", proc.stderr)
+    self.assertLen(proc.stderr.strip().splitlines(), 1, proc.stderr)  # No config, no traceback.
     self.assertFalse(os.path.exists("/tmp/never_created_by_config_test"))
 
 
