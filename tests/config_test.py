@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import tempfile
 
 from absl.testing import absltest, parameterized
 
@@ -116,6 +117,31 @@ class ConfigValidationTest(parameterized.TestCase):
       self.assertIn(text, proc.stderr)
     helped = self._cli("--help")
     self.assertIn("configs/benice.py", helped.stdout + helped.stderr)
+
+  def test_cli_indivisible_batch_on_two_devices_fails_before_anything_is_created(self):
+    workdir = os.path.join(self.enterContext(tempfile.TemporaryDirectory()), "run")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    proc = subprocess.run(
+      [
+        sys.executable,
+        "-m",
+        "looped.main",
+        "--config=configs/pretrain.py:smoke",
+        f"--workdir={workdir}",
+        "--config.data.batch_size=3",
+        "--config.data.eval_batch_size=4",
+      ],
+      capture_output=True,
+      text=True,
+      cwd=REPO,
+      env=env,
+    )
+    self.assertEqual(proc.returncode, 2, proc.stderr)
+    self.assertIn(
+      "config.data.batch_size = 3 is invalid: must be a multiple of jax.device_count() = 2",
+      proc.stderr,
+    )
+    self.assertFalse(os.path.exists(workdir))
 
   def test_cli_bad_value_fails_before_compute(self):
     proc = subprocess.run(

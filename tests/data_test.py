@@ -620,6 +620,21 @@ class ErrorTest(absltest.TestCase):
     with self.assertRaisesRegex(ConfigError, r"unknown field\(s\) \['seqlen'\]"):
       data.validate(c)
 
+  def test_missing_tfds_dataset_fails_in_validation_naming_it(self):
+    tmp = make_tempdir(self)
+    c = text_config(self.root, source="tfds", tfds_name="no_such_dataset_xyz", tfds_data_dir=tmp)
+    with self.assertRaisesRegex(ConfigError, r"config\.data\.tfds_name = 'no_such_dataset_xyz'"):
+      data.validate(c)
+    self.assertEqual(os.listdir(tmp), [])  # Nothing created.
+
+  def test_batch_size_must_divide_over_devices(self):
+    c = text_config(self.root, batch_size=6)
+    with mock.patch.object(jax, "device_count", return_value=4):
+      with self.assertRaisesRegex(
+        ConfigError, r"config\.data\.batch_size = 6 .* multiple of jax\.device_count\(\) = 4"
+      ):
+        data.validate(c)
+
   def test_batch_size_must_divide_over_processes(self):
     c = text_config(self.root, eval_batch_size=6)
     with mock.patch.object(jax, "process_count", return_value=4):

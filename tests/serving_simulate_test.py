@@ -60,6 +60,18 @@ class ValidateTest(absltest.TestCase):
         with self.assertRaisesRegex(config_checks.ConfigError, message):
           simulate.validate(config)
 
+  def test_hardware_json_rejects_infinity_and_nan(self):
+    for text in ('{"peak_flops": Infinity}', '{"mem_bandwidth": NaN}', '{"peak_flops": -1}'):
+      with self.subTest(text=text):
+        tmp = self.enterContext(tempfile.TemporaryDirectory())
+        path = os.path.join(tmp, "hw.json")
+        with open(path, "w") as f:
+          f.write(text)
+        config = serve_sim.get_config()
+        config.sim.hardware_json = path
+        with self.assertRaisesRegex(config_checks.ConfigError, "positive finite number"):
+          simulate.validate(config)
+
   def test_block_formats_need_head_dim_multiple_of_block(self):
     config = serve_sim.get_config()
     config.model.head_dim = 24

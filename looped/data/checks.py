@@ -64,6 +64,8 @@ def validate(config) -> None:
   for field in ("batch_size", "eval_batch_size"):
     cc.integer(config, f"data.{field}", min_value=1)
     cc.divides(config, f"data.{field}", jax.process_count(), "jax.process_count()")
+    # Each batch is split over every device of the data mesh, not only over processes.
+    cc.divides(config, f"data.{field}", jax.device_count(), "jax.device_count()")
   cc.integer(config, "data.num_eval_batches", min_value=1)
   cc.boolean(config, "data.shuffle")
   cc.integer(config, "data.worker_count", min_value=0)
@@ -73,6 +75,7 @@ def validate(config) -> None:
     sources.text_documents(data.text_glob)  # Raises naming the glob when it matches nothing.
   if source == "tfds":
     cc.string(config, "data.tfds_name")
+    _check_tfds(data)
   if tokenizer == "sentencepiece" and not os.path.isfile(cc.string(config, "data.spm_path")):
     cc.fail("data.spm_path", data.spm_path, "must name an existing SentencePiece model file")
 
@@ -85,3 +88,17 @@ def validate(config) -> None:
 def tokenizer_vocab_size(data_cfg) -> int:
   """Ids the tokenizer emits, EOS included (bytes: 256 byte values + EOS id 256 = 257)."""
   return tokenizers.get(data_cfg).vocab_size
+
+
+def _check_tfds(data) -> None:
+  """The dataset and both splits must be prepared (nothing is created or downloaded)."""
+  for split in sources.SPLITS:
+    try:
+      sources.tfds_documents(data, split)
+    except Exception as e:  # noqa: BLE001  TFDS raises many types for a missing dataset.
+      name = data.tfds_train_split if split == "train" else data.tfds_eval_split
+      reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+      raise cc.ConfigError(
+        f"config.data.tfds_name = {data.tfds_name!r} is invalid: split {name!r} cannot be "
+        f"read from data_dir {data.tfds_data_dir or '(TFDS default)'!r} ({reason[:200]})."
+      ) from None

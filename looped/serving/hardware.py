@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 _H200_FLOPS_RATIO = 790e12 / 989e12
 _H200_BW_RATIO = 4.3e12 / 4.8e12
@@ -67,8 +68,13 @@ def load(name: str, override_json: str = "") -> Hardware:
   if unknown:
     raise ValueError(f"{override_json}: unknown keys {unknown}; allowed: {list(_OVERRIDABLE)}.")
   for key, value in values.items():
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-      raise ValueError(f"{override_json}: {key} = {value!r} must be a positive number.")
+    if (
+      isinstance(value, bool)
+      or not isinstance(value, (int, float))
+      or not math.isfinite(value)
+      or not value > 0
+    ):
+      raise ValueError(f"{override_json}: {key} = {value!r} must be a positive finite number.")
   return dataclasses.replace(
     hw, **{k: float(v) for k, v in values.items()}, source=f"{hw.source}; {override_json}"
   )
