@@ -7,9 +7,11 @@ pay for importing the trainer.
 
 import importlib
 
+import jax
 from absl import logging
 
 from looped import config_checks
+from looped.train import workdir_lock
 
 PROGRAMS = {
   "train": "looped.train.trainer",
@@ -34,6 +36,15 @@ def validate(config, workdir: str):
 
 
 def run(config, workdir: str):
+  """Validates, takes the workdir's lock (process 0 only) and runs the program."""
   module = validate(config, workdir)
-  logging.info("Config (validated):\n%s", config)
-  return module.run(config, workdir)
+  if jax.process_index() != 0:  # One lock per run, not per host of a multi-host run.
+    logging.info("Config (validated):\n%s", config)
+    return module.run(config, workdir)
+  try:
+    lock = workdir_lock.WorkdirLock(workdir).acquire()
+  except workdir_lock.WorkdirBusyError as e:
+    raise config_checks.ConfigError(str(e)) from None
+  with lock:
+    logging.info("Config (validated):\n%s", config)
+    return module.run(config, workdir)

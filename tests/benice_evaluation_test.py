@@ -25,16 +25,31 @@ class EvaluateTest(absltest.TestCase):
 
     sub = m["decode_subset"]
     self.assertEqual((sub["rows"], sub["tokens"], m["eval_tokens"]), (4, 4 * t, 6 * t))
+    exact = m["ppl_shared_exact_subset"]
     # T passes (T - 1 suffice) make the Jacobi scheme exact: same tokens, same perplexity.
-    np.testing.assert_allclose(sub["ppl_shared_jacobi"][str(t)], m["ppl_shared"], rtol=1e-5)
+    np.testing.assert_allclose(m["ppl_shared_jacobi_subset"][str(t)], exact, rtol=1e-5)
     # One pass is not exact on this model, and sharing changes its perplexity.
-    self.assertGreater(abs(sub["ppl_shared_jacobi"]["1"] - m["ppl_shared"]), 1e-3)
-    self.assertGreater(abs(m["gap"]), 1e-4)  # Near-uniform random model: a small gap.
-    np.testing.assert_allclose(m["gap"], m["ppl_shared"] / sub["ppl_unshared"] - 1, rtol=1e-6)
+    self.assertGreater(abs(m["ppl_shared_jacobi_subset"]["1"] - exact), 1e-3)
+    self.assertGreater(abs(m["gap_exact"]), 1e-4)  # Near-uniform random model: a small gap.
+    np.testing.assert_allclose(m["gap_exact"], exact / m["ppl_unshared_subset"] - 1, rtol=1e-6)
+    lo, hi = m["gap_exact_ci95"]
+    self.assertLessEqual(lo, m["gap_exact"])
+    self.assertLessEqual(m["gap_exact"], hi)
     for n in ("1", str(t)):
       np.testing.assert_allclose(
-        m["gap_jacobi"][n], m["ppl_shared_jacobi"][n] / m["ppl_unshared"] - 1, rtol=1e-6
+        m["gap_jacobi_eval"][n],
+        m["ppl_shared_jacobi_eval"][n] / m["ppl_unshared_eval"] - 1,
+        rtol=1e-6,
       )
+    # Decoding the subset 4 rows at a time (two batches joined) changes nothing.
+    joined = evaluation.evaluate(fns, TINY, params, batches, (1,), decode_batches=2, decode_rows=4)
+    np.testing.assert_allclose(joined["ppl_shared_exact_subset"], exact, rtol=1e-6)
+    # K/V drift: the final recurrence is at distance 0 from itself; earlier ones are not.
+    for kind in ("k", "v"):
+      drift = np.asarray(m["kv_drift"][kind])
+      self.assertEqual(drift.shape, (TINY.num_core_layers, TINY.num_recurrences))
+      np.testing.assert_allclose(drift[:, -1], 0.0, atol=1e-7)
+      self.assertTrue((drift[:, :-1] > 1e-3).all())
 
     # Unshared perplexity of the whole set from a plain forward, batch by batch.
     ce = [
@@ -43,7 +58,8 @@ class EvaluateTest(absltest.TestCase):
       ].sum()
       for b in batches
     ]
-    np.testing.assert_allclose(m["ppl_unshared"], math.exp(sum(ce) / (6 * t)), rtol=1e-5)
+    np.testing.assert_allclose(m["ppl_unshared_eval"], math.exp(sum(ce) / (6 * t)), rtol=1e-5)
+    np.testing.assert_allclose(m["ppl_unshared_subset"], math.exp(sum(ce[:2]) / (4 * t)), rtol=1e-5)
     self.assertLen(m["residual_norms"], TINY.num_recurrences)
     self.assertLen(m["contraction_ratios"], TINY.num_recurrences - 1)
 
@@ -60,9 +76,11 @@ class EvaluateTest(absltest.TestCase):
       evaluation.make_stats_fns(TINY, "fp8"), TINY, params, batches, (t,), 1, kv_format="fp8"
     )
     # The quantized cache in exact decode and the quantized Jacobi reads agree ...
-    np.testing.assert_allclose(fp8["ppl_shared_jacobi"][str(t)], fp8["ppl_shared"], rtol=1e-5)
+    np.testing.assert_allclose(
+      fp8["ppl_shared_jacobi_subset"][str(t)], fp8["ppl_shared_exact_subset"], rtol=1e-5
+    )
     # ... and differ from float32 K/V; fp8 stores 1 byte per value + a 4-byte scale per head.
-    self.assertGreater(abs(fp8["ppl_unshared"] - exact["ppl_unshared"]), 1e-6)
+    self.assertGreater(abs(fp8["ppl_unshared_eval"] - exact["ppl_unshared_eval"]), 1e-6)
     self.assertEqual(
       fp8["kv_bytes_per_token"],
       {"shared": (1 + 1 + 2) * 2 * 2 * (8 + 4), "unshared": (1 + 1 + 2 * 3) * 2 * 2 * (8 + 4)},
@@ -75,6 +93,27 @@ class EvaluateTest(absltest.TestCase):
       evaluation.kv_bytes_per_token(TINY),
       {"shared": (1 + 1 + 2) * 2 * 2 * 8 * 2, "unshared": (1 + 1 + 2 * 3) * 2 * 2 * 8 * 2},
     )
+
+  def test_gap_ci95_hand_derived_cases(self):
+    rng = np.random.default_rng(0)
+    unshared = rng.normal(100.0, 10.0, size=64)
+    # Every row pays exactly 0.5 nats more over 10 tokens: the gap is exp(0.05) - 1 on every
+    # resample, so the interval collapses onto it.
+    np.testing.assert_allclose(
+      evaluation.gap_ci95(unshared + 0.5, unshared, 10), [math.expm1(0.05)] * 2, rtol=1e-12
+    )
+    # Noisy differences: the interval holds the point estimate, and 16x the rows (same
+    # distribution) narrow it about 4x.
+    diff = rng.normal(0.3, 2.0, size=64)
+    lo, hi = evaluation.gap_ci95(unshared + diff, unshared, 10)
+    point = math.expm1(diff.mean() / 10)
+    self.assertLess(lo, point)
+    self.assertLess(point, hi)
+    lo16, hi16 = evaluation.gap_ci95(np.tile(unshared + diff, 16), np.tile(unshared, 16), 10)
+    self.assertBetween((hi - lo) / (hi16 - lo16), 3.0, 5.0)
+    # Normal theory: half-width ~ 1.96 sd(diff) / sqrt(n) / T on the CE scale.
+    half = 1.96 * diff.std() / math.sqrt(64) / 10
+    self.assertBetween((hi - lo) / 2 / half, 0.85, 1.15)
 
   def test_contraction_ratios(self):
     np.testing.assert_allclose(evaluation.contraction_ratios([2.0, 1.0, 0.25]), [0.5, 0.25])

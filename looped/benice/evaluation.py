@@ -1,27 +1,36 @@
 """KV-shareability of one set of params on held-out data (docs/design.md §3).
 
-Definitions (all at full depth R, next-token perplexities = exp(mean CE in nats)):
-  ppl_unshared         ordinary forward over the whole eval set.
-  ppl_shared_jacobi[n] n Jacobi shared passes (every recurrence reads the previous pass's final
-                       K/V for s < t), whole eval set; n = T - 1 equals exact shared decode.
-  ppl_shared           exact shared decode, token by token through a shared cache
-                       (`decode_forward(share_kv=True)`), on a fixed subset: the first
-                       `decode_batches` eval batches (sequential, hence the subset).
-  gap                  ppl_shared / ppl_unshared - 1, both on the decode subset, so the two
-                       perplexities are over the same tokens; gap_jacobi[n] likewise on the
-                       whole eval set.
-  residual_norms       mean over tokens of ||h_r - h_{r-1}||, r = 1..R (h_0: the initial
-                       state), unshared forward; relative_residuals divide by ||h_r||.
-  contraction_ratios   residual_norms[r] / residual_norms[r-1], r = 2..R: < 1 means the
-                       recurrence contracts towards a common limit.
-  kv_bytes_per_token   KV-cache bytes one token takes, shared and unshared layouts, in the
-                       evaluated KV format (bf16 when none).
+Every perplexity is named by the tokens it covers, and every gap is the ratio of two
+perplexities over the same tokens (all at full depth R; ppl = exp(mean next-token CE in nats)):
+  ppl_unshared_eval          ordinary forward over the whole eval set.
+  ppl_shared_jacobi_eval[n]  n Jacobi shared passes (every recurrence reads the previous pass's
+                             final K/V for s < t), whole eval set; n = T - 1 equals exact decode.
+  gap_jacobi_eval[n]         ppl_shared_jacobi_eval[n] / ppl_unshared_eval - 1.
+  ppl_unshared_subset        ordinary forward on the decode subset: the first `decode_batches`
+                             eval batches (exact decode is sequential, hence a subset).
+  ppl_shared_exact_subset    exact shared decode, token by token through a shared cache
+                             (`decode_forward(share_kv=True)`), on the decode subset.
+  ppl_shared_jacobi_subset[n] Jacobi passes on the decode subset.
+  gap_exact                  ppl_shared_exact_subset / ppl_unshared_subset - 1.
+  *_ci95                     95% bootstrap interval of a gap: rows resampled with replacement,
+                             shared and unshared paired on the same rows (`BOOTSTRAP_SAMPLES`).
+  kv_drift                   {'k', 'v'}: per core layer, per recurrence r = 1..R,
+                             ||K_r - K_R|| / ||K_R|| over the decode subset (unshared forward):
+                             how far earlier recurrences' keys/values are from the final ones
+                             that sharing substitutes for them.
+  residual_norms             mean over tokens of ||h_r - h_{r-1}||, r = 1..R (h_0: the initial
+                             state), unshared forward; relative_residuals divide by ||h_r||.
+  contraction_ratios         residual_norms[r] / residual_norms[r-1], r = 2..R: < 1 means the
+                             recurrence contracts towards a common limit.
+  kv_bytes_per_token         KV-cache bytes one token takes, shared and unshared layouts, in the
+                             evaluated KV format (bf16 when none).
 With a `kv_format` (looped.kv_quant.FORMATS) every read of an earlier position's K/V, in every
 forward above (unshared included), goes through that format's per-token quantize/dequantize,
 and exact decode stores the packed bytes in its cache.
 
 One compilation serves every Jacobi pass count (the count is a traced argument; 0 passes is
-the unshared forward), and the decode subset reuses the eval batches' shapes.
+the unshared forward). Exact decode runs on `decode_rows` rows at a time (several eval batches
+joined), since a token-by-token scan is cheaper per token on a wider batch.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ import numpy as np
 
 from looped import kv_quant
 from looped.model.config import ModelConfig
+from looped.model.kv_cache import init_cache
 from looped.model.looped_lm import LoopedLM
 from looped.model.sharing import decode_forward, jacobi_forward
 from looped.train.objectives import token_cross_entropy
@@ -44,27 +54,48 @@ from looped.train.objectives import token_cross_entropy
 KV_FORMAT = "bf16"  # The cache format the byte counts assume when none is evaluated.
 
 
+BOOTSTRAP_SAMPLES = 2000  # Resamples for every gap's 95% interval.
+METRICS_VERSION = 2  # Bumped when the metrics change, so cached evaluations are recomputed.
+
+
 class StatsFns(NamedTuple):
-  jacobi: Callable  # (params, inputs, targets, num_passes) -> (ce_sum, residual_R, relative_R)
-  decode: Callable  # (params, inputs, targets) -> ce_sum of exact shared decode
+  jacobi: Callable  # (params, inputs, targets, num_passes) -> (ce_B, residual_R, relative_R)
+  decode: Callable  # (params, inputs, targets) -> ce_B of exact shared decode
+  drift: Callable  # (params, inputs) -> (dk_LxR, dv_LxR, k_L, v_L) squared norms
 
 
 @functools.lru_cache(maxsize=16)
 def make_stats_fns(cfg: ModelConfig, kv_format: str | None = None) -> StatsFns:
-  """Jitted per-batch statistics; cached per model config, so repeated evaluations in one
-  process (several models, several pipeline runs) compile once."""
+  """Jitted per-batch statistics (CE summed per row); cached per model config, so repeated
+  evaluations in one process (several models, several pipeline runs) compile once."""
   model = LoopedLM(cfg)
 
   def jacobi(params, inputs_BxT, targets_BxT, num_passes):
     logits, aux = jacobi_forward(model, params, inputs_BxT, num_passes, kv_format=kv_format)
-    ce_sum = jnp.sum(token_cross_entropy(logits, targets_BxT))
-    return ce_sum, aux["residual_norm_R"], aux["relative_residual_R"]
+    ce_B = jnp.sum(token_cross_entropy(logits, targets_BxT), axis=1)
+    return ce_B, aux["residual_norm_R"], aux["relative_residual_R"]
 
   def decode(params, inputs_BxT, targets_BxT):
     logits, _ = decode_forward(model, params, inputs_BxT, share_kv=True, kv_format=kv_format)
-    return jnp.sum(token_cross_entropy(logits, targets_BxT))
+    return jnp.sum(token_cross_entropy(logits, targets_BxT), axis=1)
 
-  return StatsFns(jax.jit(jacobi), jax.jit(decode))
+  def drift(params, inputs_BxT):
+    """Squared norms of K_r - K_R and of K_R per core layer, from an unshared prefill."""
+    b, t = inputs_BxT.shape
+    cache = init_cache(cfg, b, t, share_kv=False)
+    _, aux = model.apply(params, inputs_BxT, cache=cache)
+    out = []
+    for index in (0, 1):  # K, then V: each core entry is [R, B, S, K, H].
+      x_LxRxN = jnp.stack(
+        [kv[index].reshape(cfg.num_recurrences, -1) for kv in aux["cache"].layers["core"]]
+      ).astype(jnp.float32)
+      final_LxN = x_LxRxN[:, -1]
+      out.append(jnp.sum((x_LxRxN - final_LxN[:, None]) ** 2, axis=-1))
+      out.append(jnp.sum(final_LxN**2, axis=-1))
+    dk, k, dv, v = out
+    return dk, dv, k, v
+
+  return StatsFns(jax.jit(jacobi), jax.jit(decode), jax.jit(drift))
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_format: str | None = None) -> dict:
@@ -80,8 +111,20 @@ def contraction_ratios(residual_norms_R) -> list[float]:
   return (r[1:] / np.maximum(r[:-1], 1e-30)).tolist()
 
 
-def _ppl(ce_sum: float, count: int) -> float:
-  return math.exp(ce_sum / count)
+def _ppl(ce_rows: np.ndarray, tokens_per_row: int) -> float:
+  return math.exp(float(np.sum(ce_rows)) / (len(ce_rows) * tokens_per_row))
+
+
+def gap_ci95(shared_ce_rows, unshared_ce_rows, tokens_per_row: int, seed: int = 0) -> list[float]:
+  """95% percentile-bootstrap interval of exp(mean CE shared - mean CE unshared) - 1, resampling
+  rows (paired) with replacement; rows are the independent units of the eval set."""
+  shared = np.asarray(shared_ce_rows, np.float64)
+  unshared = np.asarray(unshared_ce_rows, np.float64)
+  rng = np.random.default_rng(seed)
+  idx = rng.integers(0, len(shared), size=(BOOTSTRAP_SAMPLES, len(shared)))
+  diff = (shared[idx].sum(1) - unshared[idx].sum(1)) / (len(shared) * tokens_per_row)
+  lo, hi = np.percentile(np.expm1(diff), [2.5, 97.5])
+  return [float(lo), float(hi)]
 
 
 def evaluate(
@@ -92,51 +135,71 @@ def evaluate(
   jacobi_passes: tuple[int, ...],
   decode_batches: int,
   kv_format: str | None = None,
+  decode_rows: int = 0,
 ) -> dict:
-  """Shareability metrics (module docstring) of `params`; JSON-ready (pass counts as str)."""
+  """Shareability metrics (module docstring) of `params`; JSON-ready (pass counts as str).
+
+  decode_rows: rows per exact-decode call (a multiple of the eval batch size; 0: one batch).
+  """
   passes = sorted({0, *(int(n) for n in jacobi_passes)})
-  ce = {n: 0.0 for n in passes}  # Whole eval set.
-  ce_subset = {n: 0.0 for n in passes}  # Decode subset.
-  ce_decode = 0.0
+  ce_rows = {n: [] for n in passes}
   residual_R, relative_R = 0.0, 0.0
-  count, count_subset = 0, 0
-  for i, batch in enumerate(eval_batches):
+  for batch in eval_batches:
     inputs, targets = jnp.asarray(batch["inputs"]), jnp.asarray(batch["targets"])
-    in_subset = i < decode_batches
     for n in passes:
-      ce_sum, res_R, rel_R = fns.jacobi(params, inputs, targets, jnp.int32(n))
-      ce[n] += float(ce_sum)
-      if in_subset:
-        ce_subset[n] += float(ce_sum)
+      ce_B, res_R, rel_R = fns.jacobi(params, inputs, targets, jnp.int32(n))
+      ce_rows[n].append(np.asarray(ce_B, np.float64))
       if n == 0:
         residual_R = residual_R + np.asarray(res_R, np.float64)
         relative_R = relative_R + np.asarray(rel_R, np.float64)
-    count += targets.size
-    if in_subset:
-      ce_decode += float(fns.decode(params, inputs, targets))
-      count_subset += targets.size
+  ce_rows = {n: np.concatenate(v) for n, v in ce_rows.items()}
+  tokens_per_row = int(eval_batches[0]["targets"].shape[1])
+
+  subset = eval_batches[:decode_batches]
+  sub_inputs = np.concatenate([b["inputs"] for b in subset])
+  sub_targets = np.concatenate([b["targets"] for b in subset])
+  rows = len(sub_inputs)
+  group = decode_rows or len(subset[0]["inputs"])
+  decode_ce, drift = [], None
+  for start in range(0, rows, group):
+    inputs = jnp.asarray(sub_inputs[start : start + group])
+    targets = jnp.asarray(sub_targets[start : start + group])
+    decode_ce.append(np.asarray(fns.decode(params, inputs, targets), np.float64))
+    part = [np.asarray(x, np.float64) for x in fns.drift(params, inputs)]
+    drift = part if drift is None else [a + b for a, b in zip(drift, part)]
+  decode_ce = np.concatenate(decode_ce)
+  unshared_sub = ce_rows[0][:rows]
+  dk, dv, k, v = drift
   num = len(eval_batches)
-  ppl_un = _ppl(ce[0], count)
-  jacobi = {str(n): _ppl(ce[n], count) for n in passes if n}
-  sub_un = _ppl(ce_subset[0], count_subset)
-  sub_shared = _ppl(ce_decode, count_subset)
   residual_norms = (residual_R / num).tolist()
+  ppl_un = _ppl(ce_rows[0], tokens_per_row)
+  jacobi = {str(n): _ppl(ce_rows[n], tokens_per_row) for n in passes if n}
+  sub_un = _ppl(unshared_sub, tokens_per_row)
+  sub_exact = _ppl(decode_ce, tokens_per_row)
   return {
-    "ppl_unshared": ppl_un,
-    "ppl_shared": sub_shared,
-    "ppl_shared_jacobi": jacobi,
-    "gap": sub_shared / sub_un - 1.0,
-    "gap_jacobi": {n: p / ppl_un - 1.0 for n, p in jacobi.items()},
-    "decode_subset": {
-      "rows": int(sum(b["inputs"].shape[0] for b in eval_batches[:decode_batches])),
-      "tokens": count_subset,
-      "ppl_unshared": sub_un,
-      "ppl_shared": sub_shared,
-      "ppl_shared_jacobi": {str(n): _ppl(ce_subset[n], count_subset) for n in passes if n},
+    "metrics_version": METRICS_VERSION,
+    "eval_rows": int(len(ce_rows[0])),
+    "eval_tokens": int(len(ce_rows[0]) * tokens_per_row),
+    "ppl_unshared_eval": ppl_un,
+    "ppl_shared_jacobi_eval": jacobi,
+    "gap_jacobi_eval": {n: p / ppl_un - 1.0 for n, p in jacobi.items()},
+    "gap_jacobi_eval_ci95": {
+      str(n): gap_ci95(ce_rows[n], ce_rows[0], tokens_per_row) for n in passes if n
+    },
+    "decode_subset": {"rows": rows, "tokens": rows * tokens_per_row},
+    "ppl_unshared_subset": sub_un,
+    "ppl_shared_exact_subset": sub_exact,
+    "ppl_shared_jacobi_subset": {
+      str(n): _ppl(ce_rows[n][:rows], tokens_per_row) for n in passes if n
+    },
+    "gap_exact": sub_exact / sub_un - 1.0,
+    "gap_exact_ci95": gap_ci95(decode_ce, unshared_sub, tokens_per_row),
+    "kv_drift": {
+      "k": np.sqrt(dk / k[:, None]).tolist(),
+      "v": np.sqrt(dv / v[:, None]).tolist(),
     },
     "residual_norms": residual_norms,
     "relative_residuals": (relative_R / num).tolist(),
     "contraction_ratios": contraction_ratios(residual_norms),
     "kv_bytes_per_token": kv_bytes_per_token(model_cfg, kv_format),
-    "eval_tokens": count,
   }

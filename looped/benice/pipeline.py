@@ -32,6 +32,7 @@ from looped.train import checkpointing, trainer
 from looped.train import objectives as train_objectives
 
 MODELS = {"zero_shot": stages.PRETRAIN, "finetune": stages.FINETUNE, "benice": stages.BENICE}
+MODELS_OF_STAGE = {stage: name for name, stage in MODELS.items()}
 
 
 def validate(config) -> None:
@@ -97,11 +98,17 @@ def _abstract_params(model: LoopedLM, seq_len: int):
 
 
 def _train_stage(
-  config, stage: str, stage_dir: str, model: LoopedLM, make_objective, init_params=None
+  config,
+  stage: str,
+  stage_dir: str,
+  model: LoopedLM,
+  make_objective,
+  init_params=None,
+  parent: dict | None = None,
 ) -> None:
   """Trains one stage unless its done-marker says it finished; resumes an interrupted one."""
   stage_cfg = stages.stage_config(config, stage)
-  stages.begin(stage_dir, stage_cfg)
+  stages.begin(stage_dir, stage_cfg, parent)
   num_steps = stage_cfg.train.num_steps
   done = stages.done_step(stage_dir)
   if done is not None and done >= num_steps:
@@ -175,6 +182,12 @@ def run(config, workdir: str) -> dict:
   # frozen copy for the KL term must not share them.
   pretrained = lambda: checkpointing.restore_params(stage_dirs[stages.PRETRAIN], abstract)
 
+  # Every post-training stage must come from this run's pretraining: checked before any training.
+  parent = stages.pretrain_parent(config, stage_dirs[stages.PRETRAIN])
+  for stage in stages.POST_STAGES:
+    if MODELS_OF_STAGE[stage] in config.pipeline.models:
+      stages.check_parent(stage, stage_dirs[stage], parent)
+
   if config.pipeline.pretrain_workdir:
     logging.info("Stage pretrain: reusing %s", config.pipeline.pretrain_workdir)
   else:
@@ -187,7 +200,13 @@ def run(config, workdir: str) -> dict:
     logging.info("Stage finetune: reusing %s", config.pipeline.finetune_workdir)
   else:
     _train_stage(
-      config, stages.FINETUNE, stage_dirs[stages.FINETUNE], model, language_modeling, pretrained
+      config,
+      stages.FINETUNE,
+      stage_dirs[stages.FINETUNE],
+      model,
+      language_modeling,
+      pretrained,
+      parent,
     )
 
   def benice_objective(c):
@@ -196,7 +215,7 @@ def run(config, workdir: str) -> dict:
 
   if "benice" in models:
     _train_stage(
-      config, stages.BENICE, stage_dirs[stages.BENICE], model, benice_objective, pretrained
+      config, stages.BENICE, stage_dirs[stages.BENICE], model, benice_objective, pretrained, parent
     )
   else:
     stage_dirs.pop(stages.BENICE)

@@ -14,7 +14,11 @@ def build(config, results: dict, stage_dirs: dict) -> dict:
   return {
     "models": results,
     "stages": {
-      stage: {"workdir": os.path.abspath(d), "step": stages.latest_step(d)}
+      stage: {
+        "workdir": os.path.abspath(d),
+        "step": stages.latest_step(d),
+        "parent": stages.recorded_parent(d),
+      }
       for stage, d in stage_dirs.items()
     },
     "settings": {

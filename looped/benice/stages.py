@@ -5,15 +5,18 @@ seed/model/data/depth/train, where the post-training stages (standard finetune a
 take `config.post.depth` as their depth and `config.post.train`'s fields over `config.train`'s.
 Both post-training arms therefore share data order (same seed), steps, optimizer and schedule.
 
-A stage directory holds `stage_config.json` (the effective config it was started with) and, once
-its trainer call returned, `done.json`. A rerun skips a stage whose done.json reached the
-configured steps, resumes an unfinished one (the trainer restores its latest checkpoint), and
-refuses to continue a stage whose recorded config differs in anything but the step cadence:
-mixing two configs in one run would make its numbers meaningless.
+A stage directory holds `stage_config.json` (the effective config it was started with, and for a
+post-training stage its parent: the pretraining stage's workdir, step and config hash) and, once its
+trainer call returned, `done.json`. A post-training stage whose recorded parent differs from the one
+this run would use (e.g. more pretraining steps) is refused before anything trains. A rerun skips a
+stage whose done.json reached the configured steps, resumes an unfinished one (the trainer restores
+its latest checkpoint), and refuses to continue a stage whose recorded config differs in anything
+but the step cadence: mixing two configs in one run would make its numbers meaningless.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
@@ -94,13 +97,67 @@ def _differences(old, new, prefix="") -> list[str]:
   return [] if old == new else [f"{prefix[:-1]}: {old!r} -> {new!r}"]
 
 
-def begin(stage_dir: str, stage_cfg) -> None:
-  """Records the stage's config, or checks it against the one it was started with."""
+def fingerprint_hash(stage_cfg) -> str:
+  """Short hash of a stage's effective config (cadence fields excluded)."""
+  text = json.dumps(_fingerprint(stage_cfg), sort_keys=True)
+  return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def pretrain_parent(config, pretrain_dir: str) -> dict:
+  """What a post-training stage starts from: the pretraining stage, its final step and config.
+
+  A reused pretraining run (pipeline.pretrain_workdir) is described by its own recorded config
+  and latest checkpoint; this run's pretraining by its config and train.num_steps.
+  """
+  recorded = os.path.join(pretrain_dir, "stage_config.json")
+  if config.pipeline.pretrain_workdir and os.path.exists(recorded):
+    with open(recorded) as f:
+      fingerprint = json.load(f)
+    fingerprint.pop("parent", None)
+    digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
+    step = latest_step(pretrain_dir)
+  else:
+    digest = fingerprint_hash(stage_config(config, PRETRAIN))
+    step = config.train.num_steps
+  return {
+    "stage": PRETRAIN,
+    "workdir": os.path.abspath(pretrain_dir),
+    "step": step,
+    "fingerprint": digest,
+  }
+
+
+def recorded_parent(stage_dir: str) -> dict | None:
+  path = os.path.join(stage_dir, "stage_config.json")
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f).get("parent")
+
+
+def check_parent(stage: str, stage_dir: str, parent: dict) -> None:
+  """Refuses a stage directory trained from another parent than the one this run would use."""
+  old = recorded_parent(stage_dir)
+  if old is None or old == parent:
+    return
+  what = lambda p: f"{p['stage']} step {p['step']} (config {p['fingerprint']}, {p['workdir']})"
+  raise cc.ConfigError(
+    f"{stage_dir} ({stage}) was trained from {what(old)}, but this run's parent is "
+    f"{what(parent)}; a report would mix models. Move {stage_dir} (and its eval/ entry) aside "
+    "to retrain it from the new parent, or use a new --workdir."
+  )
+
+
+def begin(stage_dir: str, stage_cfg, parent: dict | None = None) -> None:
+  """Records the stage's config and parent, or checks them against those it was started with."""
   path = os.path.join(stage_dir, "stage_config.json")
   current = _fingerprint(stage_cfg)
   if os.path.exists(path):
     with open(path) as f:
       recorded = json.load(f)
+    old_parent = recorded.pop("parent", None)
+    if parent is not None and old_parent is not None:
+      check_parent(os.path.basename(stage_dir), stage_dir, parent)
     changed = _differences(recorded, current)
     if changed:
       raise cc.ConfigError(
@@ -109,6 +166,8 @@ def begin(stage_dir: str, stage_cfg) -> None:
       )
     return
   os.makedirs(stage_dir, exist_ok=True)
+  if parent is not None:
+    current["parent"] = parent
   with open(path, "w") as f:
     json.dump(current, f, indent=1)
 

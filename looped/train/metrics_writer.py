@@ -6,6 +6,7 @@ import json
 import os
 
 import numpy as np
+from absl import logging
 
 
 def _to_python(value):
@@ -28,10 +29,9 @@ class MetricsWriter:
       return
     os.makedirs(workdir, exist_ok=True)
     if os.path.exists(self.path):
-      with open(self.path) as f:
-        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= resume_step]
+      kept = [r for r in read_metrics(workdir) if r["step"] <= resume_step]
       with open(self.path, "w") as f:
-        f.writelines(kept)
+        f.writelines(json.dumps(r) + "\n" for r in kept)
     from tensorboardX import SummaryWriter
 
     self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"), purge_step=resume_step + 1)
@@ -60,5 +60,18 @@ class MetricsWriter:
 
 
 def read_metrics(workdir: str) -> list[dict]:
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f if line.strip()]
+  """The records of WORKDIR/metrics.jsonl; a torn line (a crash mid-write) is skipped."""
+  path = os.path.join(workdir, "metrics.jsonl")
+  records = []
+  with open(path, encoding="utf-8", errors="replace") as f:
+    for lineno, line in enumerate(f, start=1):
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError:
+        logging.warning("%s:%d is not a complete JSON record (torn write?); skipped.", path, lineno)
+        continue
+      if isinstance(record, dict) and isinstance(record.get("step"), int):
+        records.append(record)
+  return records

@@ -168,11 +168,15 @@ def train(
   schedule = optim.learning_rate_schedule(tc)
   state = _init_state(config, model, optimizer, mesh)
   ckpt = checkpointing.Checkpointer(workdir, tc.keep_checkpoints)
-  resumed_from = ckpt.latest_step()
+  restored, resumed_from = ckpt.restore_latest(state, data_iter)
   if resumed_from is not None:
     logging.info("Resuming from checkpoint at step %d in %s", resumed_from, ckpt.directory)
-    state = ckpt.restore(resumed_from, state, data_iter)
-  elif init_params is not None or tc.init_from:
+    state = restored
+  else:  # A checkpoint that failed verification may have moved the iterator: start afresh.
+    data_iter = data_lib.make_train_iterator(
+      config, process_index=jax.process_index(), process_count=jax.process_count()
+    )
+  if resumed_from is None and (init_params is not None or tc.init_from):
     if init_params is None:
       init_params = checkpointing.restore_params(tc.init_from, state.params)
     # Copy: the train state is donated to the step, and the caller may keep using its params
@@ -203,6 +207,17 @@ def train(
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
   train_step = jax.jit(train_step, donate_argnums=(0,))
+
+  def saveable(state: TrainState, frozen, batch):
+    """Whether `state` may be saved: finite params and optimizer state, and a finite loss of
+    those params on the step's batch (a diverging update can leave huge but finite params)."""
+    key = jax.random.fold_in(state.rng, state.step)
+    loss, _ = objective.loss_fn(state.params, frozen, batch, key)
+    leaves = jax.tree.leaves((state.params, state.opt_state))
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+    return finite & jnp.isfinite(loss), loss
+
+  saveable = jax.jit(saveable)
   tokens_per_step = config.data.batch_size * config.data.seq_len
   logging.info(
     "Training steps %d -> %d (%d tokens/step, %d params)",
@@ -251,6 +266,13 @@ def train(
       _format_eta(eta),
     )
     if save_now:
+      ok, loss_after = jax.device_get(saveable(state, objective.frozen, batch))
+      if not ok:
+        ckpt.wait()
+        raise FloatingPointError(
+          f"The state after step {step} is not finite or has a non-finite loss ({loss_after}); "
+          f"not saved. The last good checkpoint is step {ckpt.latest_step()} in {ckpt.directory}."
+        )
       ckpt.save(step, state, data_iter)
     t_last, step_last = time.time(), step
 
