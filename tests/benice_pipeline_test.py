@@ -73,16 +73,24 @@ class PipelineTest(testing.TempDirTestCase):
     config.benice.kl_pass = "both"
     config.benice.residual_weight = 0.5
     workdir = os.path.join(self.tmp, "run")
-    report, printed = self._run(config, workdir)
+    with self.assertLogs(level="INFO") as logs:
+      report, printed = self._run(config, workdir)
+    # BeNice!'s progress lines name the terms of its summed loss.
+    self.assertTrue(
+      any("weighted sum of ce_shared" in m and "residual_match" in m for m in logs.output)
+    )
 
     models = report["models"]
     self.assertEqual(list(models), ["zero_shot", "finetune", "benice"])
     r = config.model.num_recurrences
     for m in models.values():
-      for key in ("ppl_unshared", "ppl_shared"):
+      for key in ("ppl_unshared_eval", "ppl_unshared_subset", "ppl_shared_exact_subset"):
         self.assertTrue(1.0 < m[key] < config.model.vocab_size, m[key])
-      self.assertTrue(math.isfinite(m["gap"]))
-      self.assertEqual(list(m["ppl_shared_jacobi"]), ["1", "2"])
+      self.assertTrue(math.isfinite(m["gap_exact"]))
+      lo, hi = m["gap_exact_ci95"]
+      self.assertTrue(lo <= m["gap_exact"] <= hi)
+      self.assertEqual(list(m["ppl_shared_jacobi_eval"]), ["1", "2"])
+      self.assertEqual(list(m["gap_jacobi_eval_ci95"]), ["1", "2"])
       self.assertLen(m["residual_norms"], r)
       self.assertEqual(set(m["kv_bytes_per_token"]), {"shared", "unshared"})
       self.assertEqual(list(m["kv_formats"]), list(config.eval.kv_formats))
@@ -108,6 +116,9 @@ class PipelineTest(testing.TempDirTestCase):
       self.assertGreater(os.path.getsize(os.path.join(report_dir, name)), 1000)
     self.assertIn("| benice |", printed)
     self.assertIn("| benice | nvfp4 |", printed)
+    self.assertIn("gap exact [95% CI]", printed)
+    # Post-training stages record the pretraining they started from.
+    self.assertEqual(report["stages"]["finetune"]["parent"]["step"], config.train.num_steps)
 
     # Rerun: no training, no evaluation; the same report is printed again.
     no_train = mock.patch.object(trainer, "train", side_effect=AssertionError("trained"))
@@ -116,6 +127,18 @@ class PipelineTest(testing.TempDirTestCase):
       again, printed_again = self._run(config, workdir)
     self.assertEqual(again["models"], models)
     self.assertEqual(printed_again, printed)
+
+    # More pretraining in the same workdir would pair a new zero-shot model with post-training
+    # from the old checkpoint: refused before anything trains.
+    config.train.num_steps += 10
+    with (
+      no_train,
+      self.assertRaisesRegex(
+        config_checks.ConfigError, r"trained from pretrain step 20 .* parent is pretrain step 30"
+      ),
+    ):
+      self._run(config, workdir)
+    config.train.num_steps -= 10
 
     # A changed BeNice! setting in the same workdir is refused, naming the field.
     config.benice.read_recurrences = "first"
@@ -134,13 +157,15 @@ class PipelineTest(testing.TempDirTestCase):
     self.assertEqual(reused["stages"]["pretrain"]["workdir"], config.pipeline.pretrain_workdir)
     self.assertEqual(sorted(os.listdir(ablation)), ["benice", "eval", "report"])
     for name, m in models.items():
-      self.assertAlmostEqual(reused["models"][name]["ppl_shared"], m["ppl_shared"], places=4)
+      self.assertAlmostEqual(
+        reused["models"][name]["ppl_shared_exact_subset"], m["ppl_shared_exact_subset"], places=4
+      )
 
     # Runs named <group>_s<seed> are averaged per group across seeds.
     shutil.copytree(ablation, os.path.join(self.tmp, "ablation_s1"))
     os.rename(ablation, os.path.join(self.tmp, "ablation_s0"))
     text = collect.table([workdir] + [os.path.join(self.tmp, f"ablation_s{i}") for i in (0, 1)])
-    self.assertIn(f"| ablation_s1 | benice | {models['benice']['ppl_unshared']:.3f} |", text)
+    self.assertIn(f"| ablation_s1 | benice | {models['benice']['ppl_unshared_eval']:.3f} |", text)
     self.assertIn("| ablation | benice | 2 |", text)
     self.assertIn("| run | zero_shot | 1 |", text)
 

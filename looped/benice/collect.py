@@ -18,7 +18,9 @@ import sys
 
 import numpy as np
 
-COLUMNS = ("ppl_unshared", "ppl_shared", "gap")
+from looped.benice import report
+
+COLUMNS = ("ppl_unshared_eval", "ppl_unshared_subset", "ppl_shared_exact_subset", "gap_exact")
 
 
 def load(path: str) -> dict:
@@ -60,15 +62,16 @@ def rows(paths: list[str], models: tuple[str, ...] = ()) -> list[dict]:
           "run": _run_name(path),
           "model": model,
           **{k: m[k] for k in COLUMNS},
-          "gap_jacobi": {int(n): g for n, g in m["gap_jacobi"].items()},
+          "gap_exact_ci95": m["gap_exact_ci95"],
+          "gap_jacobi": {int(n): g for n, g in m["gap_jacobi_eval"].items()},
           "contraction": m["contraction_ratios"],
+          "k_drift_r1": [layer[0] for layer in m["kv_drift"]["k"]],
         }
       )
   return out
 
 
-def _pct(x: float) -> str:
-  return f"{100 * x:+.1f}%"
+_pct = report.pct
 
 
 def table(paths: list[str], models: tuple[str, ...] = ()) -> str:
@@ -77,22 +80,29 @@ def table(paths: list[str], models: tuple[str, ...] = ()) -> str:
   passes = sorted({n for r in rs for n in r["gap_jacobi"]})
   jacobi_head = " | ".join(f"gap J{n}" for n in passes)
   lines = [
-    f"| run | model | ppl unshared | ppl shared exact | gap exact | {jacobi_head} | contraction |",
-    "|---|---|---|---|---|" + "---|" * len(passes) + "---|",
+    "| run | model | ppl unshared (eval) | ppl unshared (subset) | ppl shared exact (subset) | "
+    f"gap exact [95% CI] | {jacobi_head} | contraction | K drift r=1 |",
+    "|---|---|---|---|---|---|" + "---|" * len(passes) + "---|---|",
   ]
   for r in rs:
     jacobi = " | ".join(_pct(r["gap_jacobi"][n]) if n in r["gap_jacobi"] else "-" for n in passes)
     lines.append(
-      f"| {r['run']} | {r['model']} | {r['ppl_unshared']:.3f} | {r['ppl_shared']:.3f} | "
-      f"{_pct(r['gap'])} | {jacobi} | " + " ".join(f"{c:.2f}" for c in r["contraction"]) + " |"
+      f"| {r['run']} | {r['model']} | {r['ppl_unshared_eval']:.3f} | "
+      f"{r['ppl_unshared_subset']:.3f} | {r['ppl_shared_exact_subset']:.3f} | "
+      f"{report.gap_with_ci(r['gap_exact'], r['gap_exact_ci95'])} | {jacobi} | "
+      + " ".join(f"{c:.2f}" for c in r["contraction"])
+      + " | "
+      + " ".join(f"{c:.2f}" for c in r["k_drift_r1"])
+      + " |"
     )
   groups: dict = {}
   for r in rs:
     groups.setdefault((_group(r["run"]), r["model"]), []).append(r)
   lines += [
     "",
-    f"| group | model | seeds | ppl unshared | ppl shared exact | gap exact | {jacobi_head} |",
-    "|---|---|---|---|---|---|" + "---|" * len(passes),
+    "| group | model | seeds | ppl unshared (eval) | ppl unshared (subset) | "
+    f"ppl shared exact (subset) | gap exact | {jacobi_head} |",
+    "|---|---|---|---|---|---|---|" + "---|" * len(passes),
   ]
 
   def stat(values, fmt) -> str:
@@ -104,8 +114,11 @@ def table(paths: list[str], models: tuple[str, ...] = ()) -> str:
 
   f3 = lambda x: f"{x:.3f}"
   for (group, model), members in groups.items():
-    cells = [stat([m[k] for m in members], f3) for k in ("ppl_unshared", "ppl_shared")]
-    cells.append(stat([m["gap"] for m in members], _pct))
+    cells = [
+      stat([m[k] for m in members], f3)
+      for k in ("ppl_unshared_eval", "ppl_unshared_subset", "ppl_shared_exact_subset")
+    ]
+    cells.append(stat([m["gap_exact"] for m in members], _pct))
     cells += [stat([m["gap_jacobi"].get(n) for m in members], _pct) for n in passes]
     lines.append(f"| {group} | {model} | {len(members)} | " + " | ".join(cells) + " |")
   return "\n".join(lines)

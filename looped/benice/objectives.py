@@ -145,4 +145,7 @@ def benice(model: LoopedLM, depth_cfg, benice_cfg, frozen_params=None) -> Object
     metrics["loss"] = loss
     return loss, metrics
 
-  return Objective(loss_fn, frozen_params if w_kl > 0 else None)
+  terms = ("ce_shared",) * need_shared + ("ce_unshared",)
+  terms += ("kl_shared",) * (w_kl > 0 and kl_shared) + ("kl_unshared",) * (w_kl > 0 and kl_unshared)
+  terms += ("residual_match",) * need_states
+  return Objective(loss_fn, frozen_params if w_kl > 0 else None, terms)

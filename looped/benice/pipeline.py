@@ -74,9 +74,18 @@ def validate(config) -> None:
       kv_quant.check_format(fmt, config.model.head_dim)
     except ValueError as e:
       cc.fail("eval.kv_formats", formats, str(e).rstrip("."))
-  cc.integer(
+  decode_batches = cc.integer(
     config, "eval.decode_batches", min_value=1, max_value=cc.get(config, "data.num_eval_batches")
   )
+  rows = cc.integer(config, "eval.decode_rows", min_value=0)
+  batch = config.data.eval_batch_size
+  if rows and (rows % batch or (decode_batches * batch) % rows):
+    cc.fail(
+      "eval.decode_rows",
+      rows,
+      f"must be 0 or a multiple of data.eval_batch_size = {batch} that divides the decode "
+      f"subset's {decode_batches * batch} rows",
+    )
   for name, stage in (("pretrain_workdir", "pretrain"), ("finetune_workdir", "finetune")):
     path = cc.string(config, "pipeline." + name, allow_empty=True)
     if path and stages.latest_step(path) is None:
@@ -133,6 +142,7 @@ def _evaluate(config, workdir: str, model: LoopedLM, abstract, stage_dirs: dict)
       "checkpoint": os.path.abspath(stage_dir),
       "step": stages.latest_step(stage_dir),
       "eval": config.eval.to_dict(),
+      "metrics_version": evaluation.METRICS_VERSION,
       "data": config.data.to_dict(),
     }
     key = json.loads(json.dumps(key))
@@ -153,6 +163,7 @@ def _evaluate(config, workdir: str, model: LoopedLM, abstract, stage_dirs: dict)
       eval_batches=eval_batches,
       jacobi_passes=tuple(config.eval.jacobi_passes),
       decode_batches=config.eval.decode_batches,
+      decode_rows=config.eval.decode_rows,
     )
     metrics = evaluate(evaluation.make_stats_fns(model.cfg), model.cfg)
     metrics["kv_formats"] = {

@@ -35,45 +35,59 @@ def _floats(values, fmt="{:.3f}") -> str:
   return " ".join(fmt.format(v) for v in values)
 
 
+def pct(x: float) -> str:
+  return f"{100 * x:+.1f}%"
+
+
+def gap_with_ci(gap: float, ci) -> str:
+  """'+1.2% [+0.8, +1.6]': a gap and its 95% interval, in percent."""
+  return f"{pct(gap)} [{100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]"
+
+
 def summary(m: dict) -> str:
   """One log line per model."""
-  jacobi = ", ".join(f"J{n} {p:.3f}" for n, p in m["ppl_shared_jacobi"].items())
+  jacobi = ", ".join(f"J{n} {p:.3f}" for n, p in m["ppl_shared_jacobi_eval"].items())
   return (
-    f"ppl unshared {m['ppl_unshared']:.3f}, shared exact {m['ppl_shared']:.3f} "
-    f"(gap {100 * m['gap']:+.1f}%), {jacobi}, residuals {_floats(m['residual_norms'])}"
+    f"ppl unshared (eval) {m['ppl_unshared_eval']:.3f}; subset: unshared "
+    f"{m['ppl_unshared_subset']:.3f}, shared exact {m['ppl_shared_exact_subset']:.3f} "
+    f"(gap {gap_with_ci(m['gap_exact'], m['gap_exact_ci95'])}); eval {jacobi}; "
+    f"K drift r=1 {_floats([layer[0] for layer in m['kv_drift']['k']], '{:.2f}')}"
   )
 
 
 def markdown(report: dict) -> str:
   models = report["models"]
   first = next(iter(models.values()))
-  passes = list(first["ppl_shared_jacobi"])
+  passes = list(first["ppl_shared_jacobi_eval"])
   subset = first["decode_subset"]
   header = (
-    ["model", "ppl unshared", "ppl unshared (subset)", "ppl shared exact (subset)", "gap exact"]
-    + [f"ppl shared J{n}" for n in passes]
-    + [f"gap J{n}" for n in passes]
-    + ["residual norm r=1..R", "contraction r=2..R", "KV B/token shared / unshared"]
+    ["model", "ppl unshared (eval)"]
+    + [f"ppl shared J{n} (eval)" for n in passes]
+    + [f"gap J{n} (eval) [95% CI]" for n in passes]
+    + ["ppl unshared (subset)", "ppl shared exact (subset)", "gap exact [95% CI]"]
+    + ["K drift r=1..R (core layer 0)", "contraction r=2..R", "KV B/token shared / unshared"]
   )
   lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
   for name, m in models.items():
     kv = m["kv_bytes_per_token"]
     row = (
-      [name, f"{m['ppl_unshared']:.3f}", f"{m['decode_subset']['ppl_unshared']:.3f}"]
-      + [f"{m['ppl_shared']:.3f}", f"{100 * m['gap']:+.1f}%"]
-      + [f"{m['ppl_shared_jacobi'][n]:.3f}" for n in passes]
-      + [f"{100 * m['gap_jacobi'][n]:+.1f}%" for n in passes]
-      + [_floats(m["residual_norms"]), _floats(m["contraction_ratios"], "{:.2f}")]
+      [name, f"{m['ppl_unshared_eval']:.3f}"]
+      + [f"{m['ppl_shared_jacobi_eval'][n]:.3f}" for n in passes]
+      + [gap_with_ci(m["gap_jacobi_eval"][n], m["gap_jacobi_eval_ci95"][n]) for n in passes]
+      + [f"{m['ppl_unshared_subset']:.3f}", f"{m['ppl_shared_exact_subset']:.3f}"]
+      + [gap_with_ci(m["gap_exact"], m["gap_exact_ci95"])]
+      + [_floats(m["kv_drift"]["k"][0], "{:.2f}"), _floats(m["contraction_ratios"], "{:.2f}")]
       + [f"{kv['shared']:.0f} / {kv['unshared']:.0f}"]
     )
     lines.append("| " + " | ".join(row) + " |")
   lines.append("")
   lines.append(
-    f"Exact shared ppl: token-by-token shared decode on the first {subset['rows']} eval rows "
-    f"({subset['tokens']} tokens), gap against the unshared ppl of the same rows. Jacobi Jn: n "
-    f"shared passes on the whole eval set ({first['eval_tokens']} tokens). Residual norm: mean "
-    "||h_r - h_(r-1)|| of the unshared forward; contraction: its ratio between consecutive "
-    "recurrences. KV bytes per token in bf16."
+    f"(eval): the whole eval set ({first['eval_tokens']} tokens); (subset): its first "
+    f"{subset['rows']} rows ({subset['tokens']} tokens), where exact shared decode runs token "
+    "by token. Each gap is shared / unshared ppl - 1 over the same tokens, with a 95% bootstrap "
+    "interval over rows. Jn: n Jacobi shared passes. K drift: ||K_r - K_R|| / ||K_R|| of the "
+    "unshared forward; contraction: ratio of consecutive residual norms ||h_r - h_(r-1)||. KV "
+    "bytes per token in bf16."
   )
   if any(m.get("kv_formats") for m in models.values()):
     lines += ["", kv_formats_markdown(models)]
@@ -87,10 +101,10 @@ def kv_formats_markdown(models: dict) -> str:
   header = [
     "model",
     "KV format",
-    "ppl unshared",
+    "ppl unshared (eval)",
     "ppl unshared (subset)",
     "ppl shared exact (subset)",
-    "gap exact",
+    "gap exact [95% CI]",
     "KV bytes shared / unshared (x bf16 unshared)",
   ]
   lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -105,9 +119,9 @@ def kv_formats_markdown(models: dict) -> str:
         f"({kv['shared'] / base:.3f} / {kv['unshared'] / base:.3f})"
       )
       lines.append(
-        f"| {name} | {fmt} | {f['ppl_unshared']:.3f} | {f['decode_subset']['ppl_unshared']:.3f} | "
-        f"{f['ppl_shared']:.3f} | "
-        f"{100 * f['gap']:+.1f}% | {size} |"
+        f"| {name} | {fmt} | {f['ppl_unshared_eval']:.3f} | {f['ppl_unshared_subset']:.3f} | "
+        f"{f['ppl_shared_exact_subset']:.3f} | {gap_with_ci(f['gap_exact'], f['gap_exact_ci95'])}"
+        f" | {size} |"
       )
   lines.append("")
   lines.append(

@@ -24,6 +24,7 @@ from looped.model.looped_lm import LoopedLM
 class Objective:
   loss_fn: Callable[..., tuple[jax.Array, dict]]
   frozen: Any = None
+  log_terms: tuple[str, ...] = ()  # Metrics the loss sums (weighted), shown on progress lines.
 
 
 def token_cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:

@@ -256,11 +256,13 @@ def train(
       metrics.update(evaluate(eval_fn, state.params, eval_batches, mesh, bytes_per_token))
     record = writer.write(step, metrics)
     eta = (tc.num_steps - step) * (now - t_start) / max(step - start_timed, 1)
+    terms = ", ".join(f"{t} {float(metrics[t]):.4f}" for t in objective.log_terms)
     logging.info(
-      "step %d/%d | loss %.4f | %s%.0f tok/s | ETA %s",
+      "step %d/%d | loss %.4f%s | %s%.0f tok/s | ETA %s",
       step,
       tc.num_steps,
       metrics["loss"],
+      f" (weighted sum of {terms})" if terms else "",
       f"val_loss {metrics['val_loss']:.4f} val_bpb {metrics['val_bpb']:.4f} | " if eval_now else "",
       metrics["tokens_per_s"],
       _format_eta(eta),
