@@ -76,9 +76,28 @@ class StopGradientTest(absltest.TestCase):
   def test_gradient_does_not_flow_into_broadcast_pass(self):
     """Reference: pass 1 (and the residual target) computed from a separate params copy p1;
     BeNice!'s gradient must be d/dp2 alone, and d/dp1 must be nonzero (else the test is void).
-    One extra Jacobi pass exercises both stop-gradients (unshared K/V and the pass loop).
+    kv_passes = 0 (the default) exercises the stop-gradient on the unshared pass's K/V alone;
+    one extra Jacobi pass exercises it together with the pass loop's.
     """
-    kv_passes, read = 1, "all"
+    for kv_passes in (0, 1):
+      with self.subTest(kv_passes=kv_passes):
+        self._check_two_copy_gradient(kv_passes)
+
+  def test_only_unshared_ce_gives_the_finetuning_gradient(self):
+    # The gradient, not only the loss: a stop-gradient on the unshared logits keeps the loss
+    # and zeroes the gradient.
+    depth = _depth("bernoulli")
+    model, params, batch = _setup()
+    key = jax.random.PRNGKey(3)
+    grad = lambda obj: jax.jit(jax.grad(lambda p: obj.loss_fn(p, None, batch, key)[0]))(params)
+    cfg = _benice_cfg(shared_ce_weight=0.0, read_recurrences="all")
+    g_bn = grad(objectives.benice(model, depth, cfg))
+    g_ft = grad(train_objectives.language_modeling(model, depth))
+    chex.assert_trees_all_close(g_bn, g_ft, atol=1e-7, rtol=1e-6)
+    self.assertGreater(float(optax_norm(g_ft)), 1e-3)
+
+  def _check_two_copy_gradient(self, kv_passes):
+    read = "all"
     # Zero initial state: no state noise, so the reference needs no RNG. One core layer and no
     # prelude/coda: the gradient paths under test are all in the core; compiles faster.
     cfg = dataclasses.replace(

@@ -120,6 +120,24 @@ def _fp8_numpy(x: np.ndarray):
   return codes.view(np.uint8), scale, dq
 
 
+def _nvfp4_numpy(x: np.ndarray):
+  """NVFP4 round trip with numpy float32 and ml_dtypes casts (finite inputs): one tensor scale
+  amax / (448 * 6) floored at 2^-114, an e4m3 scale per 16 values (block amax / 6 over the
+  tensor scale, clipped to [2^-6, 448]), elements cast to float4_e2m1fn (round to nearest
+  even). Returns (codes uint8 [..., D], block scales as e4m3, tensor scale, dequant float32)."""
+  f32 = np.float32
+  xb = x.astype(f32).reshape(*x.shape[:-1], x.shape[-1] // 16, 16)
+  block_amax = np.max(np.abs(xb), axis=-1)
+  tensor_scale = max(f32(np.max(block_amax) / f32(448 * 6)), f32(2.0**-114))
+  scale = np.clip((block_amax / f32(6)) / tensor_scale, f32(2.0**-6), f32(448))
+  scale = scale.astype(ml_dtypes.float8_e4m3fn)
+  reciprocal = (f32(1) / tensor_scale) / scale.astype(f32)
+  y = np.clip(xb * reciprocal[..., None], f32(-6), f32(6)).astype(ml_dtypes.float4_e2m1fn)
+  dq = y.astype(f32) * (tensor_scale * scale.astype(f32))[..., None]
+  codes = y.view(np.uint8).reshape(x.shape) & 0xF
+  return codes, scale, tensor_scale, dq.reshape(x.shape)
+
+
 # --------------------------------------------------------------------------------------------
 # Comparison helpers.
 
@@ -391,6 +409,24 @@ class KvQuantTest(parameterized.TestCase):
     with np.errstate(under="ignore"):  # numpy keeps subnormals: the same fact in IEEE terms.
       self.assertGreater(t / np.float32(448), np.float32(2.0**-127))
       self.assertEqual(below / np.float32(448), np.float32(2.0**-127))
+
+  def test_nvfp4_equals_numpy_reference(self):
+    rng = np.random.default_rng(11)
+    for scale in (1.0, 3e-3, 250.0):
+      with self.subTest(scale=scale):
+        x = (rng.standard_normal((8, 64)) * scale).astype(np.float32)
+        x[0, :16] = 0.0  # An all-zero block.
+        x[1, 5] = np.float32(2.5) * np.abs(x[1]).max()  # A block dominated by one value.
+        codes, block_scale, tensor_scale, dq = _nvfp4_numpy(x)
+        q = kv_quant.quantize(x, "nvfp4")
+        packed = np.asarray(q.data)
+        unpacked = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(x.shape)
+        np.testing.assert_array_equal(unpacked, codes)  # Element 2i in the low nibble.
+        np.testing.assert_array_equal(
+          np.asarray(q.scale).view(np.uint8), block_scale.view(np.uint8)
+        )
+        self.assertEqual(np.float32(q.tensor_scale), tensor_scale)
+        np.testing.assert_array_equal(np.asarray(kv_quant.dequantize(q)), dq)
 
   @parameterized.parameters(
     ("bf16", 2**-8), ("fp8", 2**-4), ("mxfp8", 2**-3), ("mxfp8_rceil", 2**-3), ("nvfp4", 0.2)

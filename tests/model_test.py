@@ -204,12 +204,46 @@ class CausalityAndDecodeTest(parameterized.TestCase):
     # The error shrinks as passes grow (non-increasing, and strictly down overall).
     self.assertTrue(all(b <= a + 2e-5 for a, b in zip(errors, errors[1:])), errors)
 
-  def test_prefill_is_exact_unshared_then_shared(self):
+  def test_shared_decode_cache_holds_the_converged_final_kv(self):
     model, params, tokens = _setup()
-    parallel, _ = model.apply(params, tokens)
-    out = _decode(model, True, prefill=5)(params, tokens)
-    np.testing.assert_allclose(out[:, :5], parallel[:, :5], atol=2e-5)
-    self.assertGreater(float(jnp.abs(out[:, 5:] - parallel[:, 5:]).max()), 1e-4)
+    t = tokens.shape[1]
+    _, cache = jax.jit(lambda p, x: decode_forward(model, p, x, share_kv=True))(params, tokens)
+    _, aux = _jacobi(model)(params, tokens, t)  # T passes: the exact shared forward.
+    self.assertLen(cache.layers["core"], TINY.num_core_layers)
+    for (k_cache, v_cache), (k_ref, v_ref) in zip(cache.layers["core"], aux["final_kv"]):
+      self.assertEqual(k_cache.shape, k_ref.shape)  # [B, S, K, H]: one recurrence only.
+      np.testing.assert_allclose(k_cache, k_ref, atol=2e-5)
+      np.testing.assert_allclose(v_cache, v_ref, atol=2e-5)
+    # ... and not the unshared forward's final K/V (sharing changed them).
+    _, unshared = model.apply(params, tokens)
+    self.assertGreater(
+      float(jnp.abs(cache.layers["core"][0][0] - unshared["final_kv"][0][0]).max()), 1e-4
+    )
+
+  @parameterized.parameters(1, 0)
+  def test_prefill_is_exact_unshared_then_shared(self, coda_layers):
+    model, params, tokens = _setup(dataclasses.replace(TINY, num_coda_layers=coda_layers))
+    p, t = 5, tokens.shape[1]
+    parallel, unshared = model.apply(params, tokens)
+    out = _decode(model, True, prefill=p)(params, tokens)
+    np.testing.assert_allclose(out[:, :p], parallel[:, :p], atol=2e-5)
+    self.assertGreater(float(jnp.abs(out[:, p:] - parallel[:, p:]).max()), 1e-4)
+    if coda_layers:
+      return
+    # Reference for the decoded tokens: the parallel shared pass iterated to its fixed point,
+    # with the past K/V of the prefix clamped to the prefill's (unshared) final K/V, since that
+    # is what a prefilled cache holds; positions >= p read the previous pass's final K/V. (Exact
+    # without coda layers only: in this pass the prefix's own states are shared ones, which a
+    # coda layer of a later token would read; prelude K/V do not depend on sharing.)
+    clamp = lambda new: jax.tree.map(
+      lambda u, n: jnp.concatenate([u[:, :p], n[:, p:]], axis=1), unshared["final_kv"], new
+    )
+    shared_pass = jax.jit(lambda kv: model.apply(params, tokens, shared_kv=kv))
+    kv = unshared["final_kv"]
+    for _ in range(t - p):
+      logits, aux = shared_pass(kv)
+      kv = clamp(aux["final_kv"])
+    np.testing.assert_allclose(out[:, p:], logits[:, p:], atol=2e-5)
 
   def test_shared_cache_holds_one_rth_of_core_entries(self):
     cfg = TINY
