@@ -42,8 +42,12 @@ class KvFormatModelTest(parameterized.TestCase):
 
     unshared, cache_un = decode(False)(params, tokens)
     shared, cache_sh = decode(True)(params, tokens)
-    np.testing.assert_allclose(unshared, jacobi(params, tokens, 0), atol=1e-4)
-    np.testing.assert_allclose(shared, jacobi(params, tokens, t), atol=1e-4)
+    # Decode and the parallel forward compute K/V with different fusions; a float32 difference
+    # of ~1e-7 can flip one bf16 rounding of a cached value (seen with jax 0.10: 1.6e-4 at one
+    # position), so bf16 gets a looser bound than one flip of the coarser formats ever caused.
+    atol = 5e-4 if fmt == "bf16" else 1e-4
+    np.testing.assert_allclose(unshared, jacobi(params, tokens, 0), atol=atol)
+    np.testing.assert_allclose(shared, jacobi(params, tokens, t), atol=atol)
     # Quantized reads change the outputs (more for coarser formats) ...
     exact = model.apply(params, tokens)[0]
     self.assertGreater(float(jnp.abs(unshared - exact).max()), 1e-4)
