@@ -104,7 +104,11 @@ def nvfp4_halves(data_u8, scale_e4m3, tensor_scale):
   Packed byte i holds elements 2i (low nibble) and 2i + 1 (high nibble), both in scale block
   2i // 16 = i // 8.
   """
-  block_scale = tensor_scale[..., None] * scale_e4m3.astype(jnp.float32)
+  # The tensor scale covers leading axes of the scales (a token, a page): align it on the left.
+  tensor_scale = tensor_scale.reshape(
+    tensor_scale.shape + (1,) * (scale_e4m3.ndim - tensor_scale.ndim)
+  )
+  block_scale = tensor_scale * scale_e4m3.astype(jnp.float32)
   scale = repeat_last(block_scale, NVFP4_BLOCK // 2)
   even = e2m1_decode(data_u8 & 0xF) * scale
   odd = e2m1_decode(data_u8 >> 4) * scale

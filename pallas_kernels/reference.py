@@ -24,7 +24,9 @@ def _softmax_attend(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS, sm_scale):
   return out.reshape(b, t, n, d).astype(q_BxTxNxD.dtype)
 
 
-def shared_attention(q_BxTxNxD, k_BxTxKxD, v_BxTxKxD, k_past_BxTxKxD, v_past_BxTxKxD, sm_scale=None):
+def shared_attention(
+  q_BxTxNxD, k_BxTxKxD, v_BxTxKxD, k_past_BxTxKxD, v_past_BxTxKxD, sm_scale=None
+):
   """Position t attends to the past K/V at s < t and to its own K/V at s = t."""
   b, t, _, d = q_BxTxNxD.shape
   sm_scale = d**-0.5 if sm_scale is None else sm_scale
