@@ -1,0 +1,87 @@
+"""Shared-cache flash attention (interpret mode) against its pure-JAX reference and the model's.
+
+Forward values and the gradients of all five inputs (q, own k/v, past k/v) are compared with
+`jax.vjp` of `pallas_kernels.reference.shared_attention`, a dense softmax over
+[past (s < t) ; own (s = t)]; that reference is itself checked against the model's attention
+math (`looped.model.attention.attend` with the masks LoopedLM builds for a Jacobi pass).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+
+from looped.model.attention import attend
+from pallas_kernels import reference, shared_attention
+
+
+def _inputs(b, t, hq, hkv, d, dtype=jnp.float32, seed=0):
+  rng = np.random.default_rng(seed)
+  normal = lambda heads: jnp.asarray(rng.standard_normal((b, t, heads, d)), dtype)
+  return normal(hq), normal(hkv), normal(hkv), normal(hkv), normal(hkv), normal(hq)
+
+
+def _value_and_grads(fn, args, do):
+  out, vjp = jax.vjp(fn, *args)
+  return out, vjp(do)
+
+
+class SharedAttentionTest(parameterized.TestCase):
+  @parameterized.named_parameters(
+    # name, B, T, Hq, Hkv, block_q, block_k, causal (past = own K/V)
+    ("mha_t_not_multiple", 2, 13, 2, 2, 8, 4, False),
+    ("gqa2_causal", 1, 13, 4, 2, 4, 8, True),
+    ("gqa4_one_block", 2, 7, 4, 1, 8, 8, False),
+    ("single_head_many_blocks", 1, 16, 1, 1, 4, 4, False),
+    ("gqa2_t1", 2, 1, 2, 1, 8, 8, False),
+  )
+  def test_forward_and_gradients_match_reference(self, b, t, hq, hkv, bq, bk, causal):
+    q, k, v, kp, vp, do = _inputs(b, t, hq, hkv, 16)
+    if causal:
+      kp, vp = k, v
+    kernel = lambda *a: shared_attention(*a, block_q=bq, block_k=bk, interpret=True)
+    out, grads = jax.jit(lambda *a: _value_and_grads(kernel, a, do))(q, k, v, kp, vp)
+    ref_out, ref_grads = _value_and_grads(reference.shared_attention, (q, k, v, kp, vp), do)
+    np.testing.assert_allclose(out, ref_out, atol=2e-6, rtol=0)
+    for name, g, r in zip(("q", "k", "v", "k_past", "v_past"), grads, ref_grads):
+      if t == 1 and name != "v":  # One position: out = v exactly, nothing else matters.
+        np.testing.assert_array_equal(g, 0.0)
+      else:
+        self.assertGreater(float(jnp.abs(r).max()), 0.1, name)  # Not vacuous.
+      np.testing.assert_allclose(g, r, atol=1e-5, rtol=0, err_msg=name)
+
+  def test_causal_with_past_as_own_is_causal_attention_and_grads_sum(self):
+    # Passing the same arrays as own and past K/V: gradients of both uses must add up.
+    q, k, v, _, _, do = _inputs(2, 11, 4, 2, 16, seed=1)
+    kernel = lambda q, k, v: shared_attention(q, k, v, k, v, block_q=4, block_k=4, interpret=True)
+    out, grads = jax.jit(lambda *a: _value_and_grads(kernel, a, do))(q, k, v)
+    causal = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    ref_out, ref_grads = _value_and_grads(causal, (q, k, v), do)
+    np.testing.assert_allclose(out, ref_out, atol=2e-6, rtol=0)
+    for g, r in zip(grads, ref_grads):
+      np.testing.assert_allclose(g, r, atol=1e-5, rtol=0)
+
+  def test_bfloat16_forward(self):
+    q, k, v, kp, vp, _ = _inputs(2, 21, 4, 2, 32, jnp.bfloat16, seed=2)
+    out = shared_attention(q, k, v, kp, vp, block_q=8, block_k=8, interpret=True)
+    self.assertEqual(out.dtype, jnp.bfloat16)
+    ref_out = reference.shared_attention(*(x.astype(jnp.float32) for x in (q, k, v, kp, vp)))
+    np.testing.assert_allclose(out.astype(jnp.float32), ref_out, atol=2e-2, rtol=0)
+
+  def test_reference_is_the_models_jacobi_attention(self):
+    # LoopedLM's shared pass: past mask strictly causal, self mask the diagonal.
+    q, k, v, kp, vp, _ = _inputs(2, 9, 4, 2, 8, seed=3)
+    b, t = q.shape[:2]
+    eye = jnp.broadcast_to(jnp.eye(t, dtype=bool), (b, t, t))
+    strict = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool), -1), (b, t, t))
+    model_out = attend(q, k, v, eye, kp, vp, strict)
+    np.testing.assert_allclose(reference.shared_attention(q, k, v, kp, vp), model_out, atol=1e-6)
+
+  def test_rejects_mismatched_shapes(self):
+    q, k, v, kp, vp, _ = _inputs(1, 4, 3, 2, 8)
+    with self.assertRaisesRegex(ValueError, "do not fit"):
+      shared_attention(q, k, v, kp, vp, interpret=True)
+
+
+if __name__ == "__main__":
+  absltest.main()
