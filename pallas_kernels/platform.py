@@ -8,7 +8,6 @@ Mosaic. The same kernel bodies serve all three.
 from __future__ import annotations
 
 import jax
-from jax.experimental import pallas as pl
 
 # (block_q, block_k) for the shared-cache flash attention, per platform. Interpret mode runs the
 # grid as a loop of XLA ops, so small blocks only cost loop trips; accelerators want MXU/tensor-
@@ -41,7 +40,3 @@ def compiler_params(interpret: bool, num_warps: int = 4, num_stages: int = 2):
 
     return pltpu.CompilerParams()
   return None
-
-
-def cdiv(a: int, b: int) -> int:
-  return pl.cdiv(a, b)
