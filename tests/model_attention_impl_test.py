@@ -35,7 +35,7 @@ WIDE_HEADS = dataclasses.replace(CORE_ONLY, head_dim=32)
 @functools.cache
 def _setup(cfg=TINY, batch=2, length=7):
   tokens = jax.random.randint(jax.random.PRNGKey(1), (batch, length + 1), 0, cfg.vocab_size)
-  params = {"params": LoopedLM(cfg).init(jax.random.PRNGKey(0), tokens[:, :-1])["params"]}
+  params = {"params": jax.jit(LoopedLM(cfg).init)(jax.random.PRNGKey(0), tokens[:, :-1])["params"]}
   return params, {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 
@@ -98,7 +98,9 @@ class AttentionImplTest(parameterized.TestCase):
     b, t = tokens.shape
     xla, pallas = _models(WIDE_HEADS)
     cache = init_cache(WIDE_HEADS, b, t, share, kv_format=kv_format)
-    cache = xla.apply(params, tokens[:, : t - chunk], cache=cache)[1]["cache"]
+    cache = jax.jit(lambda p, x, c: xla.apply(p, x, cache=c)[1]["cache"])(
+      params, tokens[:, : t - chunk], cache
+    )
     step = lambda model: jax.jit(lambda p, x, c: model.apply(p, x, cache=c)[0])
     logits_x = step(xla)(params, tokens[:, t - chunk :], cache)
     logits_p = step(pallas)(params, tokens[:, t - chunk :], cache)
@@ -118,7 +120,7 @@ class AttentionImplTest(parameterized.TestCase):
     params, batch = _setup(WIDE_HEADS)
     xla, pallas = _models(WIDE_HEADS)
     tokens = batch["inputs"]
-    kv = xla.apply(params, tokens)[1]["final_kv"]
+    kv = jax.jit(lambda p, x: xla.apply(p, x)[1]["final_kv"])(params, tokens)
     read_R = objectives.read_mask_R("first", WIDE_HEADS.num_recurrences)
     shared_pass = lambda model: jax.jit(
       lambda p, x, kv: model.apply(p, x, shared_kv=kv, read_shared_R=read_R, kv_format="mxfp8")[0]

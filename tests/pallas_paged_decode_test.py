@@ -132,12 +132,12 @@ class PagedDecodeTest(parameterized.TestCase):
     q = jnp.asarray(rng.standard_normal((b, t, hq, d)), dtype)
     k_new, v_new = (jnp.asarray(rng.standard_normal((b, t, hkv, d)), dtype) for _ in range(2))
     lengths = jnp.asarray(lengths, jnp.int32)
-    out = paged_decode(q, k_new, v_new, k_pages, v_pages, table, lengths, interpret=True)
+    out = jax.jit(paged_decode)(q, k_new, v_new, k_pages, v_pages, table, lengths)
     self.assertFalse(bool(jnp.isnan(out).any()))
     s = k_dense.shape[1]
     past_mask = jnp.broadcast_to((jnp.arange(s)[None, :] < lengths[:, None])[:, None], (b, t, s))
     self_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-    expected = attend(
+    expected = jax.jit(attend)(
       q, k_new, v_new, self_mask, k_dense.astype(dtype), v_dense.astype(dtype), past_mask
     )
     self.assertEqual(out.dtype, dtype)

@@ -6,6 +6,8 @@ Forward values and the gradients of all five inputs (q, own k/v, past k/v) are c
 math (`looped.model.attention.attend` with the masks LoopedLM builds for a Jacobi pass).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +23,7 @@ def _inputs(b, t, hq, hkv, d, dtype=jnp.float32, seed=0):
   return normal(hq), normal(hkv), normal(hkv), normal(hkv), normal(hkv), normal(hq)
 
 
+@functools.partial(jax.jit, static_argnums=0)
 def _value_and_grads(fn, args, do):
   out, vjp = jax.vjp(fn, *args)
   return out, vjp(do)
@@ -40,7 +43,7 @@ class SharedAttentionTest(parameterized.TestCase):
     if causal:
       kp, vp = k, v
     kernel = lambda *a: shared_attention(*a, block_q=bq, block_k=bk, interpret=True)
-    out, grads = jax.jit(lambda *a: _value_and_grads(kernel, a, do))(q, k, v, kp, vp)
+    out, grads = _value_and_grads(kernel, (q, k, v, kp, vp), do)
     ref_out, ref_grads = _value_and_grads(reference.shared_attention, (q, k, v, kp, vp), do)
     np.testing.assert_allclose(out, ref_out, atol=2e-6, rtol=0)
     for name, g, r in zip(("q", "k", "v", "k_past", "v_past"), grads, ref_grads):
@@ -54,7 +57,7 @@ class SharedAttentionTest(parameterized.TestCase):
     # Passing the same arrays as own and past K/V: gradients of both uses must add up.
     q, k, v, _, _, do = _inputs(2, 11, 4, 2, 16, seed=1)
     kernel = lambda q, k, v: shared_attention(q, k, v, k, v, block_q=4, block_k=4, interpret=True)
-    out, grads = jax.jit(lambda *a: _value_and_grads(kernel, a, do))(q, k, v)
+    out, grads = _value_and_grads(kernel, (q, k, v), do)
     causal = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)
     ref_out, ref_grads = _value_and_grads(causal, (q, k, v), do)
     np.testing.assert_allclose(out, ref_out, atol=2e-6, rtol=0)
@@ -65,7 +68,9 @@ class SharedAttentionTest(parameterized.TestCase):
     q, k, v, kp, vp, _ = _inputs(2, 21, 4, 2, 32, jnp.bfloat16, seed=2)
     out = shared_attention(q, k, v, kp, vp, block_q=8, block_k=8, interpret=True)
     self.assertEqual(out.dtype, jnp.bfloat16)
-    ref_out = reference.shared_attention(*(x.astype(jnp.float32) for x in (q, k, v, kp, vp)))
+    ref_out = jax.jit(reference.shared_attention)(
+      *(x.astype(jnp.float32) for x in (q, k, v, kp, vp))
+    )
     np.testing.assert_allclose(out.astype(jnp.float32), ref_out, atol=2e-2, rtol=0)
 
   def test_reference_is_the_models_jacobi_attention(self):
@@ -74,8 +79,9 @@ class SharedAttentionTest(parameterized.TestCase):
     b, t = q.shape[:2]
     eye = jnp.broadcast_to(jnp.eye(t, dtype=bool), (b, t, t))
     strict = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool), -1), (b, t, t))
-    model_out = attend(q, k, v, eye, kp, vp, strict)
-    np.testing.assert_allclose(reference.shared_attention(q, k, v, kp, vp), model_out, atol=1e-6)
+    model_out = jax.jit(attend)(q, k, v, eye, kp, vp, strict)
+    ref_out = jax.jit(reference.shared_attention)(q, k, v, kp, vp)
+    np.testing.assert_allclose(ref_out, model_out, atol=1e-6)
 
   def test_rejects_mismatched_shapes(self):
     q, k, v, kp, vp, _ = _inputs(1, 4, 3, 2, 8)
