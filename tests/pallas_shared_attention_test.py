@@ -56,9 +56,12 @@ class SharedAttentionTest(parameterized.TestCase):
   def test_causal_with_past_as_own_is_causal_attention_and_grads_sum(self):
     # Passing the same arrays as own and past K/V: gradients of both uses must add up.
     q, k, v, _, _, do = _inputs(2, 11, 4, 2, 16, seed=1)
-    kernel = lambda q, k, v: shared_attention(q, k, v, k, v, block_q=4, block_k=4, interpret=True)
+    # A non-default logit scale, and jax.nn's causal attention as an independent reference.
+    kernel = lambda q, k, v: shared_attention(
+      q, k, v, k, v, sm_scale=0.3, block_q=4, block_k=4, interpret=True
+    )
     out, grads = _value_and_grads(kernel, (q, k, v), do)
-    causal = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    causal = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=0.3, is_causal=True)
     ref_out, ref_grads = _value_and_grads(causal, (q, k, v), do)
     np.testing.assert_allclose(out, ref_out, atol=2e-6, rtol=0)
     for g, r in zip(grads, ref_grads):
