@@ -16,9 +16,10 @@ Rows, per sequence length T:
                           pages (shuffled page table), against the XLA reference (gathers and
                           dequantizes a dense copy). GB/s counts the packed K/V bytes read (elements
                           and scales); % of --copy_gbps; time relative to the bf16 kernel.
-Each time is the median of --repeats calls after a warm-up (block_until_ready). A row that fails
-(e.g. the XLA reference's T x 2T scores out of memory) records its error. Prints a Markdown table
-and writes JSON to --out.
+Each time is the median of --repeats calls after a warm-up (block_until_ready). Each kernel row
+also records its max abs difference from the XLA row (outputs, or all five gradients): the
+first check of a lowering that has never run. A row that fails (e.g. the XLA reference's
+T x 2T scores out of memory) records its error. Prints a Markdown table and writes JSON to --out.
 """
 
 import argparse
@@ -41,23 +42,36 @@ from looped import kv_quant  # noqa: E402
 from pallas_kernels import reference  # noqa: E402
 
 
-def _seconds(fn, *args, repeats: int) -> float:
-  jax.block_until_ready(fn(*args))  # Compile and warm up.
+def _seconds(fn, *args, repeats: int):
+  """(median seconds, output of the warm-up call)."""
+  out = jax.block_until_ready(fn(*args))  # Compile and warm up.
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))
     times.append(time.perf_counter() - start)
-  return statistics.median(times)
+  return statistics.median(times), out
 
 
 def _timed(rows, row, fn, *args, repeats):
+  """Times fn into row (or records its error); returns its output (None on error)."""
+  out = None
   try:
-    row["seconds"] = _seconds(fn, *args, repeats=repeats)
+    row["seconds"], out = _seconds(fn, *args, repeats=repeats)
   except Exception as e:  # noqa: BLE001 (recorded: OOM of the dense reference, lowering errors)
     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
   rows.append(row)
-  return row
+  return out
+
+
+def _check(rows_by_impl, outs_by_impl):
+  """The kernel's max abs difference from the XLA path (outputs, or every gradient)."""
+  if all(o is not None for o in outs_by_impl.values()):
+    pairs = zip(jax.tree.leaves(outs_by_impl["pallas"]), jax.tree.leaves(outs_by_impl["xla"]))
+    err = max(
+      float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))) for a, b in pairs
+    )
+    rows_by_impl["pallas"]["max_abs_err"] = err
 
 
 def _pack(x, fmt):
@@ -87,28 +101,22 @@ def prefill_rows(args, t, dtype, rows):
     "xla": reference.shared_attention,
   }
   flops_fwd = 4 * b * hq * d * t * t / 2
-  for impl, fn in impls.items():
-    fwd = jax.jit(fn)
-    loss = lambda *a, fn=fn: jnp.sum(fn(*a).astype(jnp.float32) * do.astype(jnp.float32))
-    fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
-    for op, f, flops in (
-      ("prefill fwd", fwd, flops_fwd),
-      ("prefill fwd+bwd", fwd_bwd, 3.5 * flops_fwd),
-    ):
-      row = _timed(
-        rows,
-        {"op": op, "impl": impl, "T": t, "flops": flops},
-        f,
-        q,
-        k,
-        v,
-        kp,
-        vp,
-        repeats=args.repeats,
-      )
-      if "seconds" in row:
-        row["tflops"] = flops / row["seconds"] / 1e12
-        row["pct_peak"] = 100 * row["tflops"] / args.peak_tflops
+  for op, flops, grad in (
+    ("prefill fwd", flops_fwd, False),
+    ("prefill fwd+bwd", 3.5 * flops_fwd, True),
+  ):
+    row_of, out_of = {}, {}
+    for impl, fn in impls.items():
+      f = jax.jit(fn)
+      if grad:
+        loss = lambda *a, fn=fn: jnp.sum(fn(*a).astype(jnp.float32) * do.astype(jnp.float32))
+        f = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+      row_of[impl] = {"op": op, "impl": impl, "T": t, "flops": flops}
+      out_of[impl] = _timed(rows, row_of[impl], f, q, k, v, kp, vp, repeats=args.repeats)
+      if "seconds" in row_of[impl]:
+        row_of[impl]["tflops"] = flops / row_of[impl]["seconds"] / 1e12
+        row_of[impl]["pct_peak"] = 100 * row_of[impl]["tflops"] / args.peak_tflops
+    _check(row_of, out_of)
 
 
 def decode_rows(args, t, dtype, rows):
@@ -126,32 +134,25 @@ def decode_rows(args, t, dtype, rows):
   lengths = jnp.full((b,), t, jnp.int32)
   q = jnp.asarray(rng.standard_normal((b, 1, hq, d), np.float32), dtype)
   k_new, v_new = (jnp.asarray(rng.standard_normal((b, 1, hkv, d), np.float32), dtype) for _ in "kv")
-  x = jnp.asarray(rng.standard_normal((num_pages, ps, hkv, d), np.float32), dtype)
+  x_k, x_v = (
+    jnp.asarray(rng.standard_normal((num_pages, ps, hkv, d), np.float32), dtype) for _ in "kv"
+  )
   for fmt in args.formats.split(","):
-    k_pages = v_pages = _pack(x, fmt)
+    k_pages, v_pages = _pack(x_k, fmt), _pack(x_v, fmt)
     nbytes = 2 * _nbytes(k_pages)  # K and V.
     impls = {
       "pallas": lambda *a: pallas_kernels.paged_decode(*a, interpret=args.interpret or None),
       "xla": reference.paged_decode,
     }
+    row_of, out_of = {}, {}
     for impl, fn in impls.items():
-      row = {"op": f"decode {fmt}", "impl": impl, "T": t, "bytes": nbytes}
-      row = _timed(
-        rows,
-        row,
-        jax.jit(fn),
-        q,
-        k_new,
-        v_new,
-        k_pages,
-        v_pages,
-        table,
-        lengths,
-        repeats=args.repeats,
-      )
+      row = row_of[impl] = {"op": f"decode {fmt}", "impl": impl, "T": t, "bytes": nbytes}
+      call_args = (q, k_new, v_new, k_pages, v_pages, table, lengths)
+      out_of[impl] = _timed(rows, row, jax.jit(fn), *call_args, repeats=args.repeats)
       if "seconds" in row:
         row["gb_per_s"] = nbytes / row["seconds"] / 1e9
         row["pct_copy"] = 100 * row["gb_per_s"] / args.copy_gbps
+    _check(row_of, out_of)
 
 
 def main():
@@ -195,11 +196,14 @@ def main():
     f"D {args.head_dim}, "
     f"prefill batch {args.batch}, decode batch {args.decode_batch} x page {args.page_size}\n"
   )
-  print("| op | impl | T | ms | TFLOP/s (% peak) | GB/s (% copy) | vs XLA | vs bf16 decode |")
-  print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+  print(
+    "| op | impl | T | ms | TFLOP/s (% peak) | GB/s (% copy) | vs XLA | vs bf16 decode "
+    "| max abs err vs XLA |"
+  )
+  print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
   for r in rows:
     if "error" in r:
-      print(f"| {r['op']} | {r['impl']} | {r['T']} | {r['error']} | | | | |")
+      print(f"| {r['op']} | {r['impl']} | {r['T']} | {r['error']} | | | | | |")
       continue
     tf = f"{r['tflops']:.3g} ({r['pct_peak']:.1f}%)" if "tflops" in r else ""
     gb = f"{r['gb_per_s']:.3g} ({r['pct_copy']:.1f}%)" if "gb_per_s" in r else ""
@@ -209,7 +213,10 @@ def main():
     if r["op"].startswith("decode") and r["impl"] == "pallas" and r["T"] in bf16:
       vs_bf16 = f"{r['seconds'] / bf16[r['T']]:.2f}"
     ms = f"{1e3 * r['seconds']:.3g}"
-    print(f"| {r['op']} | {r['impl']} | {r['T']} | {ms} | {tf} | {gb} | {vs_xla} | {vs_bf16} |")
+    err = f"{r['max_abs_err']:.2g}" if "max_abs_err" in r else ""
+    print(
+      f"| {r['op']} | {r['impl']} | {r['T']} | {ms} | {tf} | {gb} | {vs_xla} | {vs_bf16} | {err} |"
+    )
 
   result = {
     "args": vars(args),
