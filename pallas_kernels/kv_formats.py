@@ -78,7 +78,9 @@ def mul_pow2_exact(v_f32, k_i32):
   bits = lax.bitcast_convert_type(v_f32, jnp.int32)
   biased_exp = (bits >> 23) & 0xFF
   tiny = (biased_exp + k_i32 < 1) & (biased_exp > 0)
-  q = jnp.round(jnp.abs(v_f32) * _pow2(jnp.minimum(k_i32 + 149, 127))).astype(jnp.int32)
+  # |v| * 2^(k + 149) is the subnormal's integer mantissa, exactly: e4m3 values are multiples
+  # of 2^-9 and k >= -127, so no rounding is needed (Triton has no round).
+  q = (jnp.abs(v_f32) * _pow2(jnp.minimum(k_i32 + 149, 127))).astype(jnp.int32)
   sub = _from_bits((bits & jnp.int32(-0x80000000)) | q)
   return jnp.where(tiny, sub, fast)
 

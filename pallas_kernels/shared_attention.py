@@ -83,7 +83,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, kp_ref, vp_ref, o_ref, lse_ref, *, sm_scale
   num_blocks = pl.cdiv(q_start + block_q - 1, block_k)
   m_Q, l_Q, acc_QxD = lax.fori_loop(0, num_blocks, body, (m_Q, l_Q, acc_QxD))
   o_ref[...] = (acc_QxD / l_Q[:, None]).astype(o_ref.dtype)
-  lse_ref[...] = m_Q + jnp.log(l_Q)
+  lse_ref[...] = (m_Q + jnp.log(l_Q))[:, None]
 
 
 def _bwd_dq_kernel(
@@ -105,15 +105,15 @@ def _bwd_dq_kernel(
   block_q = q_ref.shape[0]
   q_start = pl.program_id(2) * block_q
   q_QxD, do_QxD = q_ref[...], do_ref[...]
-  lse_Q, delta_Q = lse_ref[...], delta_ref[...]
+  lse_Qx1, delta_Qx1 = lse_ref[...], delta_ref[...]
   q32, do32 = q_QxD.astype(jnp.float32), do_QxD.astype(jnp.float32)
   k32, v32 = k_ref[...].astype(jnp.float32), v_ref[...].astype(jnp.float32)
   # Diagonal: p_tt, and ds_tt = p_tt (dO_t . v_t - delta_t); gives dk_t, dv_t directly.
-  p_Q = jnp.exp(jnp.sum(q32 * k32, axis=1) * sm_scale - lse_Q)
-  ds_Q = p_Q * (jnp.sum(do32 * v32, axis=1) - delta_Q)
-  dk_ref[...] = (ds_Q[:, None] * q32 * sm_scale).astype(dk_ref.dtype)
-  dv_ref[...] = (p_Q[:, None] * do32).astype(dv_ref.dtype)
-  dq_QxD = ds_Q[:, None] * k32 * sm_scale
+  p_Qx1 = jnp.exp(jnp.sum(q32 * k32, axis=1, keepdims=True) * sm_scale - lse_Qx1)
+  ds_Qx1 = p_Qx1 * (jnp.sum(do32 * v32, axis=1, keepdims=True) - delta_Qx1)
+  dk_ref[...] = (ds_Qx1 * q32 * sm_scale).astype(dk_ref.dtype)
+  dv_ref[...] = (p_Qx1 * do32).astype(dv_ref.dtype)
+  dq_QxD = ds_Qx1 * k32 * sm_scale
 
   def body(j, dq_QxD):
     k_start = j * block_k
@@ -121,9 +121,9 @@ def _bwd_dq_kernel(
     vp_KxD = vp_ref[pl.ds(k_start, block_k), :]
     s_QxK = _dot(q_QxD, kp_KxD, 1, 1) * sm_scale
     mask = _past_mask(q_start, k_start, block_q, block_k)
-    p_QxK = jnp.where(mask, jnp.exp(s_QxK - lse_Q[:, None]), 0.0)
+    p_QxK = jnp.where(mask, jnp.exp(s_QxK - lse_Qx1), 0.0)
     dp_QxK = _dot(do_QxD, vp_KxD, 1, 1)
-    ds_QxK = p_QxK * (dp_QxK - delta_Q[:, None])
+    ds_QxK = p_QxK * (dp_QxK - delta_Qx1)
     return dq_QxD + _dot(ds_QxK.astype(kp_KxD.dtype), kp_KxD) * sm_scale
 
   num_blocks = pl.cdiv(q_start + block_q - 1, block_k)
@@ -143,12 +143,12 @@ def _bwd_dkv_kernel(
     q_start = i * block_q
     rows = pl.ds(q_start, block_q)
     q_QxD, do_QxD = q_ref[rows, :], do_ref[rows, :]
-    lse_Q, delta_Q = lse_ref[rows], delta_ref[rows]
+    lse_Qx1, delta_Qx1 = lse_ref[rows, :], delta_ref[rows, :]
     s_QxK = _dot(q_QxD, kp_KxD, 1, 1) * sm_scale
     mask = _past_mask(q_start, k_start, block_q, block_k)
-    p_QxK = jnp.where(mask, jnp.exp(s_QxK - lse_Q[:, None]), 0.0)
+    p_QxK = jnp.where(mask, jnp.exp(s_QxK - lse_Qx1), 0.0)
     dv_KxD = dv_KxD + _dot(p_QxK.astype(do_QxD.dtype), do_QxD, 0, 0)
-    ds_QxK = p_QxK * (_dot(do_QxD, vp_KxD, 1, 1) - delta_Q[:, None])
+    ds_QxK = p_QxK * (_dot(do_QxD, vp_KxD, 1, 1) - delta_Qx1)
     dk_KxD = dk_KxD + _dot(ds_QxK.astype(q_QxD.dtype), q_QxD, 0, 0) * sm_scale
     return dk_KxD, dv_KxD
 
@@ -174,8 +174,13 @@ def _full_spec(t: int, d: int, head_map=lambda h: h):
   return pl.BlockSpec((None, None, t, d), lambda b, h, i: (b, head_map(h), 0, 0))
 
 
-def _vec_spec(block: int):
-  return pl.BlockSpec((None, None, block), lambda b, h, i: (b, h, i))
+def _stat_spec(block: int):
+  """Per-row softmax statistics, stored as [B, H, T, 1] columns (TPU tiling takes those)."""
+  return pl.BlockSpec((None, None, block, 1), lambda b, h, i: (b, h, i, 0))
+
+
+def _full_stat_spec(t: int):
+  return pl.BlockSpec((None, None, t, 1), lambda b, h, i: (b, h, 0, 0))
 
 
 def _fwd(q, k, v, kp, vp, sm_scale, block_q, block_k, interpret):
@@ -193,10 +198,10 @@ def _fwd(q, k, v, kp, vp, sm_scale, block_q, block_k, interpret):
       _full_spec(t, d, kv_head),
       _full_spec(t, d, kv_head),
     ],
-    out_specs=[_row_spec(block_q, d), _vec_spec(block_q)],
+    out_specs=[_row_spec(block_q, d), _stat_spec(block_q)],
     out_shape=[
       jax.ShapeDtypeStruct(q.shape, q.dtype),
-      jax.ShapeDtypeStruct((b, hq, t), jnp.float32),
+      jax.ShapeDtypeStruct((b, hq, t, 1), jnp.float32),
     ],
     interpret=interpret,
     compiler_params=platform.compiler_params(interpret),
@@ -209,7 +214,7 @@ def _bwd(q, k, v, kp, vp, o, lse, do, sm_scale, block_q, block_k, interpret):
   hkv = k.shape[1]
   group = hq // hkv
   kv_head = lambda h: h // group
-  delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
+  delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1, keepdims=True)
   per_head = lambda x: jax.ShapeDtypeStruct((b, hq, t, d), x.dtype)
   common = dict(interpret=interpret, compiler_params=platform.compiler_params(interpret))
   dq, dk_h, dv_h = pl.pallas_call(
@@ -222,8 +227,8 @@ def _bwd(q, k, v, kp, vp, o, lse, do, sm_scale, block_q, block_k, interpret):
       _full_spec(t, d, kv_head),
       _full_spec(t, d, kv_head),
       _row_spec(block_q, d),
-      _vec_spec(block_q),
-      _vec_spec(block_q),
+      _stat_spec(block_q),
+      _stat_spec(block_q),
     ],
     out_specs=[_row_spec(block_q, d)] * 3,
     out_shape=[per_head(q), per_head(k), per_head(v)],
@@ -236,8 +241,8 @@ def _bwd(q, k, v, kp, vp, o, lse, do, sm_scale, block_q, block_k, interpret):
     in_specs=[
       _full_spec(t, d),
       _full_spec(t, d),
-      pl.BlockSpec((None, None, t), lambda b, h, i: (b, h, 0)),
-      pl.BlockSpec((None, None, t), lambda b, h, i: (b, h, 0)),
+      _full_stat_spec(t),
+      _full_stat_spec(t),
       _row_spec(block_k, d, kv_head),
       _row_spec(block_k, d, kv_head),
     ],
