@@ -26,22 +26,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import kv_formats, platform
+from pallas_kernels import kv_formats, ops, platform
 from pallas_kernels.kv_formats import PackedKV
 
 # Minimum rows of a dot operand per platform (Triton's tl.dot needs 16; interpret mode none).
 _MIN_ROWS = {"cpu": 1, "gpu": 16, "tpu": 8}
 
 
-def _dot(a, b, contract_a: int = 1, contract_b: int = 0):
-  exact = a.dtype == jnp.float32 and b.dtype == jnp.float32
-  return lax.dot_general(
-    a,
-    b,
-    (((contract_a,), (contract_b,)), ((), ())),
-    precision=lax.Precision.HIGHEST if exact else None,
-    preferred_element_type=jnp.float32,
-  )
+_dot = ops.dot_f32
 
 
 def _page_parts(leaf_refs, page, fmt: str):

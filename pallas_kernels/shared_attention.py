@@ -30,19 +30,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import platform
+from pallas_kernels import ops, platform
 
-
-def _dot(a, b, contract_a: int = 1, contract_b: int = 0):
-  """2-D matmul in float32 (exact float32 products for float32 inputs)."""
-  exact = a.dtype == jnp.float32 and b.dtype == jnp.float32
-  return lax.dot_general(
-    a,
-    b,
-    (((contract_a,), (contract_b,)), ((), ())),
-    precision=lax.Precision.HIGHEST if exact else None,
-    preferred_element_type=jnp.float32,
-  )
+_dot = ops.dot_f32
 
 
 def _past_mask(q_start, k_start, block_q: int, block_k: int):
@@ -53,7 +43,7 @@ def _past_mask(q_start, k_start, block_q: int, block_k: int):
 
 
 # ---------------------------------------------------------------------------------------------
-# Kernels. Refs are 2-D [rows, D] (or 1-D [rows]) blocks of one (batch, head).
+# Kernels. Refs are [rows, D] blocks of one (batch, head); softmax statistics [rows, 1].
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, kp_ref, vp_ref, o_ref, lse_ref, *, sm_scale, block_k):
