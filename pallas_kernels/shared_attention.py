@@ -27,10 +27,11 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import ops, platform
+from pallas_kernels import kv_formats, ops, platform
 
 _dot = ops.dot_f32
 
@@ -46,7 +47,30 @@ def _past_mask(q_start, k_start, block_q: int, block_k: int):
 # Kernels. Refs are [rows, D] blocks of one (batch, head); softmax statistics [rows, 1].
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, kp_ref, vp_ref, o_ref, lse_ref, *, sm_scale, block_k):
+def _past_tile(leaf_refs, start, size: int, fmt: str | None, dtype):
+  """Past K or V rows [start, start + size) as [size, D]; a packed past is dequantized here.
+
+  Packed leaves (kernel layout, one row per token): data [T, D or D / 2], fp8 scale [T, 1],
+  mx / nvfp4 scales [T, D / block], nvfp4 tensor scale [T, 1].
+  """
+  rows = pl.ds(start, size)
+  if fmt is None:
+    return leaf_refs[0][rows, :]
+  data = leaf_refs[0][rows, :]
+  scale = tensor_scale = None
+  if fmt == "fp8":
+    scale = leaf_refs[1][rows, 0]
+  elif fmt != "bf16" and fmt != "raw":
+    scale = leaf_refs[1][rows, :]
+  if fmt == "nvfp4":
+    tensor_scale = leaf_refs[2][rows, 0]
+  packed = kv_formats.PackedKV(data, scale, tensor_scale, fmt)
+  return kv_formats.dequantize(packed).astype(dtype)  # Rounded as a cache read would be.
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, *refs, sm_scale, block_k, past_fmt, n_leaves):
+  kp_refs, vp_refs = refs[:n_leaves], refs[n_leaves : 2 * n_leaves]
+  o_ref, lse_ref = refs[2 * n_leaves :]
   block_q = q_ref.shape[0]
   q_start = pl.program_id(2) * block_q
   q_QxD = q_ref[...]
@@ -58,8 +82,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, kp_ref, vp_ref, o_ref, lse_ref, *, sm_scale
   def body(j, carry):
     m_Q, l_Q, acc_QxD = carry
     k_start = j * block_k
-    kp_KxD = kp_ref[pl.ds(k_start, block_k), :]
-    vp_KxD = vp_ref[pl.ds(k_start, block_k), :]
+    kp_KxD = _past_tile(kp_refs, k_start, block_k, past_fmt, q_QxD.dtype)
+    vp_KxD = _past_tile(vp_refs, k_start, block_k, past_fmt, q_QxD.dtype)
     s_QxK = _dot(q_QxD, kp_KxD, 1, 1) * sm_scale
     s_QxK = jnp.where(_past_mask(q_start, k_start, block_q, block_k), s_QxK, -jnp.inf)
     m_new = jnp.maximum(m_Q, jnp.max(s_QxK, axis=1))
@@ -76,22 +100,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, kp_ref, vp_ref, o_ref, lse_ref, *, sm_scale
   lse_ref[...] = (m_Q + jnp.log(l_Q))[:, None]
 
 
-def _bwd_dq_kernel(
-  q_ref,
-  k_ref,
-  v_ref,
-  kp_ref,
-  vp_ref,
-  do_ref,
-  lse_ref,
-  delta_ref,
-  dq_ref,
-  dk_ref,
-  dv_ref,
-  *,
-  sm_scale,
-  block_k,
-):
+def _bwd_dq_kernel(q_ref, k_ref, v_ref, *refs, sm_scale, block_k, past_fmt, n_leaves):
+  kp_refs, vp_refs = refs[:n_leaves], refs[n_leaves : 2 * n_leaves]
+  do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref = refs[2 * n_leaves :]
   block_q = q_ref.shape[0]
   q_start = pl.program_id(2) * block_q
   q_QxD, do_QxD = q_ref[...], do_ref[...]
@@ -107,8 +118,8 @@ def _bwd_dq_kernel(
 
   def body(j, dq_QxD):
     k_start = j * block_k
-    kp_KxD = kp_ref[pl.ds(k_start, block_k), :]
-    vp_KxD = vp_ref[pl.ds(k_start, block_k), :]
+    kp_KxD = _past_tile(kp_refs, k_start, block_k, past_fmt, q_QxD.dtype)
+    vp_KxD = _past_tile(vp_refs, k_start, block_k, past_fmt, q_QxD.dtype)
     s_QxK = _dot(q_QxD, kp_KxD, 1, 1) * sm_scale
     mask = _past_mask(q_start, k_start, block_q, block_k)
     p_QxK = jnp.where(mask, jnp.exp(s_QxK - lse_Qx1), 0.0)
@@ -173,11 +184,36 @@ def _full_stat_spec(t: int):
   return pl.BlockSpec((None, None, t, 1), lambda b, h, i: (b, h, 0, 0))
 
 
+def _past_leaves(past):
+  return [past] if not isinstance(past, kv_formats.PackedKV) else jax.tree.leaves(past)
+
+
+def _past_fmt(past):
+  return past.fmt if isinstance(past, kv_formats.PackedKV) else None
+
+
+def _past_specs(past, t: int, kv_head):
+  """Leaves of the (padded, kernel-layout) past and their whole-T block specs."""
+  leaves = _past_leaves(past)
+  specs = [_full_spec(t, x.shape[-1], kv_head) for x in leaves]
+  if _past_fmt(past) == "nvfp4":  # Its tensor scale [B, 1, T, 1] is shared by the heads.
+    specs[2] = _full_spec(t, 1, lambda h: 0)
+  return leaves, specs
+
+
 def _fwd(q, k, v, kp, vp, sm_scale, block_q, block_k, interpret):
   b, hq, t, d = q.shape
   group = hq // k.shape[1]
   kv_head = lambda h: h // group
-  kernel = functools.partial(_fwd_kernel, sm_scale=sm_scale, block_k=block_k)
+  kp_leaves, kp_specs = _past_specs(kp, t, kv_head)
+  vp_leaves, vp_specs = _past_specs(vp, t, kv_head)
+  kernel = functools.partial(
+    _fwd_kernel,
+    sm_scale=sm_scale,
+    block_k=block_k,
+    past_fmt=_past_fmt(kp),
+    n_leaves=len(kp_leaves),
+  )
   return pl.pallas_call(
     kernel,
     grid=(b, hq, t // block_q),
@@ -185,8 +221,8 @@ def _fwd(q, k, v, kp, vp, sm_scale, block_q, block_k, interpret):
       _row_spec(block_q, d),
       _row_spec(block_q, d, kv_head),
       _row_spec(block_q, d, kv_head),
-      _full_spec(t, d, kv_head),
-      _full_spec(t, d, kv_head),
+      *kp_specs,
+      *vp_specs,
     ],
     out_specs=[_row_spec(block_q, d), _stat_spec(block_q)],
     out_shape=[
@@ -196,7 +232,7 @@ def _fwd(q, k, v, kp, vp, sm_scale, block_q, block_k, interpret):
     interpret=interpret,
     compiler_params=platform.compiler_params(interpret),
     name="shared_attention_fwd",
-  )(q, k, v, kp, vp)
+  )(q, k, v, *kp_leaves, *vp_leaves)
 
 
 def _bwd(q, k, v, kp, vp, o, lse, do, sm_scale, block_q, block_k, interpret):
@@ -207,15 +243,24 @@ def _bwd(q, k, v, kp, vp, o, lse, do, sm_scale, block_q, block_k, interpret):
   delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1, keepdims=True)
   per_head = lambda x: jax.ShapeDtypeStruct((b, hq, t, d), x.dtype)
   common = dict(interpret=interpret, compiler_params=platform.compiler_params(interpret))
+  kp_leaves, kp_specs = _past_specs(kp, t, kv_head)
+  vp_leaves, vp_specs = _past_specs(vp, t, kv_head)
+  dq_kernel = functools.partial(
+    _bwd_dq_kernel,
+    sm_scale=sm_scale,
+    block_k=block_k,
+    past_fmt=_past_fmt(kp),
+    n_leaves=len(kp_leaves),
+  )
   dq, dk_h, dv_h = pl.pallas_call(
-    functools.partial(_bwd_dq_kernel, sm_scale=sm_scale, block_k=block_k),
+    dq_kernel,
     grid=(b, hq, t // block_q),
     in_specs=[
       _row_spec(block_q, d),
       _row_spec(block_q, d, kv_head),
       _row_spec(block_q, d, kv_head),
-      _full_spec(t, d, kv_head),
-      _full_spec(t, d, kv_head),
+      *kp_specs,
+      *vp_specs,
       _row_spec(block_q, d),
       _stat_spec(block_q),
       _stat_spec(block_q),
@@ -224,7 +269,10 @@ def _bwd(q, k, v, kp, vp, o, lse, do, sm_scale, block_q, block_k, interpret):
     out_shape=[per_head(q), per_head(k), per_head(v)],
     name="shared_attention_bwd_dq",
     **common,
-  )(q, k, v, kp, vp, do, lse, delta)
+  )(q, k, v, *kp_leaves, *vp_leaves, do, lse, delta)
+  group_sum = lambda x, like: x.reshape(b, hkv, group, t, d).sum(2).astype(like.dtype)
+  if _past_fmt(kp) is not None:  # A packed past is a constant: no past-K/V kernel.
+    return dq, group_sum(dk_h, k), group_sum(dv_h, v), None, None
   dkp_h, dvp_h = pl.pallas_call(
     functools.partial(_bwd_dkv_kernel, sm_scale=sm_scale, block_q=block_q),
     grid=(b, hq, t // block_k),
@@ -242,7 +290,6 @@ def _bwd(q, k, v, kp, vp, o, lse, do, sm_scale, block_q, block_k, interpret):
     **common,
   )(q, do, lse, delta, kp, vp)
   # Sum the query heads of each group into their K/V head.
-  group_sum = lambda x, like: x.reshape(b, hkv, group, t, d).sum(2).astype(like.dtype)
   return dq, group_sum(dk_h, k), group_sum(dv_h, v), group_sum(dkp_h, kp), group_sum(dvp_h, vp)
 
 
@@ -253,6 +300,30 @@ def _bwd(q, k, v, kp, vp, o, lse, do, sm_scale, block_q, block_k, interpret):
 def _to_bhtd(x, t_pad):
   x = jnp.swapaxes(x, 1, 2)
   return jnp.pad(x, ((0, 0), (0, 0), (0, t_pad - x.shape[2]), (0, 0)))
+
+
+def _past_to_kernel(past, t_pad):
+  """Past K or V into the kernel layout [B, heads, Tp, last] (packed: every leaf so)."""
+  if not isinstance(past, kv_formats.PackedKV):
+    return _to_bhtd(past, t_pad)
+  scale = past.scale
+  if scale is not None and scale.ndim == 3:  # fp8 [B, T, K] -> a column per token.
+    scale = scale[..., None]
+  tensor_scale = past.tensor_scale
+  if tensor_scale is not None:  # [B, T] -> [B, T, 1, 1], one "head".
+    tensor_scale = tensor_scale[:, :, None, None]
+  to = lambda x: None if x is None else _to_bhtd(x, t_pad)
+  return kv_formats.PackedKV(to(past.data), to(scale), to(tensor_scale), past.fmt)
+
+
+def _zero_cotangent(packed):
+  """Zero cotangents for a packed past (float0 for its integer leaves)."""
+  zero = lambda a: (
+    jnp.zeros_like(a)
+    if jnp.issubdtype(a.dtype, jnp.floating)
+    else np.zeros(a.shape, jax.dtypes.float0)
+  )
+  return jax.tree.map(zero, packed)
 
 
 def _from_bhtd(x, t):
@@ -267,17 +338,21 @@ def _attention(q, k, v, kp, vp, sm_scale, block_q, block_k, interpret):
 def _attention_fwd(q, k, v, kp, vp, sm_scale, block_q, block_k, interpret):
   t = q.shape[1]
   t_pad = math.lcm(block_q, block_k) * pl.cdiv(t, math.lcm(block_q, block_k))
-  padded = [_to_bhtd(x, t_pad) for x in (q, k, v, kp, vp)]
+  padded = [_to_bhtd(x, t_pad) for x in (q, k, v)] + [_past_to_kernel(x, t_pad) for x in (kp, vp)]
   o, lse = _fwd(*padded, sm_scale, block_q, block_k, interpret)
-  return _from_bhtd(o, t), (padded, o, lse)
+  packed = (kp, vp) if isinstance(kp, kv_formats.PackedKV) else None
+  return _from_bhtd(o, t), (padded, o, lse, packed)
 
 
 def _attention_bwd(sm_scale, block_q, block_k, interpret, residuals, do):
-  padded, o, lse = residuals
+  padded, o, lse, packed = residuals
   t = do.shape[1]
   do = _to_bhtd(do, o.shape[2])
   grads = _bwd(*padded, o, lse, do, sm_scale, block_q, block_k, interpret)
-  return tuple(_from_bhtd(g, t) for g in grads)
+  if packed is None:
+    return tuple(_from_bhtd(g, t) for g in grads)
+  # A packed past is a constant: its bytes and scales get zero cotangents.
+  return (*(_from_bhtd(g, t) for g in grads[:3]), *(_zero_cotangent(p) for p in packed))
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -294,8 +369,8 @@ def shared_attention(
   q_BxTxNxD: jax.Array,
   k_BxTxKxD: jax.Array,
   v_BxTxKxD: jax.Array,
-  k_past_BxTxKxD: jax.Array,
-  v_past_BxTxKxD: jax.Array,
+  k_past_BxTxKxD: jax.Array | kv_formats.PackedKV,
+  v_past_BxTxKxD: jax.Array | kv_formats.PackedKV,
   *,
   sm_scale: float | None = None,
   block_q: int | None = None,
@@ -308,22 +383,29 @@ def shared_attention(
     q_BxTxNxD: queries, N query heads.
     k_BxTxKxD, v_BxTxKxD: the tokens' own keys/values (K KV heads; N a multiple of K).
     k_past_BxTxKxD, v_past_BxTxKxD: the past K/V of the same positions (pass the own K/V for
-      ordinary causal attention).
+      ordinary causal attention). Or both packed in a KV format (`PackedKV`, leaves [B, T, K,
+      ...] and nvfp4 tensor scale [B, T], one quantized token per [K, D] slice as looped's
+      caches store it): the kernels dequantize each tile as they read it, so a quantized
+      Jacobi pass reads exactly what a cache in that format returns, without a dequantized
+      copy. A packed past is a constant (zero cotangents).
     sm_scale: logit scale (default D ** -0.5).
     block_q, block_k: query / key block sizes (default per platform; T need not divide).
     interpret: run in Pallas interpret mode (default: exactly when there is no GPU/TPU).
 
   Returns:
     [B, T, N, D] in q's dtype. Differentiable in all five arrays (custom VJP with Pallas
-    backward kernels); softmax statistics in float32.
+    backward kernels; the past only when not packed); softmax statistics in float32.
   """
   b, t, n, d = q_BxTxNxD.shape
   kv_shape = k_BxTxKxD.shape
   if kv_shape[:2] != (b, t) or kv_shape[3] != d or n % kv_shape[2]:
     raise ValueError(f"q {q_BxTxNxD.shape} and k {kv_shape} do not fit [B,T,N,D] / [B,T,K,D].")
   for name, x in (("v", v_BxTxKxD), ("k_past", k_past_BxTxKxD), ("v_past", v_past_BxTxKxD)):
-    if x.shape != kv_shape:
-      raise ValueError(f"{name} has shape {x.shape}, expected k's {kv_shape}.")
+    shape = x.shape if not isinstance(x, kv_formats.PackedKV) else (*x.data.shape[:3], x.head_dim)
+    if shape != kv_shape:
+      raise ValueError(f"{name} has shape {shape}, expected k's {kv_shape}.")
+  if _past_fmt(k_past_BxTxKxD) != _past_fmt(v_past_BxTxKxD):
+    raise ValueError("k_past and v_past must both be arrays or both packed in one format.")
   default_q, default_k = platform.FLASH_BLOCKS[platform.platform()]
   block_q, block_k = _block(block_q, default_q, t), _block(block_k, default_k, t)
   sm_scale = float(d**-0.5 if sm_scale is None else sm_scale)

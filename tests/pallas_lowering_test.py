@@ -44,6 +44,16 @@ class TritonLoweringTest(parameterized.TestCase):
     self.assertEqual(_triton_calls(attention, q, kv, kv, kv, kv), 1)
     self.assertEqual(_triton_calls(grads, q, kv, kv, kv, kv), 3)  # fwd, dq, dk/dv.
 
+  @parameterized.parameters("fp8", "mxfp8", "nvfp4")
+  def test_shared_attention_packed_past(self, fmt):
+    q, kv = S((1, 256, 8, 128), jnp.bfloat16), S((1, 256, 4, 128), jnp.bfloat16)
+    past = _pages(fmt, pages=1, page_size=256)  # Leaves [B, T, K, ...] (tensor scale [B, T]).
+    attention = lambda q, k, v, kp, vp: pallas_kernels.shared_attention(
+      q, k, v, kp, vp, interpret=False
+    )
+    grads = jax.grad(lambda *a: jnp.sum(attention(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+    self.assertEqual(_triton_calls(grads, q, kv, kv, past, past), 2)  # fwd, dq (no past grad).
+
   @parameterized.parameters("bf16", "fp8", "mxfp8", "nvfp4")
   def test_paged_decode(self, fmt):
     q, kv = S((4, 1, 16, 128), jnp.bfloat16), S((4, 1, 4, 128), jnp.bfloat16)

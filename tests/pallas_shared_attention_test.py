@@ -3,7 +3,8 @@
 Forward values and the gradients of all five inputs (q, own k/v, past k/v) are compared with
 `jax.vjp` of `pallas_kernels.reference.shared_attention`, a dense softmax over
 [past (s < t) ; own (s = t)]; that reference is itself checked against the model's attention
-math (`looped.model.attention.attend` with the masks LoopedLM builds for a Jacobi pass).
+math (`looped.model.attention.attend` with the masks LoopedLM builds for a Jacobi pass). A past
+packed by `looped.kv_quant` must read as its `kv_quant.dequantize` round trip.
 """
 
 import functools
@@ -13,8 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
+from looped import kv_quant
 from looped.model.attention import attend
-from pallas_kernels import reference, shared_attention
+from pallas_kernels import PackedKV, reference, shared_attention
 
 
 def _inputs(b, t, hq, hkv, d, dtype=jnp.float32, seed=0):
@@ -52,6 +54,30 @@ class SharedAttentionTest(parameterized.TestCase):
       else:
         self.assertGreater(float(jnp.abs(r).max()), 0.1, name)  # Not vacuous.
       np.testing.assert_allclose(g, r, atol=1e-5, rtol=0, err_msg=name)
+
+  @parameterized.parameters("bf16", "fp8", "mxfp8", "nvfp4")
+  def test_packed_past_is_dequantized_in_kernel(self, fmt):
+    # The past packed per token by looped.kv_quant; the reference reads its kv_quant round trip.
+    q, k, v, kp, vp, do = _inputs(2, 13, 4, 2, 32, seed=4)
+    per_token = lambda fn: jax.jit(jax.vmap(jax.vmap(fn)))
+    quantized = [per_token(lambda tok: kv_quant.quantize(tok, fmt))(x) for x in (kp, vp)]
+    kp_read, vp_read = (per_token(kv_quant.dequantize)(x) for x in quantized)
+    kp_packed, vp_packed = (PackedKV(x.data, x.scale, x.tensor_scale, fmt) for x in quantized)
+
+    def kernel(q, k, v, kp, vp):
+      return shared_attention(q, k, v, kp, vp, block_q=8, block_k=4, interpret=True)
+
+    out, grads = _value_and_grads(kernel, (q, k, v, kp_packed, vp_packed), do)
+    ref_out, ref_grads = _value_and_grads(
+      reference.shared_attention, (q, k, v, kp_read, vp_read), do
+    )
+    self.assertGreater(float(jnp.abs(kp_read - kp).max()), 1e-3)  # The round trip is visible.
+    np.testing.assert_allclose(out, ref_out, atol=2e-6, rtol=0)
+    for g, r in zip(grads[:3], ref_grads[:3]):
+      np.testing.assert_allclose(g, r, atol=1e-5, rtol=0)
+    for cotangent in jax.tree.leaves(grads[3:]):  # A packed past is a constant.
+      if jnp.issubdtype(cotangent.dtype, jnp.floating):
+        np.testing.assert_array_equal(cotangent.astype(jnp.float32), 0.0)
 
   def test_causal_with_past_as_own_is_causal_attention_and_grads_sum(self):
     # Passing the same arrays as own and past K/V: gradients of both uses must add up.
