@@ -11,6 +11,8 @@ Rows, per sequence length T:
                           Jacobi / BeNice! pass) against the XLA reference (dense [T, 2T] scores,
                           what attention_impl='xla' computes). TFLOP/s counts the causal half:
                           4 B Hq D T^2 / 2 forward, 2.5x that for the backward; % of --peak_tflops.
+  prefill fwd, <f> past   the same with the past packed in format f (--past_formats), read
+                          through in-kernel dequantization (XLA: dequantized copy first).
   decode <format>         `pallas_kernels.paged_decode`, one new token per sequence for
                           --decode_batch sequences holding T cached tokens each in --page_size
                           pages (shuffled page table), against the XLA reference (gathers and
@@ -39,7 +41,7 @@ import numpy as np  # noqa: E402
 
 import pallas_kernels  # noqa: E402
 from looped import kv_quant  # noqa: E402
-from pallas_kernels import reference  # noqa: E402
+from pallas_kernels import kv_formats, reference  # noqa: E402
 
 
 def _seconds(fn, *args, repeats: int):
@@ -86,6 +88,11 @@ def _pack(x, fmt):
   return pallas_kernels.PackedKV(*leaves, fmt=fmt)
 
 
+def _read(packed, dtype):
+  """A dequantized copy of a packed array (what the XLA path reads)."""
+  return kv_formats.dequantize(packed).astype(dtype)
+
+
 def _nbytes(packed):
   return sum(a.nbytes for a in (packed.data, packed.scale, packed.tensor_scale) if a is not None)
 
@@ -116,6 +123,26 @@ def prefill_rows(args, t, dtype, rows):
       if "seconds" in row_of[impl]:
         row_of[impl]["tflops"] = flops / row_of[impl]["seconds"] / 1e12
         row_of[impl]["pct_peak"] = 100 * row_of[impl]["tflops"] / args.peak_tflops
+    _check(row_of, out_of)
+  # A quantized Jacobi pass: the past packed per token, dequantized in the kernel (pallas) or
+  # dequantized into a copy first (xla).
+  for fmt in filter(None, args.past_formats.split(",")):
+    kp_packed, vp_packed = _pack(kp, fmt), _pack(vp, fmt)
+    packed_impls = {
+      "pallas": impls["pallas"],
+      "xla": lambda q, k, v, a, c: reference.shared_attention(
+        q, k, v, _read(a, dtype), _read(c, dtype)
+      ),
+    }
+    row_of, out_of = {}, {}
+    for impl, fn in packed_impls.items():
+      row = row_of[impl] = {"op": f"prefill fwd, {fmt} past", "impl": impl, "T": t}
+      row["flops"] = flops_fwd
+      call_args = (q, k, v, kp_packed, vp_packed)
+      out_of[impl] = _timed(rows, row, jax.jit(fn), *call_args, repeats=args.repeats)
+      if "seconds" in row:
+        row["tflops"] = flops_fwd / row["seconds"] / 1e12
+        row["pct_peak"] = 100 * row["tflops"] / args.peak_tflops
     _check(row_of, out_of)
 
 
@@ -166,6 +193,9 @@ def main():
   parser.add_argument("--decode_batch", type=int, default=32, help="Sequences per decode step.")
   parser.add_argument("--page_size", type=int, default=64)
   parser.add_argument("--formats", default="bf16,fp8,mxfp8,nvfp4", help="Decode KV formats.")
+  parser.add_argument(
+    "--past_formats", default="fp8,nvfp4", help="Prefill rows with a packed past ('' = none)."
+  )
   parser.add_argument("--block_q", type=int, default=None, help="Default: per platform.")
   parser.add_argument("--block_k", type=int, default=None, help="Default: per platform.")
   parser.add_argument("--interpret", action="store_true", help="Force Pallas interpret mode.")
