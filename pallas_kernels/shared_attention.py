@@ -18,6 +18,10 @@ Backward (FlashAttention-2 style, two kernels, the forward's log-sum-exp saved):
     own-K/V gradients (one row each, per query head).
   dkv kernel, per past-K/V block: dk_past, dv_past over the query blocks after it.
 Per-query-head K/V gradients are summed over the group outside the kernels.
+
+The past may arrive packed in a KV format (`kv_formats.PackedKV`, per-token layout of
+`looped.kv_quant`): the forward and dq kernels then dequantize each past tile as they load it
+(`_past_tile`), and the past, a constant, gets zero cotangents (no dkv kernel).
 """
 
 from __future__ import annotations
