@@ -6,7 +6,9 @@ setuptools.setup(
   name="looped",
   version="0.1.0",
   description="Looped (recurrent-depth) LMs with KV-sharing across recurrences (BeNice!).",
-  packages=setuptools.find_packages(include=["looped", "looped.*", "configs"]),
+  packages=setuptools.find_packages(
+    include=["looped", "looped.*", "configs", "pallas_kernels", "pallas_kernels.*"]
+  ),
   package_data={"looped.serving": ["traces_data/*.jsonl", "traces_data/*.md"]},
   python_requires=">=3.10",
   install_requires=[

@@ -45,6 +45,7 @@ def model_config() -> ml_collections.ConfigDict:
   m.param_dtype = "float32"  # Parameter storage dtype: 'float32' or 'bfloat16'.
   m.scan_recurrences = True  # Loop the core with lax.scan (False: Python-unrolled, same math).
   m.remat = False  # Rematerialise each recurrence in the backward pass (saves activations).
+  m.attention_impl = "xla"  # 'xla' (einsum) or 'pallas' (pallas_kernels; interpreted on CPU).
   return m
 
 

@@ -24,6 +24,7 @@ BAD_VALUES = [
   ("model.num_core_layers", 0, ">= 1"),
   ("model.num_recurrences", 0, ">= 1"),
   ("model.dtype", "float16", "'float32', 'bfloat16'"),
+  ("model.attention_impl", "triton", "'xla', 'pallas'"),
   ("model.rope_base", 0.0, "> 1.0"),
   ("model.tie_embeddings", "yes", "True or False"),
   ("model.vocab_size", 100, "vocab"),

@@ -22,6 +22,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from looped.model import pallas_attention
 from looped.model.config import ModelConfig
 from looped.model.layers import RMSNorm, projection, rope
 
@@ -101,12 +102,15 @@ class Attention(nn.Module):
     k_BxTxKxH = rope(k_BxTxKxH, positions_BxT, cfg.rope_base)
     own = (k_BxTxKxH, v_BxTxKxH)
 
-    past = ctx.past(own) if callable(ctx.past) else ctx.past
-    if past is not None and ctx.read_past is not None:
-      past = ctx.read_past(past)
-    past_k, past_v = past if past is not None else (None, None)
-    out_BxTxNxH = attend(
-      q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, ctx.self_mask_BxTxT, past_k, past_v, ctx.past_mask_BxTxS
-    )
+    if cfg.attention_impl == "pallas":  # Same math through pallas_kernels (flash / paged).
+      out_BxTxNxH = pallas_attention.attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, ctx)
+    else:
+      past = ctx.past(own) if callable(ctx.past) else ctx.past
+      if past is not None and ctx.read_past is not None:
+        past = ctx.read_past(past)
+      past_k, past_v = past if past is not None else (None, None)
+      out_BxTxNxH = attend(
+        q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, ctx.self_mask_BxTxT, past_k, past_v, ctx.past_mask_BxTxS
+      )
     y_BxTxD = projection(cfg, cfg.d_model, self.out_std, "out", axis=(-2, -1))(out_BxTxNxH)
     return y_BxTxD, own

@@ -16,6 +16,7 @@ MLP_TYPES = ("swiglu", "relu2")
 INJECTIONS = ("diagonal", "linear", "additive")
 STATE_INITS = ("like_init", "zeros", "embed")
 DTYPES = ("float32", "bfloat16")
+ATTENTION_IMPLS = ("xla", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +46,7 @@ class ModelConfig:
   param_dtype: str = "float32"
   scan_recurrences: bool = True
   remat: bool = False
+  attention_impl: str = "xla"
 
   @property
   def compute_dtype(self):
@@ -90,6 +92,7 @@ def validate(config, prefix: str = "model") -> None:
   cc.choice(config, p + "state_init", STATE_INITS)
   cc.choice(config, p + "dtype", DTYPES)
   cc.choice(config, p + "param_dtype", DTYPES)
+  cc.choice(config, p + "attention_impl", ATTENTION_IMPLS)
   cc.number(config, p + "state_init_std", min_value=0.0)
   cc.number(
     config,

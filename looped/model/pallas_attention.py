@@ -1,0 +1,73 @@
+"""model.attention_impl = 'pallas': the attention contexts LoopedLM builds, on pallas_kernels.
+
+LoopedLM (looped_lm.py) builds three kinds of MixerContext; each maps onto one kernel:
+  past is None        parallel causal attention              -> shared_attention, past = own K/V
+  past is a function  parallel Jacobi / BeNice! pass, or quantized reads of the own past: the
+                      past K/V (after read_past) at s < t, own K/V at s = t -> shared_attention
+  past is a cache     decode / chunked prefill: slots < length, then the new chunk causally
+                      -> paged_decode over the cache viewed as pages, still packed in its KV
+                      format (dequantized inside the kernel; read_past is not applied)
+The boolean masks are therefore not read, except for the decode lengths (the first row of the
+past mask, a prefix of the cache); a context with other masks needs attention_impl='xla'.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels
+from looped import kv_quant
+
+if TYPE_CHECKING:
+  from looped.model.attention import MixerContext
+
+_PAGE_SIZES = (64, 32, 16, 8, 4, 2, 1)
+
+
+def _as_pages(x, page_size: int) -> pallas_kernels.PackedKV:
+  """A [B, S, ...] cache entry (raw array or per-token QuantizedKV) as [B*S/page, page, ...]."""
+  pages = lambda a: a.reshape(a.shape[0] * a.shape[1] // page_size, page_size, *a.shape[2:])
+  if isinstance(x, kv_quant.QuantizedKV):
+    leaves = [None if a is None else pages(a) for a in (x.data, x.scale, x.tensor_scale)]
+    return pallas_kernels.PackedKV(*leaves, fmt=x.fmt)
+  return pallas_kernels.PackedKV(pages(x))
+
+
+def _decode(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, ctx: MixerContext) -> jax.Array:
+  cache_k, cache_v = ctx.past
+  b, s = ctx.past_mask_BxTxS.shape[0], ctx.past_mask_BxTxS.shape[2]
+  page_size = next(p for p in _PAGE_SIZES if s % p == 0)
+  page_table_BxP = jnp.arange(b * s // page_size, dtype=jnp.int32).reshape(b, s // page_size)
+  lengths_B = jnp.sum(ctx.past_mask_BxTxS[:, 0, :], axis=-1, dtype=jnp.int32)
+  return pallas_kernels.paged_decode(
+    q_BxTxNxH,
+    k_BxTxKxH,
+    v_BxTxKxH,
+    _as_pages(cache_k, page_size),
+    _as_pages(cache_v, page_size),
+    page_table_BxP,
+    lengths_B,
+  )
+
+
+def attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, ctx: MixerContext) -> jax.Array:
+  """The attention output for ctx, as `attention.attend` computes it with ctx's masks."""
+  if ctx.past is None:
+    past_k, past_v = k_BxTxKxH, v_BxTxKxH
+  elif callable(ctx.past):
+    past_k, past_v = ctx.past((k_BxTxKxH, v_BxTxKxH))
+    if ctx.read_past is not None:
+      past_k, past_v = ctx.read_past((past_k, past_v))
+  else:
+    return _decode(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, ctx)
+  dtype = q_BxTxNxH.dtype
+  return pallas_kernels.shared_attention(
+    q_BxTxNxH,
+    k_BxTxKxH.astype(dtype),
+    v_BxTxKxH.astype(dtype),
+    past_k.astype(dtype),
+    past_v.astype(dtype),
+  )

@@ -1,0 +1,86 @@
+"""Pure-JAX references for the kernels: dense score matrices, float32 softmax.
+
+These materialise the full [T, S] scores (what the kernels avoid); they define the math the
+kernels are tested against.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import kv_formats
+
+
+def _softmax_attend(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS, sm_scale):
+  """Masked GQA softmax attention in float32; every row must see at least one key."""
+  b, t, n, d = q_BxTxNxD.shape
+  kh = k_BxSxKxD.shape[2]
+  q_BxTxKxGxD = q_BxTxNxD.reshape(b, t, kh, n // kh, d).astype(jnp.float32)
+  logits = jnp.einsum("btkgd,bskd->bkgts", q_BxTxKxGxD, k_BxSxKxD.astype(jnp.float32)) * sm_scale
+  logits = jnp.where(mask_BxTxS[:, None, None], logits, -jnp.inf)
+  probs = jax.nn.softmax(logits, axis=-1)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs, v_BxSxKxD.astype(jnp.float32))
+  return out.reshape(b, t, n, d).astype(q_BxTxNxD.dtype)
+
+
+def shared_attention(
+  q_BxTxNxD, k_BxTxKxD, v_BxTxKxD, k_past_BxTxKxD, v_past_BxTxKxD, sm_scale=None
+):
+  """Position t attends to the past K/V at s < t and to its own K/V at s = t."""
+  b, t, _, d = q_BxTxNxD.shape
+  sm_scale = d**-0.5 if sm_scale is None else sm_scale
+  k = jnp.concatenate([k_past_BxTxKxD, k_BxTxKxD], axis=1)
+  v = jnp.concatenate([v_past_BxTxKxD, v_BxTxKxD], axis=1)
+  idx = jnp.arange(t)
+  past_TxT = idx[None, :] < idx[:, None]
+  own_TxT = idx[None, :] == idx[:, None]
+  mask = jnp.broadcast_to(jnp.concatenate([past_TxT, own_TxT], axis=1), (b, t, 2 * t))
+  return _softmax_attend(q_BxTxNxD, k, v, mask, sm_scale)
+
+
+def gather_pages(pages: kv_formats.PackedKV, page_table_BxP) -> kv_formats.PackedKV:
+  """The packed pages of each row laid out contiguously: leaves [B, P * page_size, ...]."""
+
+  def gather(a):
+    g = a[page_table_BxP]  # [B, P, page_size, ...]
+    return g.reshape(g.shape[0], g.shape[1] * g.shape[2], *g.shape[3:])
+
+  return kv_formats.PackedKV(
+    gather(pages.data),
+    None if pages.scale is None else gather(pages.scale),
+    None if pages.tensor_scale is None else gather(pages.tensor_scale),
+    pages.fmt,
+  )
+
+
+def paged_decode(
+  q_BxTxNxD,
+  k_new_BxTxKxD,
+  v_new_BxTxKxD,
+  k_pages: kv_formats.PackedKV,
+  v_pages: kv_formats.PackedKV,
+  page_table_BxP,
+  lengths_B,
+  sm_scale=None,
+):
+  """New tokens attend to cache slots s < length (read through the page table) and causally to
+  each other. Gathers and dequantizes the whole cache (the copy the kernel never makes)."""
+  b, t, _, d = q_BxTxNxD.shape
+  sm_scale = d**-0.5 if sm_scale is None else sm_scale
+  dtype = q_BxTxNxD.dtype
+  k_cache = kv_formats.dequantize(gather_pages(k_pages, page_table_BxP)).astype(dtype)
+  v_cache = kv_formats.dequantize(gather_pages(v_pages, page_table_BxP)).astype(dtype)
+  s = k_cache.shape[1]
+  valid_BxS = jnp.arange(s)[None, :] < lengths_B[:, None]
+  # Unused slots may hold NaN: zero them so that masked probabilities (0) times NaN do not leak.
+  k_cache = jnp.where(valid_BxS[:, :, None, None], k_cache, 0)
+  v_cache = jnp.where(valid_BxS[:, :, None, None], v_cache, 0)
+  k = jnp.concatenate([k_cache, k_new_BxTxKxD.astype(dtype)], axis=1)
+  v = jnp.concatenate([v_cache, v_new_BxTxKxD.astype(dtype)], axis=1)
+  causal_TxT = jnp.tril(jnp.ones((t, t), bool))
+  mask = jnp.concatenate(
+    [jnp.broadcast_to(valid_BxS[:, None, :], (b, t, s)), jnp.broadcast_to(causal_TxT, (b, t, t))],
+    axis=-1,
+  )
+  return _softmax_attend(q_BxTxNxD, k, v, mask, sm_scale)

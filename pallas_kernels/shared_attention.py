@@ -1,0 +1,427 @@
+"""Shared-cache flash attention (forward and backward kernels, custom VJP).
+
+    out[t] = softmax_s( [q_t . k_past_s for s < t] ++ [q_t . k_t] ) @ [v_past_s ; v_t]
+
+Position t attends to the *past* K/V strictly before it and to its *own* K/V on the diagonal.
+Under KV sharing (Jacobi / BeNice! passes) the past is the final recurrence's K/V of a previous
+pass; with past = own this is ordinary causal attention. The kernel is strictly-causal flash
+attention over the past, started from the diagonal term: the online softmax is initialised with
+(max = q_t . k_t, sum = 1, acc = v_t), so the diagonal costs one dot product per position and
+every row has a finite max (no -inf - -inf). Never materialises a T x T matrix.
+
+GQA: each program handles one query head and reads its K/V head (h // group). Layout inside
+is [B, H, T, D]; T is padded to a multiple of the blocks (padded keys sit after every real query,
+so the causal mask hides them; padded query rows are dropped).
+
+Backward (FlashAttention-2 style, two kernels, the forward's log-sum-exp saved):
+  dq kernel, per query block: dq over past blocks plus the diagonal terms, which also give the
+    own-K/V gradients (one row each, per query head).
+  dkv kernel, per past-K/V block: dk_past, dv_past over the query blocks after it.
+Per-query-head K/V gradients are summed over the group outside the kernels.
+
+The past may arrive packed in a KV format (`kv_formats.PackedKV`, per-token layout of
+`looped.kv_quant`): the forward and dq kernels then dequantize each past tile as they load it
+(`_past_tile`), and the past, a constant, gets zero cotangents (no dkv kernel).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import kv_formats, ops, platform
+
+_dot = ops.dot_f32
+
+
+def _past_mask(q_start, k_start, block_q: int, block_k: int):
+  """[block_q, block_k] bool: key position s < query position t."""
+  t = q_start + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
+  s = k_start + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
+  return s < t
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels. Refs are [rows, D] blocks of one (batch, head); softmax statistics [rows, 1].
+
+
+def _past_tile(leaf_refs, start, size: int, fmt: str | None, dtype):
+  """Past K or V rows [start, start + size) as [size, D]; a packed past is dequantized here.
+
+  Packed leaves (kernel layout, one row per token): data [T, D or D / 2], fp8 scale [T, 1],
+  mx / nvfp4 scales [T, D / block], nvfp4 tensor scale [T, 1].
+  """
+  rows = pl.ds(start, size)
+  if fmt is None:
+    return leaf_refs[0][rows, :]
+  data = leaf_refs[0][rows, :]
+  scale = tensor_scale = None
+  if fmt == "fp8":
+    scale = leaf_refs[1][rows, 0]
+  elif fmt != "bf16" and fmt != "raw":
+    scale = leaf_refs[1][rows, :]
+  if fmt == "nvfp4":
+    tensor_scale = leaf_refs[2][rows, 0]
+  packed = kv_formats.PackedKV(data, scale, tensor_scale, fmt)
+  return kv_formats.dequantize(packed).astype(dtype)  # Rounded as a cache read would be.
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, *refs, sm_scale, block_k, past_fmt, n_leaves):
+  kp_refs, vp_refs = refs[:n_leaves], refs[n_leaves : 2 * n_leaves]
+  o_ref, lse_ref = refs[2 * n_leaves :]
+  block_q = q_ref.shape[0]
+  q_start = pl.program_id(2) * block_q
+  q_QxD = q_ref[...]
+  # Diagonal first: the running max starts finite, the sum at 1, the accumulator at v_t.
+  m_Q = jnp.sum(q_QxD.astype(jnp.float32) * k_ref[...].astype(jnp.float32), axis=1) * sm_scale
+  l_Q = jnp.ones_like(m_Q)
+  acc_QxD = v_ref[...].astype(jnp.float32)
+
+  def body(j, carry):
+    m_Q, l_Q, acc_QxD = carry
+    k_start = j * block_k
+    kp_KxD = _past_tile(kp_refs, k_start, block_k, past_fmt, q_QxD.dtype)
+    vp_KxD = _past_tile(vp_refs, k_start, block_k, past_fmt, q_QxD.dtype)
+    s_QxK = _dot(q_QxD, kp_KxD, 1, 1) * sm_scale
+    s_QxK = jnp.where(_past_mask(q_start, k_start, block_q, block_k), s_QxK, -jnp.inf)
+    m_new = jnp.maximum(m_Q, jnp.max(s_QxK, axis=1))
+    alpha = jnp.exp(m_Q - m_new)
+    p_QxK = jnp.exp(s_QxK - m_new[:, None])
+    l_Q = l_Q * alpha + jnp.sum(p_QxK, axis=1)
+    acc_QxD = acc_QxD * alpha[:, None] + _dot(p_QxK.astype(vp_KxD.dtype), vp_KxD)
+    return m_new, l_Q, acc_QxD
+
+  # Past blocks holding some s < t for t in this query block: s <= q_start + block_q - 2.
+  num_blocks = pl.cdiv(q_start + block_q - 1, block_k)
+  m_Q, l_Q, acc_QxD = lax.fori_loop(0, num_blocks, body, (m_Q, l_Q, acc_QxD))
+  o_ref[...] = (acc_QxD / l_Q[:, None]).astype(o_ref.dtype)
+  lse_ref[...] = (m_Q + jnp.log(l_Q))[:, None]
+
+
+def _bwd_dq_kernel(q_ref, k_ref, v_ref, *refs, sm_scale, block_k, past_fmt, n_leaves):
+  kp_refs, vp_refs = refs[:n_leaves], refs[n_leaves : 2 * n_leaves]
+  do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref = refs[2 * n_leaves :]
+  block_q = q_ref.shape[0]
+  q_start = pl.program_id(2) * block_q
+  q_QxD, do_QxD = q_ref[...], do_ref[...]
+  lse_Qx1, delta_Qx1 = lse_ref[...], delta_ref[...]
+  q32, do32 = q_QxD.astype(jnp.float32), do_QxD.astype(jnp.float32)
+  k32, v32 = k_ref[...].astype(jnp.float32), v_ref[...].astype(jnp.float32)
+  # Diagonal: p_tt, and ds_tt = p_tt (dO_t . v_t - delta_t); gives dk_t, dv_t directly.
+  p_Qx1 = jnp.exp(jnp.sum(q32 * k32, axis=1, keepdims=True) * sm_scale - lse_Qx1)
+  ds_Qx1 = p_Qx1 * (jnp.sum(do32 * v32, axis=1, keepdims=True) - delta_Qx1)
+  dk_ref[...] = (ds_Qx1 * q32 * sm_scale).astype(dk_ref.dtype)
+  dv_ref[...] = (p_Qx1 * do32).astype(dv_ref.dtype)
+  dq_QxD = ds_Qx1 * k32 * sm_scale
+
+  def body(j, dq_QxD):
+    k_start = j * block_k
+    kp_KxD = _past_tile(kp_refs, k_start, block_k, past_fmt, q_QxD.dtype)
+    vp_KxD = _past_tile(vp_refs, k_start, block_k, past_fmt, q_QxD.dtype)
+    s_QxK = _dot(q_QxD, kp_KxD, 1, 1) * sm_scale
+    mask = _past_mask(q_start, k_start, block_q, block_k)
+    p_QxK = jnp.where(mask, jnp.exp(s_QxK - lse_Qx1), 0.0)
+    dp_QxK = _dot(do_QxD, vp_KxD, 1, 1)
+    ds_QxK = p_QxK * (dp_QxK - delta_Qx1)
+    return dq_QxD + _dot(ds_QxK.astype(kp_KxD.dtype), kp_KxD) * sm_scale
+
+  num_blocks = pl.cdiv(q_start + block_q - 1, block_k)
+  dq_ref[...] = lax.fori_loop(0, num_blocks, body, dq_QxD).astype(dq_ref.dtype)
+
+
+def _bwd_dkv_kernel(
+  q_ref, do_ref, lse_ref, delta_ref, kp_ref, vp_ref, dkp_ref, dvp_ref, *, sm_scale, block_q
+):
+  block_k = kp_ref.shape[0]
+  k_start = pl.program_id(2) * block_k
+  kp_KxD, vp_KxD = kp_ref[...], vp_ref[...]
+  d = kp_KxD.shape[1]
+
+  def body(i, carry):
+    dk_KxD, dv_KxD = carry
+    q_start = i * block_q
+    rows = pl.ds(q_start, block_q)
+    q_QxD, do_QxD = q_ref[rows, :], do_ref[rows, :]
+    lse_Qx1, delta_Qx1 = lse_ref[rows, :], delta_ref[rows, :]
+    s_QxK = _dot(q_QxD, kp_KxD, 1, 1) * sm_scale
+    mask = _past_mask(q_start, k_start, block_q, block_k)
+    p_QxK = jnp.where(mask, jnp.exp(s_QxK - lse_Qx1), 0.0)
+    dv_KxD = dv_KxD + _dot(p_QxK.astype(do_QxD.dtype), do_QxD, 0, 0)
+    ds_QxK = p_QxK * (_dot(do_QxD, vp_KxD, 1, 1) - delta_Qx1)
+    dk_KxD = dk_KxD + _dot(ds_QxK.astype(q_QxD.dtype), q_QxD, 0, 0) * sm_scale
+    return dk_KxD, dv_KxD
+
+  # Query blocks holding some t > s for s in this key block: t >= k_start + 1.
+  first = (k_start + 1) // block_q
+  num_q_blocks = q_ref.shape[0] // block_q
+  zeros = jnp.zeros((block_k, d), jnp.float32)
+  dk_KxD, dv_KxD = lax.fori_loop(first, num_q_blocks, body, (zeros, zeros))
+  dkp_ref[...] = dk_KxD.astype(dkp_ref.dtype)
+  dvp_ref[...] = dv_KxD.astype(dvp_ref.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# pallas_call wrappers on [B, H, Tp, D] arrays (Tp a multiple of both blocks).
+
+
+def _row_spec(block: int, d: int, head_map=lambda h: h):
+  """One block of rows of one (batch, head): index_map (b, h, i) -> (b, head_map(h), i, 0)."""
+  return pl.BlockSpec((None, None, block, d), lambda b, h, i: (b, head_map(h), i, 0))
+
+
+def _full_spec(t: int, d: int, head_map=lambda h: h):
+  return pl.BlockSpec((None, None, t, d), lambda b, h, i: (b, head_map(h), 0, 0))
+
+
+def _stat_spec(block: int):
+  """Per-row softmax statistics, stored as [B, H, T, 1] columns (TPU tiling takes those)."""
+  return pl.BlockSpec((None, None, block, 1), lambda b, h, i: (b, h, i, 0))
+
+
+def _full_stat_spec(t: int):
+  return pl.BlockSpec((None, None, t, 1), lambda b, h, i: (b, h, 0, 0))
+
+
+def _past_leaves(past):
+  return [past] if not isinstance(past, kv_formats.PackedKV) else jax.tree.leaves(past)
+
+
+def _past_fmt(past):
+  return past.fmt if isinstance(past, kv_formats.PackedKV) else None
+
+
+def _past_specs(past, t: int, kv_head):
+  """Leaves of the (padded, kernel-layout) past and their whole-T block specs."""
+  leaves = _past_leaves(past)
+  specs = [_full_spec(t, x.shape[-1], kv_head) for x in leaves]
+  if _past_fmt(past) == "nvfp4":  # Its tensor scale [B, 1, T, 1] is shared by the heads.
+    specs[2] = _full_spec(t, 1, lambda h: 0)
+  return leaves, specs
+
+
+def _fwd(q, k, v, kp, vp, sm_scale, block_q, block_k, interpret):
+  b, hq, t, d = q.shape
+  group = hq // k.shape[1]
+  kv_head = lambda h: h // group
+  kp_leaves, kp_specs = _past_specs(kp, t, kv_head)
+  vp_leaves, vp_specs = _past_specs(vp, t, kv_head)
+  kernel = functools.partial(
+    _fwd_kernel,
+    sm_scale=sm_scale,
+    block_k=block_k,
+    past_fmt=_past_fmt(kp),
+    n_leaves=len(kp_leaves),
+  )
+  return pl.pallas_call(
+    kernel,
+    grid=(b, hq, t // block_q),
+    in_specs=[
+      _row_spec(block_q, d),
+      _row_spec(block_q, d, kv_head),
+      _row_spec(block_q, d, kv_head),
+      *kp_specs,
+      *vp_specs,
+    ],
+    out_specs=[_row_spec(block_q, d), _stat_spec(block_q)],
+    out_shape=[
+      jax.ShapeDtypeStruct(q.shape, q.dtype),
+      jax.ShapeDtypeStruct((b, hq, t, 1), jnp.float32),
+    ],
+    interpret=interpret,
+    compiler_params=platform.compiler_params(interpret),
+    name="shared_attention_fwd",
+  )(q, k, v, *kp_leaves, *vp_leaves)
+
+
+def _bwd(q, k, v, kp, vp, o, lse, do, sm_scale, block_q, block_k, interpret):
+  b, hq, t, d = q.shape
+  hkv = k.shape[1]
+  group = hq // hkv
+  kv_head = lambda h: h // group
+  delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1, keepdims=True)
+  per_head = lambda x: jax.ShapeDtypeStruct((b, hq, t, d), x.dtype)
+  common = dict(interpret=interpret, compiler_params=platform.compiler_params(interpret))
+  kp_leaves, kp_specs = _past_specs(kp, t, kv_head)
+  vp_leaves, vp_specs = _past_specs(vp, t, kv_head)
+  dq_kernel = functools.partial(
+    _bwd_dq_kernel,
+    sm_scale=sm_scale,
+    block_k=block_k,
+    past_fmt=_past_fmt(kp),
+    n_leaves=len(kp_leaves),
+  )
+  dq, dk_h, dv_h = pl.pallas_call(
+    dq_kernel,
+    grid=(b, hq, t // block_q),
+    in_specs=[
+      _row_spec(block_q, d),
+      _row_spec(block_q, d, kv_head),
+      _row_spec(block_q, d, kv_head),
+      *kp_specs,
+      *vp_specs,
+      _row_spec(block_q, d),
+      _stat_spec(block_q),
+      _stat_spec(block_q),
+    ],
+    out_specs=[_row_spec(block_q, d)] * 3,
+    out_shape=[per_head(q), per_head(k), per_head(v)],
+    name="shared_attention_bwd_dq",
+    **common,
+  )(q, k, v, *kp_leaves, *vp_leaves, do, lse, delta)
+  group_sum = lambda x, like: x.reshape(b, hkv, group, t, d).sum(2).astype(like.dtype)
+  if _past_fmt(kp) is not None:  # A packed past is a constant: no past-K/V kernel.
+    return dq, group_sum(dk_h, k), group_sum(dv_h, v), None, None
+  dkp_h, dvp_h = pl.pallas_call(
+    functools.partial(_bwd_dkv_kernel, sm_scale=sm_scale, block_q=block_q),
+    grid=(b, hq, t // block_k),
+    in_specs=[
+      _full_spec(t, d),
+      _full_spec(t, d),
+      _full_stat_spec(t),
+      _full_stat_spec(t),
+      _row_spec(block_k, d, kv_head),
+      _row_spec(block_k, d, kv_head),
+    ],
+    out_specs=[_row_spec(block_k, d)] * 2,
+    out_shape=[per_head(kp), per_head(vp)],
+    name="shared_attention_bwd_dkv",
+    **common,
+  )(q, do, lse, delta, kp, vp)
+  # Sum the query heads of each group into their K/V head.
+  return dq, group_sum(dk_h, k), group_sum(dv_h, v), group_sum(dkp_h, kp), group_sum(dvp_h, vp)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entry: [B, T, H, D] in and out, padding, custom VJP.
+
+
+def _to_bhtd(x, t_pad):
+  x = jnp.swapaxes(x, 1, 2)
+  return jnp.pad(x, ((0, 0), (0, 0), (0, t_pad - x.shape[2]), (0, 0)))
+
+
+def _past_to_kernel(past, t_pad):
+  """Past K or V into the kernel layout [B, heads, Tp, last] (packed: every leaf so)."""
+  if not isinstance(past, kv_formats.PackedKV):
+    return _to_bhtd(past, t_pad)
+  scale = past.scale
+  if scale is not None and scale.ndim == 3:  # fp8 [B, T, K] -> a column per token.
+    scale = scale[..., None]
+  tensor_scale = past.tensor_scale
+  if tensor_scale is not None:  # [B, T] -> [B, T, 1, 1], one "head".
+    tensor_scale = tensor_scale[:, :, None, None]
+  to = lambda x: None if x is None else _to_bhtd(x, t_pad)
+  return kv_formats.PackedKV(to(past.data), to(scale), to(tensor_scale), past.fmt)
+
+
+def _zero_cotangent(packed):
+  """Zero cotangents for a packed past (float0 for its integer leaves)."""
+  zero = lambda a: (
+    jnp.zeros_like(a)
+    if jnp.issubdtype(a.dtype, jnp.floating)
+    else np.zeros(a.shape, jax.dtypes.float0)
+  )
+  return jax.tree.map(zero, packed)
+
+
+def _from_bhtd(x, t):
+  return jnp.swapaxes(x[:, :, :t], 1, 2)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _attention(q, k, v, kp, vp, sm_scale, block_q, block_k, interpret):
+  return _attention_fwd(q, k, v, kp, vp, sm_scale, block_q, block_k, interpret)[0]
+
+
+def _attention_fwd(q, k, v, kp, vp, sm_scale, block_q, block_k, interpret):
+  t = q.shape[1]
+  t_pad = math.lcm(block_q, block_k) * pl.cdiv(t, math.lcm(block_q, block_k))
+  padded = [_to_bhtd(x, t_pad) for x in (q, k, v)] + [_past_to_kernel(x, t_pad) for x in (kp, vp)]
+  o, lse = _fwd(*padded, sm_scale, block_q, block_k, interpret)
+  packed = (kp, vp) if isinstance(kp, kv_formats.PackedKV) else None
+  return _from_bhtd(o, t), (padded, o, lse, packed)
+
+
+def _attention_bwd(sm_scale, block_q, block_k, interpret, residuals, do):
+  padded, o, lse, packed = residuals
+  t = do.shape[1]
+  do = _to_bhtd(do, o.shape[2])
+  grads = _bwd(*padded, o, lse, do, sm_scale, block_q, block_k, interpret)
+  if packed is None:
+    return tuple(_from_bhtd(g, t) for g in grads)
+  # A packed past is a constant: its bytes and scales get zero cotangents.
+  return (*(_from_bhtd(g, t) for g in grads[:3]), *(_zero_cotangent(p) for p in packed))
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _block(requested: int | None, default: int, t: int) -> int:
+  """The requested block, or the platform default capped at T rounded up to a power of two."""
+  if requested is not None:
+    return requested
+  return min(default, max(8, pl.next_power_of_2(t)))
+
+
+def shared_attention(
+  q_BxTxNxD: jax.Array,
+  k_BxTxKxD: jax.Array,
+  v_BxTxKxD: jax.Array,
+  k_past_BxTxKxD: jax.Array | kv_formats.PackedKV,
+  v_past_BxTxKxD: jax.Array | kv_formats.PackedKV,
+  *,
+  sm_scale: float | None = None,
+  block_q: int | None = None,
+  block_k: int | None = None,
+  interpret: bool | None = None,
+) -> jax.Array:
+  """Shared-cache attention: t sees the past K/V at s < t and its own K/V at s = t.
+
+  Args:
+    q_BxTxNxD: queries, N query heads.
+    k_BxTxKxD, v_BxTxKxD: the tokens' own keys/values (K KV heads; N a multiple of K).
+    k_past_BxTxKxD, v_past_BxTxKxD: the past K/V of the same positions (pass the own K/V for
+      ordinary causal attention). Or both packed in a KV format (`PackedKV`, leaves [B, T, K,
+      ...] and nvfp4 tensor scale [B, T], one quantized token per [K, D] slice as looped's
+      caches store it): the kernels dequantize each tile as they read it, so a quantized
+      Jacobi pass reads exactly what a cache in that format returns, without a dequantized
+      copy. A packed past is a constant (zero cotangents).
+    sm_scale: logit scale (default D ** -0.5).
+    block_q, block_k: query / key block sizes (default per platform; T need not divide).
+    interpret: run in Pallas interpret mode (default: exactly when there is no GPU/TPU).
+
+  Returns:
+    [B, T, N, D] in q's dtype. Differentiable in all five arrays (custom VJP with Pallas
+    backward kernels; the past only when not packed); softmax statistics in float32.
+  """
+  b, t, n, d = q_BxTxNxD.shape
+  kv_shape = k_BxTxKxD.shape
+  if kv_shape[:2] != (b, t) or kv_shape[3] != d or n % kv_shape[2]:
+    raise ValueError(f"q {q_BxTxNxD.shape} and k {kv_shape} do not fit [B,T,N,D] / [B,T,K,D].")
+  for name, x in (("v", v_BxTxKxD), ("k_past", k_past_BxTxKxD), ("v_past", v_past_BxTxKxD)):
+    shape = x.shape if not isinstance(x, kv_formats.PackedKV) else (*x.data.shape[:3], x.head_dim)
+    if shape != kv_shape:
+      raise ValueError(f"{name} has shape {shape}, expected k's {kv_shape}.")
+  if _past_fmt(k_past_BxTxKxD) != _past_fmt(v_past_BxTxKxD):
+    raise ValueError("k_past and v_past must both be arrays or both packed in one format.")
+  default_q, default_k = platform.FLASH_BLOCKS[platform.platform()]
+  block_q, block_k = _block(block_q, default_q, t), _block(block_k, default_k, t)
+  sm_scale = float(d**-0.5 if sm_scale is None else sm_scale)
+  interpret = platform.interpret_default(interpret)
+  return _attention(
+    q_BxTxNxD,
+    k_BxTxKxD,
+    v_BxTxKxD,
+    k_past_BxTxKxD,
+    v_past_BxTxKxD,
+    sm_scale,
+    block_q,
+    block_k,
+    interpret,
+  )

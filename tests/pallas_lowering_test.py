@@ -1,0 +1,67 @@
+"""The kernels lower through Pallas Triton for a CUDA target, on a machine without a GPU.
+
+`jit(...).trace(...).lower(lowering_platforms=('cuda',))` runs the whole Pallas -> Triton IR
+lowering (sm_90 when no GPU is present), which rejects unsupported primitives, dtypes and block
+shapes. It does not compile to PTX or run anything: numerics are checked in interpret mode by the
+other pallas_* tests. Shapes are the benchmark's (head dim 128, bf16).
+"""
+
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+from absl.testing import absltest, parameterized
+
+import pallas_kernels
+from pallas_kernels import PackedKV, platform
+
+S = jax.ShapeDtypeStruct
+
+
+def _triton_calls(fn, *args) -> int:
+  with mock.patch.object(platform, "platform", lambda: "gpu"):
+    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+  return lowered.as_text().count("__gpu$xla.gpu.triton")
+
+
+def _pages(fmt, pages=8, page_size=64, heads=4, d=128):
+  lead = (pages, page_size, heads)
+  if fmt == "bf16":
+    return PackedKV(S((*lead, d), jnp.bfloat16), fmt=fmt)
+  if fmt == "fp8":
+    return PackedKV(S((*lead, d), jnp.float8_e4m3fn), S(lead, jnp.float32), fmt=fmt)
+  if fmt.startswith("mxfp8"):
+    return PackedKV(S((*lead, d), jnp.float8_e4m3fn), S((*lead, d // 32), jnp.uint8), fmt=fmt)
+  scale = S((*lead, d // 16), jnp.float8_e4m3fn)
+  return PackedKV(S((*lead, d // 2), jnp.uint8), scale, S(lead[:2], jnp.float32), fmt=fmt)
+
+
+class TritonLoweringTest(parameterized.TestCase):
+  def test_shared_attention_forward_and_backward(self):
+    q, kv = S((1, 256, 8, 128), jnp.bfloat16), S((1, 256, 4, 128), jnp.bfloat16)
+    attention = lambda *a: pallas_kernels.shared_attention(*a, interpret=False)
+    grads = jax.grad(lambda *a: jnp.sum(attention(*a).astype(jnp.float32)), argnums=(0, 1, 2, 3, 4))
+    self.assertEqual(_triton_calls(attention, q, kv, kv, kv, kv), 1)
+    self.assertEqual(_triton_calls(grads, q, kv, kv, kv, kv), 3)  # fwd, dq, dk/dv.
+
+  @parameterized.parameters("fp8", "mxfp8", "nvfp4")
+  def test_shared_attention_packed_past(self, fmt):
+    q, kv = S((1, 256, 8, 128), jnp.bfloat16), S((1, 256, 4, 128), jnp.bfloat16)
+    past = _pages(fmt, pages=1, page_size=256)  # Leaves [B, T, K, ...] (tensor scale [B, T]).
+    attention = lambda q, k, v, kp, vp: pallas_kernels.shared_attention(
+      q, k, v, kp, vp, interpret=False
+    )
+    grads = jax.grad(lambda *a: jnp.sum(attention(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+    self.assertEqual(_triton_calls(grads, q, kv, kv, past, past), 2)  # fwd, dq (no past grad).
+
+  @parameterized.parameters("bf16", "fp8", "mxfp8", "nvfp4")
+  def test_paged_decode(self, fmt):
+    q, kv = S((4, 1, 16, 128), jnp.bfloat16), S((4, 1, 4, 128), jnp.bfloat16)
+    table, lengths = S((4, 2), jnp.int32), S((4,), jnp.int32)
+    decode = lambda *a: pallas_kernels.paged_decode(*a, interpret=False)
+    pages = _pages(fmt)
+    self.assertEqual(_triton_calls(decode, q, kv, kv, pages, pages, table, lengths), 1)
+
+
+if __name__ == "__main__":
+  absltest.main()

@@ -1,0 +1,122 @@
+"""Shared-cache flash attention (interpret mode) against its pure-JAX reference and the model's.
+
+Forward values and the gradients of all five inputs (q, own k/v, past k/v) are compared with
+`jax.vjp` of `pallas_kernels.reference.shared_attention`, a dense softmax over
+[past (s < t) ; own (s = t)]; that reference is itself checked against the model's attention
+math (`looped.model.attention.attend` with the masks LoopedLM builds for a Jacobi pass). A past
+packed by `looped.kv_quant` must read as its `kv_quant.dequantize` round trip.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+
+from looped import kv_quant
+from looped.model.attention import attend
+from pallas_kernels import PackedKV, reference, shared_attention
+
+
+def _inputs(b, t, hq, hkv, d, dtype=jnp.float32, seed=0):
+  rng = np.random.default_rng(seed)
+  normal = lambda heads: jnp.asarray(rng.standard_normal((b, t, heads, d)), dtype)
+  return normal(hq), normal(hkv), normal(hkv), normal(hkv), normal(hkv), normal(hq)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _value_and_grads(fn, args, do):
+  out, vjp = jax.vjp(fn, *args)
+  return out, vjp(do)
+
+
+class SharedAttentionTest(parameterized.TestCase):
+  @parameterized.named_parameters(
+    # name, B, T, Hq, Hkv, block_q, block_k, causal (past = own K/V)
+    ("mha_t_not_multiple", 2, 13, 2, 2, 8, 4, False),
+    ("gqa2_causal", 1, 13, 4, 2, 4, 8, True),
+    ("gqa4_one_block", 2, 7, 4, 1, 8, 8, False),
+    ("single_head_many_blocks", 1, 16, 1, 1, 4, 4, False),
+    ("gqa2_t1", 2, 1, 2, 1, 8, 8, False),
+  )
+  def test_forward_and_gradients_match_reference(self, b, t, hq, hkv, bq, bk, causal):
+    q, k, v, kp, vp, do = _inputs(b, t, hq, hkv, 16)
+    if causal:
+      kp, vp = k, v
+    kernel = lambda *a: shared_attention(*a, block_q=bq, block_k=bk, interpret=True)
+    out, grads = _value_and_grads(kernel, (q, k, v, kp, vp), do)
+    ref_out, ref_grads = _value_and_grads(reference.shared_attention, (q, k, v, kp, vp), do)
+    np.testing.assert_allclose(out, ref_out, atol=2e-6, rtol=0)
+    for name, g, r in zip(("q", "k", "v", "k_past", "v_past"), grads, ref_grads):
+      if t == 1 and name != "v":  # One position: out = v exactly, nothing else matters.
+        np.testing.assert_array_equal(g, 0.0)
+      else:
+        self.assertGreater(float(jnp.abs(r).max()), 0.1, name)  # Not vacuous.
+      np.testing.assert_allclose(g, r, atol=1e-5, rtol=0, err_msg=name)
+
+  @parameterized.parameters("bf16", "fp8", "mxfp8", "nvfp4")
+  def test_packed_past_is_dequantized_in_kernel(self, fmt):
+    # The past packed per token by looped.kv_quant; the reference reads its kv_quant round trip.
+    q, k, v, kp, vp, do = _inputs(2, 13, 4, 2, 32, seed=4)
+    per_token = lambda fn: jax.jit(jax.vmap(jax.vmap(fn)))
+    quantized = [per_token(lambda tok: kv_quant.quantize(tok, fmt))(x) for x in (kp, vp)]
+    kp_read, vp_read = (per_token(kv_quant.dequantize)(x) for x in quantized)
+    kp_packed, vp_packed = (PackedKV(x.data, x.scale, x.tensor_scale, fmt) for x in quantized)
+
+    def kernel(q, k, v, kp, vp):
+      return shared_attention(q, k, v, kp, vp, block_q=8, block_k=4, interpret=True)
+
+    out, grads = _value_and_grads(kernel, (q, k, v, kp_packed, vp_packed), do)
+    ref_out, ref_grads = _value_and_grads(
+      reference.shared_attention, (q, k, v, kp_read, vp_read), do
+    )
+    self.assertGreater(float(jnp.abs(kp_read - kp).max()), 1e-3)  # The round trip is visible.
+    np.testing.assert_allclose(out, ref_out, atol=2e-6, rtol=0)
+    for g, r in zip(grads[:3], ref_grads[:3]):
+      np.testing.assert_allclose(g, r, atol=1e-5, rtol=0)
+    for cotangent in jax.tree.leaves(grads[3:]):  # A packed past is a constant.
+      if jnp.issubdtype(cotangent.dtype, jnp.floating):
+        np.testing.assert_array_equal(cotangent.astype(jnp.float32), 0.0)
+
+  def test_causal_with_past_as_own_is_causal_attention_and_grads_sum(self):
+    # Passing the same arrays as own and past K/V: gradients of both uses must add up.
+    q, k, v, _, _, do = _inputs(2, 11, 4, 2, 16, seed=1)
+    # A non-default logit scale, and jax.nn's causal attention as an independent reference.
+    kernel = lambda q, k, v: shared_attention(
+      q, k, v, k, v, sm_scale=0.3, block_q=4, block_k=4, interpret=True
+    )
+    out, grads = _value_and_grads(kernel, (q, k, v), do)
+    causal = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=0.3, is_causal=True)
+    ref_out, ref_grads = _value_and_grads(causal, (q, k, v), do)
+    np.testing.assert_allclose(out, ref_out, atol=2e-6, rtol=0)
+    for g, r in zip(grads, ref_grads):
+      np.testing.assert_allclose(g, r, atol=1e-5, rtol=0)
+
+  def test_bfloat16_forward(self):
+    q, k, v, kp, vp, _ = _inputs(2, 21, 4, 2, 32, jnp.bfloat16, seed=2)
+    out = shared_attention(q, k, v, kp, vp, block_q=8, block_k=8, interpret=True)
+    self.assertEqual(out.dtype, jnp.bfloat16)
+    ref_out = jax.jit(reference.shared_attention)(
+      *(x.astype(jnp.float32) for x in (q, k, v, kp, vp))
+    )
+    np.testing.assert_allclose(out.astype(jnp.float32), ref_out, atol=2e-2, rtol=0)
+
+  def test_reference_is_the_models_jacobi_attention(self):
+    # LoopedLM's shared pass: past mask strictly causal, self mask the diagonal.
+    q, k, v, kp, vp, _ = _inputs(2, 9, 4, 2, 8, seed=3)
+    b, t = q.shape[:2]
+    eye = jnp.broadcast_to(jnp.eye(t, dtype=bool), (b, t, t))
+    strict = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool), -1), (b, t, t))
+    model_out = jax.jit(attend)(q, k, v, eye, kp, vp, strict)
+    ref_out = jax.jit(reference.shared_attention)(q, k, v, kp, vp)
+    np.testing.assert_allclose(ref_out, model_out, atol=1e-6)
+
+  def test_rejects_mismatched_shapes(self):
+    q, k, v, kp, vp, _ = _inputs(1, 4, 3, 2, 8)
+    with self.assertRaisesRegex(ValueError, "do not fit"):
+      shared_attention(q, k, v, kp, vp, interpret=True)
+
+
+if __name__ == "__main__":
+  absltest.main()
