@@ -30,6 +30,27 @@ TINY_MODEL = ModelConfig(
 )
 
 
+# A short smoke pretraining for trainer and fault tests: 32-token rows, batches of 4.
+TINY_RUN_OVERRIDES = {
+  "data.seq_len": 32,
+  "data.batch_size": 4,
+  "data.eval_batch_size": 4,
+  "data.num_eval_batches": 1,
+  "data.max_documents": 40,
+  "model.max_seq_len": 32,
+}
+
+
+def smoke_config(overrides: dict):
+  """configs/pretrain.py:smoke with TINY_RUN_OVERRIDES and then `overrides` applied."""
+  from configs import pretrain  # Lazy: looped does not import configs at import time.
+
+  config = pretrain.get_config("smoke")
+  for key, value in {**TINY_RUN_OVERRIDES, **overrides}.items():
+    set_field(config, key, value)
+  return config
+
+
 def set_field(config, dotted: str, value) -> None:
   """config.<dotted> = value, even if the type differs (to test bad values)."""
   node = config

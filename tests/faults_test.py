@@ -14,7 +14,6 @@ import jax
 import numpy as np
 from absl.testing import absltest
 
-from configs import pretrain
 from looped import data as data_lib
 from looped import programs, testing
 from looped.config_checks import ConfigError
@@ -28,20 +27,11 @@ OVERRIDES = {
   "train.log_every": 2,
   "train.eval_every": 100,
   "train.warmup_steps": 2,
-  "data.seq_len": 32,
-  "data.batch_size": 4,
-  "data.eval_batch_size": 4,
-  "data.num_eval_batches": 1,
-  "data.max_documents": 40,
-  "model.max_seq_len": 32,
 }
 
 
 def _config(**extra):
-  config = pretrain.get_config("smoke")
-  for key, value in {**OVERRIDES, **extra}.items():
-    testing.set_field(config, key, value)
-  return config
+  return testing.smoke_config({**OVERRIDES, **extra})
 
 
 def _params_of(workdir, step=None):
@@ -56,7 +46,8 @@ def _params_of(workdir, step=None):
 class WorkdirLockTest(testing.TempDirTestCase):
   def test_second_run_fails_at_once_naming_the_holder_and_a_dead_holder_is_taken_over(self):
     workdir = os.path.join(self.tmp, "run")
-    flags = [f"--config.{k}={v}" for k, v in {**OVERRIDES, "train.num_steps": 100000}.items()]
+    overrides = {**testing.TINY_RUN_OVERRIDES, **OVERRIDES, "train.num_steps": 100000}
+    flags = [f"--config.{k}={v}" for k, v in overrides.items()]
     cmd = [sys.executable, "-m", "looped.main", "--config=configs/pretrain.py:smoke"]
     first = subprocess.Popen(
       [*cmd, f"--workdir={workdir}", *flags],

@@ -11,7 +11,6 @@ import jax
 import numpy as np
 from absl.testing import absltest
 
-from configs import pretrain
 from looped import testing
 from looped.train import checkpointing, trainer
 from looped.train.metrics_writer import read_metrics
@@ -23,24 +22,16 @@ OVERRIDES = {
   "train.log_every": 2,
   "train.eval_every": 20,
   "train.warmup_steps": 4,
-  "data.seq_len": 32,
-  "data.batch_size": 4,
-  "data.eval_batch_size": 4,
-  "data.num_eval_batches": 1,
-  "data.max_documents": 40,
-  "model.max_seq_len": 32,
 }
 
 
 def _config(**extra):
-  config = pretrain.get_config("smoke")
-  for key, value in {**OVERRIDES, **extra}.items():
-    testing.set_field(config, key, value)
-  return config
+  return testing.smoke_config({**OVERRIDES, **extra})
 
 
 def _cli(workdir, **extra):
-  flags = [f"--config.{k}={v}" for k, v in {**OVERRIDES, **extra}.items()]
+  overrides = {**testing.TINY_RUN_OVERRIDES, **OVERRIDES, **extra}
+  flags = [f"--config.{k}={v}" for k, v in overrides.items()]
   return [
     sys.executable,
     "-m",
