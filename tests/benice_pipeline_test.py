@@ -12,7 +12,7 @@ from absl.testing import absltest, parameterized
 
 from configs import benice as benice_config
 from looped import config_checks, programs, testing
-from looped.benice import collect, evaluation, pipeline
+from looped.benice import collect, evaluation, pipeline, stages
 from looped.train import trainer
 
 BAD_VALUES = [
@@ -56,6 +56,42 @@ class ConfigTest(parameterized.TestCase):
     config.post.train.lr = 1e-3
     with self.assertRaisesRegex(config_checks.ConfigError, r"config.post.train .*\['lr'\]"):
       pipeline.validate(config)
+
+
+class StageConfigTest(testing.TempDirTestCase):
+  """A stage refuses a changed config, but not a model field added to looped since it started."""
+
+  def _recorded_without(self, stage_dir, field):
+    stage_cfg = stages.stage_config(benice_config.get_config("smoke"), stages.PRETRAIN)
+    stages.begin(stage_dir, stage_cfg)
+    path = os.path.join(stage_dir, "stage_config.json")
+    with open(path) as f:
+      recorded = json.load(f)
+    del recorded["model"][field]
+    with open(path, "w") as f:
+      json.dump(recorded, f)
+    return stage_cfg
+
+  def test_added_model_field_at_default_matches(self):
+    stage_dir = os.path.join(self.tmp, "pretrain")
+    stage_cfg = self._recorded_without(stage_dir, "attention_impl")
+    stages.begin(stage_dir, stage_cfg)  # Default 'xla': the behaviour the run was trained with.
+    stage_cfg.model.attention_impl = "pallas"
+    with self.assertRaisesRegex(
+      config_checks.ConfigError, r"attention_impl: \(absent\) -> 'pallas'"
+    ):
+      stages.begin(stage_dir, stage_cfg)
+
+  def test_changed_field_is_refused(self):
+    stage_dir = os.path.join(self.tmp, "pretrain")
+    stage_cfg = self._recorded_without(stage_dir, "attention_impl")
+    stage_cfg.model.qk_norm = not stage_cfg.model.qk_norm
+    with self.assertRaisesRegex(config_checks.ConfigError, r"model.qk_norm: True -> False"):
+      stages.begin(stage_dir, stage_cfg)
+    stage_cfg.model.qk_norm = True
+    stage_cfg.train.learning_rate *= 2
+    with self.assertRaisesRegex(config_checks.ConfigError, r"train.learning_rate"):
+      stages.begin(stage_dir, stage_cfg)
 
 
 class PipelineTest(testing.TempDirTestCase):

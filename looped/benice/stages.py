@@ -16,6 +16,7 @@ but the step cadence: mixing two configs in one run would make its numbers meani
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -23,6 +24,7 @@ import os
 import ml_collections
 
 from looped import config_checks as cc
+from looped.model.config import ModelConfig
 from looped.train import checkpointing, trainer
 
 PRETRAIN, FINETUNE, BENICE = "pretrain", "finetune", "benice"
@@ -88,13 +90,25 @@ def _fingerprint(stage_cfg) -> dict:
   return d
 
 
+# A model field added to looped after a stage was recorded is absent from its stage_config.json;
+# the stage was trained with the behaviour the field's default keeps, so that default matches.
+_MODEL_DEFAULTS = {f"model.{f.name}": f.default for f in dataclasses.fields(ModelConfig)}
+_ABSENT = object()
+
+
 def _differences(old, new, prefix="") -> list[str]:
   if isinstance(old, dict) and isinstance(new, dict):
     out = []
     for key in sorted(set(old) | set(new)):
-      out += _differences(old.get(key), new.get(key), f"{prefix}{key}.")
+      out += _differences(old.get(key, _ABSENT), new.get(key, _ABSENT), f"{prefix}{key}.")
     return out
-  return [] if old == new else [f"{prefix[:-1]}: {old!r} -> {new!r}"]
+  name = prefix[:-1]
+  if old is _ABSENT and name in _MODEL_DEFAULTS and new == _MODEL_DEFAULTS[name]:
+    return []
+  if old == new:
+    return []
+  show = lambda v: "(absent)" if v is _ABSENT else repr(v)
+  return [f"{name}: {show(old)} -> {show(new)}"]
 
 
 def fingerprint_hash(stage_cfg) -> str:
