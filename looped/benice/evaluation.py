@@ -15,7 +15,9 @@ Definitions (all at full depth R, next-token perplexities = exp(mean CE in nats)
   contraction_ratios   residual_norms[r] / residual_norms[r-1], r = 2..R: < 1 means the
                        recurrence contracts towards a common limit.
   kv_bytes_per_token   KV-cache bytes one token takes, shared and unshared layouts, in the
-                       evaluated KV format (bf16 when none).
+                       evaluated KV format (bf16 when none): GQA and MLA layers.
+  cache_bytes          the same per mixer, plus KDA layers' state bytes per sequence
+                       (looped.model.mixers.cache_bytes).
 With a `kv_format` (looped.kv_quant.FORMATS) every read of an earlier position's K/V, in every
 forward above (unshared included), goes through that format's per-token quantize/dequantize,
 and exact decode stores the packed bytes in its cache.
@@ -35,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from looped import kv_quant
+from looped.model import mixers
 from looped.model.config import ModelConfig
 from looped.model.looped_lm import LoopedLM
 from looped.model.sharing import decode_forward, jacobi_forward
@@ -68,11 +70,11 @@ def make_stats_fns(cfg: ModelConfig, kv_format: str | None = None) -> StatsFns:
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_format: str | None = None) -> dict:
-  per_value = kv_quant.bytes_per_value(kv_format or KV_FORMAT, cfg.head_dim)
-  return {
-    layout: cfg.kv_entries_per_token(share) * cfg.head_dim * per_value
-    for layout, share in (("shared", True), ("unshared", False))
-  }
+  return cache_bytes(cfg, kv_format)["per_token"]
+
+
+def cache_bytes(cfg: ModelConfig, kv_format: str | None = None) -> dict:
+  return mixers.cache_bytes(cfg, kv_format or KV_FORMAT)
 
 
 def contraction_ratios(residual_norms_R) -> list[float]:
@@ -138,5 +140,6 @@ def evaluate(
     "relative_residuals": (relative_R / num).tolist(),
     "contraction_ratios": contraction_ratios(residual_norms),
     "kv_bytes_per_token": kv_bytes_per_token(model_cfg, kv_format),
+    "cache_bytes": cache_bytes(model_cfg, kv_format),
     "eval_tokens": count,
   }
