@@ -84,6 +84,29 @@ def kda_recurrent(
   return jnp.moveaxis(o_TxBxHxV, 0, 1), state
 
 
+def _decayed_dot(a_CxK, b_CxK, decay_CxCxK):
+  """sum_d a_id b_jd decay_ijd (elementwise + reduce: XLA:CPU fuses it, unlike the einsum)."""
+  return jnp.sum(a_CxK[..., :, None, :] * b_CxK[..., None, :, :] * decay_CxCxK, axis=-1)
+
+
+def _unit_lower_solve(lhs_CxC, rhs_CxC):
+  """X with lhs X = rhs for unit lower-triangular lhs, by forward substitution row by row.
+
+  Plain XLA ops (no LAPACK custom call, which hung intermittently inside jitted training steps
+  on XLA:CPU); differentiable through the loop.
+  """
+  c = lhs_CxC.shape[-1]
+
+  def row(i, x_CxC):
+    lhs_row = jax.lax.dynamic_index_in_dim(lhs_CxC, i, axis=-2, keepdims=True)
+    rhs_row = jax.lax.dynamic_index_in_dim(rhs_CxC, i, axis=-2, keepdims=True)
+    # Rows >= i of x are still zero, and lhs[i, i] = 1 is not applied: strictly lower part.
+    new_row = rhs_row - lhs_row @ x_CxC
+    return jax.lax.dynamic_update_index_in_dim(x_CxC, new_row, i, axis=-2)
+
+  return jax.lax.fori_loop(0, c, row, jnp.zeros_like(rhs_CxC))
+
+
 def kda_chunkwise(
   q_BxTxHxK,
   k_BxTxHxK,
@@ -129,15 +152,15 @@ def kda_chunkwise(
     return jnp.where(mask, jnp.exp(jnp.where(mask, diff, 0.0)), 0.0)
 
   strict_CxC = jnp.tril(jnp.ones((c, c), bool), -1)
-  m_CxC = jnp.einsum("...ik,...jk,...ijk->...ij", k, k, pair_decay(cum_G, strict_CxC))
+  m_CxC = _decayed_dot(k, k, pair_decay(cum_G, strict_CxC))
   eye_CxC = jnp.eye(c, dtype=jnp.float32)
   lhs = eye_CxC + beta_BxHxNxC[..., :, None] * m_CxC
   rhs = jnp.broadcast_to(eye_CxC * beta_BxHxNxC[..., None, :], lhs.shape)
-  t_CxC = jax.lax.linalg.triangular_solve(lhs, rhs, left_side=True, lower=True)
+  t_CxC = _unit_lower_solve(lhs, rhs)
   w_CxK = t_CxC @ (k * jnp.exp(cum_G))
   u_CxV = t_CxC @ v
   qk_mask_CxC = strict_CxC if read_previous else jnp.tril(jnp.ones((c, c), bool))
-  a_qk_CxC = jnp.einsum("...ik,...jk,...ijk->...ij", q, k, pair_decay(q_G, qk_mask_CxC))
+  a_qk_CxC = _decayed_dot(q, k, pair_decay(q_G, qk_mask_CxC))
   q_decayed = q * jnp.exp(q_G)
   last_G = cum_G[..., -1:, :]
   k_to_end = k * jnp.exp(last_G - cum_G)
