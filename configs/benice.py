@@ -8,7 +8,11 @@
 
 Args (comma-separated): `smoke` (tiny, runs in about a minute on a CPU, for tests), `fixed`
 (pretrain at fixed depth: every recurrence runs for every sequence, no stochastic depth),
-`zero_shot` (pretraining and its zero-shot shareability evaluation only, no KV formats).
+`zero_shot` (pretraining and its zero-shot shareability evaluation only, no KV formats), and
+at most one mixer: `gqa` (the default), `mla`, `kda` (every layer that mixer) or `hybrid` (KDA
+and MLA 3:1 over the distinct layers: prelude KDA, core KDA + MLA, coda KDA; README "Mixers").
+
+  python -m looped.main --config=configs/benice.py:smoke,kda --workdir=/tmp/benice_kda
 
 Stage configs: pretraining reads seed/model/data/depth/train (fields and comments as in
 configs/pretrain.py). Both post-training stages (standard finetune and BeNice!) read the same
@@ -21,18 +25,36 @@ import ml_collections
 import configs
 from configs import pretrain
 
+# Mixer per stage (prelude, core, coda) for each mixer arg; patterns repeat over the layers.
+MIXERS = {
+  "gqa": (("gqa",), ("gqa",), ("gqa",)),
+  "mla": (("mla",), ("mla",), ("mla",)),
+  "kda": (("kda",), ("kda",), ("kda",)),
+  "hybrid": (("kda",), ("kda", "mla"), ("kda",)),
+}
+
 VARIANTS = {
   "smoke": "tiny, the whole pipeline in about a minute on a CPU (tests)",
   "fixed": "pretrain at fixed depth (no stochastic depth)",
   "zero_shot": "pretraining and its zero-shot shareability evaluation only",
+  "gqa": "every layer grouped-query attention (the default)",
+  "mla": "every layer multi-head latent attention (cached: latent + RoPE key)",
+  "kda": "every layer Kimi delta attention (cached: a state per sequence)",
+  "hybrid": "KDA everywhere but every second core layer MLA (3:1 KDA:MLA over the default depth)",
 }
 
 
 def get_config(arg: str = "") -> ml_collections.ConfigDict:
   args = configs.parse_args(arg, VARIANTS)
+  mixer = args & set(MIXERS)
+  if len(mixer) > 1:
+    raise ValueError(f"config variants name several mixers {sorted(mixer)}; pick one.")
 
   # seed, model, data, depth and train of stage 1, with `smoke`/`fixed` applied as there.
-  c = pretrain.get_config(",".join(sorted(args - {"zero_shot"})))
+  c = pretrain.get_config(",".join(sorted(args - {"zero_shot"} - set(MIXERS))))
+  if mixer:
+    m = c.model
+    m.prelude_mixers, m.core_mixers, m.coda_mixers = MIXERS[mixer.pop()]
   c.program = "benice"  # Which program main runs: the whole BeNice! pipeline.
   c.train.num_steps = 500  # Pretraining steps (default model: ~0.6-1.2 s/step on 2 CPU cores).
   c.train.eval_every = 250  # Pretraining steps between validation passes.

@@ -46,6 +46,14 @@ def model_config() -> ml_collections.ConfigDict:
   m.scan_recurrences = True  # Loop the core with lax.scan (False: Python-unrolled, same math).
   m.remat = False  # Rematerialise each recurrence in the backward pass (saves activations).
   m.attention_impl = "xla"  # 'xla' (einsum) or 'pallas' (pallas_kernels; interpreted on CPU).
+  m.prelude_mixers = ("gqa",)  # Sequence mixer per prelude layer, repeated: 'gqa', 'mla', 'kda'.
+  m.core_mixers = ("gqa",)  # Per core layer, repeated, e.g. ('kda', 'kda', 'kda', 'mla').
+  m.coda_mixers = ("gqa",)  # Per coda layer, repeated.
+  m.mla_kv_rank = 64  # MLA: latent c_kv width (cached per token with the RoPE key).
+  m.mla_q_rank = 0  # MLA: low-rank query width (0 = full-rank query projection).
+  m.mla_rope_dim = 32  # MLA: decoupled RoPE key/query width (even; shared by the heads).
+  m.kda_conv_size = 4  # KDA: short causal conv width on q, k, v.
+  m.kda_chunk_size = 64  # KDA: chunk length of the chunkwise-parallel (training) form.
   return m
 
 

@@ -17,13 +17,17 @@ perplexities over the same tokens (all at full depth R; ppl = exp(mean next-toke
   kv_drift                   {'k', 'v'}: per core layer, per recurrence r = 1..R,
                              ||K_r - K_R|| / ||K_R|| over the decode subset (unshared forward):
                              how far earlier recurrences' keys/values are from the final ones
-                             that sharing substitutes for them.
+                             that sharing substitutes for them. For other mixers 'k'/'v' are the
+                             layer's two cached entries: MLA latent / RoPE key, KDA state (at
+                             the last position) / conv tail.
   residual_norms             mean over tokens of ||h_r - h_{r-1}||, r = 1..R (h_0: the initial
                              state), unshared forward; relative_residuals divide by ||h_r||.
   contraction_ratios         residual_norms[r] / residual_norms[r-1], r = 2..R: < 1 means the
                              recurrence contracts towards a common limit.
   kv_bytes_per_token         KV-cache bytes one token takes, shared and unshared layouts, in the
-                             evaluated KV format (bf16 when none).
+                             evaluated KV format (bf16 when none): GQA and MLA layers.
+  cache_bytes                the same per mixer, plus KDA layers' state bytes per sequence
+                             (looped.model.mixers.cache_bytes).
 With a `kv_format` (looped.kv_quant.FORMATS) every read of an earlier position's K/V, in every
 forward above (unshared included), goes through that format's per-token quantize/dequantize,
 and exact decode stores the packed bytes in its cache.
@@ -44,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from looped import kv_quant
+from looped.model import mixers
 from looped.model.config import ModelConfig
 from looped.model.kv_cache import init_cache
 from looped.model.looped_lm import LoopedLM
@@ -85,7 +89,7 @@ def make_stats_fns(cfg: ModelConfig, kv_format: str | None = None) -> StatsFns:
     cache = init_cache(cfg, b, t, share_kv=False)
     _, aux = model.apply(params, inputs_BxT, cache=cache)
     out = []
-    for index in (0, 1):  # K, then V: each core entry is [R, B, S, K, H].
+    for index in (0, 1):  # K, then V (GQA: [R, B, S, K, H]; MLA, KDA: their two entries).
       x_LxRxN = jnp.stack(
         [kv[index].reshape(cfg.num_recurrences, -1) for kv in aux["cache"].layers["core"]]
       ).astype(jnp.float32)
@@ -99,11 +103,11 @@ def make_stats_fns(cfg: ModelConfig, kv_format: str | None = None) -> StatsFns:
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_format: str | None = None) -> dict:
-  per_value = kv_quant.bytes_per_value(kv_format or KV_FORMAT, cfg.head_dim)
-  return {
-    layout: cfg.kv_entries_per_token(share) * cfg.head_dim * per_value
-    for layout, share in (("shared", True), ("unshared", False))
-  }
+  return cache_bytes(cfg, kv_format)["per_token"]
+
+
+def cache_bytes(cfg: ModelConfig, kv_format: str | None = None) -> dict:
+  return mixers.cache_bytes(cfg, kv_format or KV_FORMAT)
 
 
 def contraction_ratios(residual_norms_R) -> list[float]:
@@ -202,4 +206,5 @@ def evaluate(
     "relative_residuals": (relative_R / num).tolist(),
     "contraction_ratios": contraction_ratios(residual_norms),
     "kv_bytes_per_token": kv_bytes_per_token(model_cfg, kv_format),
+    "cache_bytes": cache_bytes(model_cfg, kv_format),
   }

@@ -117,6 +117,8 @@ def kv_formats_markdown(models: dict) -> str:
         if kv is None
         else f"{kv['shared']:.0f} / {kv['unshared']:.0f} "
         f"({kv['shared'] / base:.3f} / {kv['unshared'] / base:.3f})"
+        if base  # 0 for an all-KDA model: no per-token cache (state bytes in cache_bytes).
+        else f"{kv['shared']:.0f} / {kv['unshared']:.0f}"
       )
       lines.append(
         f"| {name} | {fmt} | {f['ppl_unshared_eval']:.3f} | {f['ppl_unshared_subset']:.3f} | "

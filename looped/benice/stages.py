@@ -92,7 +92,9 @@ def _fingerprint(stage_cfg) -> dict:
 
 # A model field added to looped after a stage was recorded is absent from its stage_config.json;
 # the stage was trained with the behaviour the field's default keeps, so that default matches.
-_MODEL_DEFAULTS = {f"model.{f.name}": f.default for f in dataclasses.fields(ModelConfig)}
+_MODEL_DEFAULTS = json.loads(
+  json.dumps({f"model.{f.name}": f.default for f in dataclasses.fields(ModelConfig)})
+)
 _ABSENT = object()
 
 

@@ -17,6 +17,8 @@ INJECTIONS = ("diagonal", "linear", "additive")
 STATE_INITS = ("like_init", "zeros", "embed")
 DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("xla", "pallas")
+MIXERS = ("gqa", "mla", "kda")  # Sequence mixers (attention.py, mla.py, kda.py).
+STAGES = ("prelude", "core", "coda")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +49,20 @@ class ModelConfig:
   scan_recurrences: bool = True
   remat: bool = False
   attention_impl: str = "xla"
+  prelude_mixers: tuple[str, ...] = ("gqa",)
+  core_mixers: tuple[str, ...] = ("gqa",)
+  coda_mixers: tuple[str, ...] = ("gqa",)
+  mla_kv_rank: int = 64
+  mla_q_rank: int = 0
+  mla_rope_dim: int = 32
+  kda_conv_size: int = 4
+  kda_chunk_size: int = 64
+
+  def mixers(self, stage: str) -> tuple[str, ...]:
+    """The mixer of each layer of a stage: its pattern repeated over the stage's layers."""
+    pattern = getattr(self, f"{stage}_mixers")
+    count = getattr(self, f"num_{stage}_layers")
+    return tuple(pattern[i % len(pattern)] for i in range(count))
 
   @property
   def compute_dtype(self):
@@ -62,7 +78,8 @@ class ModelConfig:
     return self.num_prelude_layers + self.num_core_layers + self.num_coda_layers
 
   def kv_entries_per_token(self, share_kv: bool) -> int:
-    """Cached (layer, K-or-V) head vectors per token, times kv heads: the KV memory unit."""
+    """Cached (layer, K-or-V) head vectors per token, times kv heads: the KV memory unit of
+    an all-GQA model (looped.model.mixers.cache_bytes counts every mixer)."""
     core = self.num_core_layers * (1 if share_kv else self.num_recurrences)
     layers = self.num_prelude_layers + self.num_coda_layers + core
     return layers * 2 * self.num_kv_heads
@@ -74,7 +91,9 @@ def from_config(model_cfg) -> ModelConfig:
   unknown = set(model_cfg.keys()) - fields
   if unknown:
     raise cc.ConfigError(f"config.model has unknown fields {sorted(unknown)}.")
-  return ModelConfig(**{k: model_cfg[k] for k in model_cfg.keys()})
+  # Tuples (hashable) even where a command-line override gave a list.
+  value = lambda v: tuple(v) if isinstance(v, list) else v
+  return ModelConfig(**{k: value(model_cfg[k]) for k in model_cfg.keys()})
 
 
 def validate(config, prefix: str = "model") -> None:
@@ -109,4 +128,22 @@ def validate(config, prefix: str = "model") -> None:
   cc.divides(config, p + "num_heads", cc.get(config, p + "num_kv_heads"), p + "num_kv_heads")
   if cc.get(config, p + "head_dim") % 2:
     cc.fail(p + "head_dim", cc.get(config, p + "head_dim"), "must be even (RoPE rotates pairs)")
+  for stage in STAGES:
+    _check_mixers(config, f"{p}{stage}_mixers")
+  cc.integer(config, p + "mla_kv_rank", min_value=1)
+  cc.integer(config, p + "mla_q_rank", min_value=0)
+  cc.integer(config, p + "mla_rope_dim", min_value=2)
+  if cc.get(config, p + "mla_rope_dim") % 2:
+    cc.fail(p + "mla_rope_dim", cc.get(config, p + "mla_rope_dim"), "must be even (RoPE)")
+  cc.integer(config, p + "kda_conv_size", min_value=1)
+  cc.integer(config, p + "kda_chunk_size", min_value=1)
   from_config(cc.get(config, prefix))  # Unknown fields.
+
+
+def _check_mixers(config, path: str) -> None:
+  value = cc.get(config, path)
+  if isinstance(value, str) or not isinstance(value, (tuple, list)) or not value:
+    cc.fail(path, value, f"must be a non-empty tuple of mixers from {MIXERS}")
+  bad = [m for m in value if m not in MIXERS]
+  if bad:
+    cc.fail(path, value, f"unknown mixers {bad}; allowed: {MIXERS}")

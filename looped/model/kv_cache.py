@@ -4,6 +4,10 @@ Unshared: one K/V per core layer *per recurrence* (core entries are [R, B, S, K,
 grows with R. Shared: the final recurrence's K/V only (core entries are [B, S, K, H]). Prelude
 and coda layers are not looped and keep ordinary caches in both layouts.
 
+Layers whose mixer keeps a recurrent state instead of per-token entries (KDA) hold a
+`KDAState` (state and conv tail, raw float32) that each chunk replaces rather than appends to,
+and that KV formats leave unquantized.
+
 With a `kv_format` (looped.kv_quant.FORMATS) every entry is a `QuantizedKV` holding the packed
 bytes and scales, quantized per token (one [K, H] slice at a time, so nvfp4's tensor scale is per
 token and a token's stored bytes never depend on other tokens or rows), and dequantized on every
@@ -20,7 +24,9 @@ import jax
 import jax.numpy as jnp
 
 from looped import kv_quant
+from looped.model import mixers
 from looped.model.config import ModelConfig
+from looped.model.kda import KDAState
 
 
 @flax.struct.dataclass
@@ -28,13 +34,19 @@ class KVCache:
   """Cached K/V for slots [0, max_len); slots < length_B[b] are filled for row b."""
 
   length_B: jax.Array
-  layers: dict  # {'prelude': [KV], 'core': [KV], 'coda': [KV]}; KV = (k, v), raw or quantized.
+  layers: dict  # {'prelude': [KV], 'core': [KV], 'coda': [KV]}; KV = (k, v), raw or quantized,
+  # or a KDAState for KDA layers.
   share_kv: bool = flax.struct.field(pytree_node=False)
   kv_format: str | None = flax.struct.field(pytree_node=False, default=None)
 
   @property
   def max_len(self) -> int:
-    return self.layers["core"][0][0].shape[-3]
+    """Slots of the per-token entries (0 when every layer keeps a recurrent state)."""
+    for entries in self.layers.values():
+      for entry in entries:
+        if not isinstance(entry, KDAState):
+          return entry[0].shape[-3]
+    return 0
 
 
 def _per_token(fn, x, token_ndim: int = 2):
@@ -81,18 +93,22 @@ def init_cache(
 ) -> KVCache:
   dtype = dtype or cfg.compute_dtype
   if kv_format is not None:
-    kv_quant.check_format(kv_format, cfg.head_dim)
-  shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    mixers.check_kv_format(cfg, kv_format)
 
-  def zeros(lead=()):
-    x = jnp.zeros(lead + shape, dtype)
+  def zeros(shape):
+    x = jnp.zeros(shape, dtype)
     return x if kv_format is None else quantize_tokens(x, kv_format)
+
+  def entry(kind: str, lead: tuple[int, ...]):
+    if kind == "kda":
+      state, conv = mixers.kda_state_shapes(cfg)
+      return KDAState(jnp.zeros(lead + (batch, *state)), jnp.zeros(lead + (batch, *conv)))
+    return tuple(zeros(lead + (batch, max_len, *s)) for s in mixers.token_shapes(cfg, kind))
 
   core_lead = () if share_kv else (cfg.num_recurrences,)
   layers = {
-    "prelude": [(zeros(), zeros()) for _ in range(cfg.num_prelude_layers)],
-    "core": [(zeros(core_lead), zeros(core_lead)) for _ in range(cfg.num_core_layers)],
-    "coda": [(zeros(), zeros()) for _ in range(cfg.num_coda_layers)],
+    stage: [entry(kind, core_lead if stage == "core" else ()) for kind in cfg.mixers(stage)]
+    for stage in ("prelude", "core", "coda")
   }
   return KVCache(jnp.zeros((batch,), jnp.int32), layers, share_kv, kv_format)
 
@@ -107,23 +123,38 @@ def _write_rows(cache_BxSx, chunk_BxTx, start_B):
 
 
 def write_chunk(cache: KVCache, new: dict, num_tokens: int) -> KVCache:
-  """Appends the chunk's raw K/V (same structure as cache.layers, T slots), advances length."""
+  """Appends the chunk's raw K/V (same structure as cache.layers, T slots), advances length.
+
+  KDA layers' new entries are their states after the chunk, which replace the old ones.
+  """
+  is_state = lambda x: isinstance(x, KDAState)
   if cache.kv_format is not None:
-    new = {
-      name: [tuple(quantize_tokens(x, cache.kv_format) for x in kv) for kv in kvs]
-      for name, kvs in new.items()
-    }
+    quantize = lambda kv: (
+      kv if is_state(kv) else tuple(quantize_tokens(x, cache.kv_format) for x in kv)
+    )
+    new = {name: [quantize(kv) for kv in kvs] for name, kvs in new.items()}
   write = lambda old, chunk: _write_rows(old, chunk, cache.length_B)
   layers = {}
   for name, kvs in cache.layers.items():
     per_recurrence = name == "core" and not cache.share_kv
-    layers[name] = jax.tree.map(jax.vmap(write) if per_recurrence else write, kvs, new[name])
+    write_entry = jax.vmap(write) if per_recurrence else write
+    layers[name] = [
+      kv_new if is_state(kv) else jax.tree.map(write_entry, kv, kv_new)
+      for kv, kv_new in zip(kvs, new[name], strict=True)
+    ]
   return cache.replace(length_B=cache.length_B + num_tokens, layers=layers)
 
 
 def num_cached_values(cache: KVCache) -> int:
-  """K/V values the cache holds (all layers, K and V), for memory accounting."""
-  return sum(math.prod(kv.shape) for kvs in cache.layers.values() for pair in kvs for kv in pair)
+  """Per-token values the cache holds (all layers, K and V), for memory accounting; KDA
+  states are counted by cache_nbytes only."""
+  return sum(
+    math.prod(kv.shape)
+    for kvs in cache.layers.values()
+    for pair in kvs
+    if not isinstance(pair, KDAState)
+    for kv in pair
+  )
 
 
 def cache_nbytes(cache: KVCache) -> int:

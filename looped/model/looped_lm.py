@@ -19,7 +19,8 @@ import jax.numpy as jnp
 
 from looped.model import depth as depth_lib
 from looped.model import kv_cache as kv_cache_lib
-from looped.model.attention import KV, Attention, MixerContext
+from looped.model import mixers as mixers_lib
+from looped.model.attention import KV, MixerContext
 from looped.model.config import ModelConfig
 from looped.model.injection import Injection
 from looped.model.kv_cache import KVCache, write_chunk
@@ -35,15 +36,20 @@ def diagonal_mask(t: int, batch: int) -> jax.Array:
 
 
 class Block(nn.Module):
-  """Pre-norm transformer layer: x + mixer(norm(x)), then x + mlp(norm(x))."""
+  """Pre-norm transformer layer: x + mixer(norm(x)), then x + mlp(norm(x)).
+
+  mixer: 'gqa', 'mla' or 'kda' (looped.model.mixers); returns its cache entry with the output.
+  """
 
   cfg: ModelConfig
   out_std: float
+  mixer: str = "gqa"
 
   @nn.compact
   def __call__(self, x_BxTxD, positions_BxT, ctx: MixerContext) -> tuple[jax.Array, KV]:
     cfg = self.cfg
-    y_BxTxD, kv = Attention(cfg, self.out_std, name="attn")(
+    module, name = mixers_lib.MODULES[self.mixer]
+    y_BxTxD, kv = module(cfg, self.out_std, name=name)(
       RMSNorm(cfg.weight_dtype, name="attn_norm")(x_BxTxD), positions_BxT, ctx
     )
     x_BxTxD = x_BxTxD + y_BxTxD
@@ -87,8 +93,8 @@ class Recurrence(nn.Module):
       h_in = self.perturb("h_in", h_in)
     x = Injection(cfg, name="inject")(h_in, bcast["e"])
     kvs = []
-    for layer in range(cfg.num_core_layers):
-      x, kv = Block(cfg, _out_std(cfg), name=f"layer_{layer}")(
+    for layer, mixer in enumerate(cfg.mixers("core")):
+      x, kv = Block(cfg, _out_std(cfg), mixer, name=f"layer_{layer}")(
         x, bcast["positions"], self._context(layer, xs, bcast)
       )
       kvs.append(kv)
@@ -106,8 +112,9 @@ class Recurrence(nn.Module):
     if self.decode:
       ys["kv"] = kvs
     else:
+      active = lambda x: xs["active_B"].reshape((-1,) + (1,) * (x.ndim - 1))
       new_carry["final_kv"] = jax.tree.map(
-        lambda new, old: jnp.where(active_B11[..., None], new, old), kvs, carry["final_kv"]
+        lambda new, old: jnp.where(active(new), new, old), kvs, carry["final_kv"]
       )
     return new_carry, ys
 
@@ -121,13 +128,13 @@ class Recurrence(nn.Module):
           bcast["self_mask"], lambda own: own, bcast["past_mask"], bcast["read_past"]
         )
       return MixerContext(bcast["self_mask"])
-    shared_k, shared_v = bcast["shared_kv"][layer]
+    shared = bcast["shared_kv"][layer]
     flag = xs["read_shared"]
 
     def past(own: KV) -> KV:
       # A recurrence that does not read the shared cache sees its own keys for s < t, which
       # with the diagonal self mask is exactly ordinary causal attention.
-      return jnp.where(flag, shared_k, own[0]), jnp.where(flag, shared_v, own[1])
+      return jax.tree.map(lambda sh, ow: jnp.where(flag, sh, ow), shared, own)
 
     return MixerContext(bcast["self_mask"], past, bcast["past_mask"], bcast.get("read_past"))
 
@@ -203,20 +210,20 @@ class LoopedLM(nn.Module):
     x = embed(tokens_BxT)
     new_cache = {}
 
-    def run_plain_layers(x, prefix: str, count: int):
+    def run_plain_layers(x, prefix: str):
       kvs = []
-      for i in range(count):
+      for i, mixer in enumerate(cfg.mixers(prefix)):
         if decode:
           ctx = MixerContext(self_mask, cache.layers[prefix][i], past_mask_BxTxS, read_past)
         elif read_past is not None:
           ctx = MixerContext(self_mask, lambda own: own, past_mask_BxTxS, read_past)
         else:
           ctx = MixerContext(causal_mask(t, b))
-        x, kv = Block(cfg, _out_std(cfg), name=f"{prefix}_{i}")(x, positions_BxT, ctx)
+        x, kv = Block(cfg, _out_std(cfg), mixer, name=f"{prefix}_{i}")(x, positions_BxT, ctx)
         kvs.append(kv)
       return x, kvs
 
-    x, prelude_kvs = run_plain_layers(x, "prelude", cfg.num_prelude_layers)
+    x, prelude_kvs = run_plain_layers(x, "prelude")
     e = RMSNorm(cfg.weight_dtype, name="prelude_norm")(x) if cfg.prelude_norm else x
     h0 = self._initial_state(e, positions_BxT)
 
@@ -242,13 +249,13 @@ class LoopedLM(nn.Module):
       else:
         xs["past"] = cache.layers["core"]
     else:
-      kv_shape = (b, t, cfg.num_kv_heads, cfg.head_dim)
-      zeros = jnp.zeros(kv_shape, cfg.compute_dtype)
-      carry["final_kv"] = [(zeros, zeros) for _ in range(cfg.num_core_layers)]
+      carry["final_kv"] = [
+        mixers_lib.parallel_entry_zeros(cfg, kind, b, t) for kind in cfg.mixers("core")
+      ]
 
     carry, ys = self._recurrences(decode, collect_states)(carry, xs, bcast)
     x = carry["h"]
-    x, coda_kvs = run_plain_layers(x, "coda", cfg.num_coda_layers)
+    x, coda_kvs = run_plain_layers(x, "coda")
     x = RMSNorm(cfg.weight_dtype, name="final_norm")(x)
     if cfg.tie_embeddings:
       logits = embed.attend(x.astype(cfg.compute_dtype))

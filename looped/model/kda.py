@@ -1,0 +1,317 @@
+"""Kimi delta attention (KDA, Kimi Linear) behind the sequence-mixer interface.
+
+Follows flash-linear-attention's `KimiDeltaAttention` layer (fla/layers/kda.py, fla 0.6.0):
+q, k, v projections, each through a depthwise causal conv (width `kda_conv_size`, no bias) and
+SiLU; q, k L2-normalized (eps 1e-6); per-channel log decay g = -exp(A_log[h]) *
+softplus(x W_f1 W_f2 + dt_bias); beta = sigmoid(x W_b); the delta rule with decay
+
+    S_t = (I - b_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + b_t k_t v_t^T,   o_t = S_t^T (q_t / sqrt(K))
+
+(fla's `naive_recurrent_kda`; S is [K, V] per head); then a sigmoid-gated RMSNorm per head
+(gate x W_g1 W_g2 + bias, eps 1e-5) and the output projection.
+
+What a cache stores for KDA is not per token: decode keeps the state S and the conv tail (the
+last conv_size - 1 pre-conv projections), a `KDAState`. The per-token entry a parallel forward
+returns (for the Jacobi passes' "final K/V") is the token's `KDARecord`: its pre-conv
+projections, g and beta. From the final recurrence's records of s < t one recomputes that
+recurrence's conv outputs and states S^(R)_{t-1} exactly, because under sharing the final
+recurrence of every token starts from the final recurrence's state and conv tail.
+
+Shared read (exact shared decode, and Jacobi passes): recurrence r of token t starts from the
+shared state S_{t-1} and applies its own update, so
+    o_t = S_{t-1}^T Diag(exp(g_t)) (q_t - b_t (k_t.q_t) k_t) + b_t (k_t.q_t) v_t,
+and its conv window is [shared pre-conv projections of t-W+1..t-1 ; its own of t].
+The KDA state and conv tail are not quantized by the KV formats (they are per sequence and
+rewritten every token; quantizing them would make the chunkwise form sequential).
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from looped.model.config import ModelConfig
+from looped.model.layers import projection
+
+
+@flax.struct.dataclass
+class KDAState:
+  """Decode cache of one KDA layer: the delta-rule state and the conv tail (raw float32)."""
+
+  state_BxHxKxV: jax.Array
+  conv_BxWxC: jax.Array  # Pre-conv q|k|v projections of the last conv_size - 1 tokens.
+
+
+@flax.struct.dataclass
+class KDARecord:
+  """Per-token quantities from which the final recurrence's states are recomputed."""
+
+  conv_in_BxTxC: jax.Array  # Pre-conv q|k|v projections.
+  g_BxTxHxK: jax.Array  # Log decay (float32).
+  beta_BxTxH: jax.Array  # float32.
+
+
+def l2_normalize(x, eps: float = 1e-6):
+  """x / sqrt(sum x^2 + eps) over the last axis, as fla's l2norm_fwd."""
+  x32 = x.astype(jnp.float32)
+  return x32 * jax.lax.rsqrt(jnp.sum(jnp.square(x32), axis=-1, keepdims=True) + eps)
+
+
+def kda_recurrent(
+  q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxK, beta_BxTxH, state_BxHxKxV=None, *, scale=None
+):
+  """The delta rule one token at a time (decode form). Returns (o_BxTxHxV, final state), f32."""
+  b, _, h, kd = q_BxTxHxK.shape
+  vd = v_BxTxHxV.shape[-1]
+  scale = kd**-0.5 if scale is None else scale
+  f32 = lambda x: jnp.moveaxis(x.astype(jnp.float32), 1, 0)
+  if state_BxHxKxV is None:
+    state_BxHxKxV = jnp.zeros((b, h, kd, vd), jnp.float32)
+
+  def step(s_BxHxKxV, xs):
+    q, k, v, g, beta = xs
+    s_BxHxKxV = s_BxHxKxV * jnp.exp(g)[..., None]
+    delta_BxHxV = v - jnp.einsum("bhk,bhkv->bhv", k, s_BxHxKxV)
+    s_BxHxKxV = s_BxHxKxV + jnp.einsum("bhk,bhv->bhkv", beta[..., None] * k, delta_BxHxV)
+    return s_BxHxKxV, jnp.einsum("bhk,bhkv->bhv", q * scale, s_BxHxKxV)
+
+  xs = tuple(map(f32, (q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxK, beta_BxTxH)))
+  state, o_TxBxHxV = jax.lax.scan(step, state_BxHxKxV.astype(jnp.float32), xs)
+  return jnp.moveaxis(o_TxBxHxV, 0, 1), state
+
+
+def _decayed_dot(a_CxK, b_CxK, decay_CxCxK):
+  """sum_d a_id b_jd decay_ijd (elementwise + reduce: XLA:CPU fuses it, unlike the einsum)."""
+  return jnp.sum(a_CxK[..., :, None, :] * b_CxK[..., None, :, :] * decay_CxCxK, axis=-1)
+
+
+def _unit_lower_solve(lhs_CxC, rhs_CxC):
+  """X with lhs X = rhs for unit lower-triangular lhs, by forward substitution row by row.
+
+  Plain XLA ops (no LAPACK custom call, which hung intermittently inside jitted training steps
+  on XLA:CPU); differentiable through the loop.
+  """
+  c = lhs_CxC.shape[-1]
+
+  def row(i, x_CxC):
+    lhs_row = jax.lax.dynamic_index_in_dim(lhs_CxC, i, axis=-2, keepdims=True)
+    rhs_row = jax.lax.dynamic_index_in_dim(rhs_CxC, i, axis=-2, keepdims=True)
+    # Rows >= i of x are still zero, and lhs[i, i] = 1 is not applied: strictly lower part.
+    new_row = rhs_row - lhs_row @ x_CxC
+    return jax.lax.dynamic_update_index_in_dim(x_CxC, new_row, i, axis=-2)
+
+  return jax.lax.fori_loop(0, c, row, jnp.zeros_like(rhs_CxC))
+
+
+def kda_chunkwise(
+  q_BxTxHxK,
+  k_BxTxHxK,
+  v_BxTxHxV,
+  g_BxTxHxK,
+  beta_BxTxH,
+  state_BxHxKxV=None,
+  *,
+  scale=None,
+  chunk_size: int = 64,
+  read_previous: bool = False,
+):
+  """The delta rule in chunkwise-parallel (WY) form (training form). Returns (o, final state).
+
+  Within a chunk with inclusive log-decay cumsum G and start state S0, the state updates
+  delta = (I + M)^-1 Diag(b) (v - (k e^G) S0) with M_ts = b_t k_t^T Diag(e^(G_t - G_s)) k_s
+  (s < t) satisfy S_t = e^(G_t) S0 + sum_{s<=t} Diag(e^(G_t - G_s)) k_s delta_s^T, so every
+  output is a masked matmul and only S0 is carried from chunk to chunk.
+  read_previous: o_t = S_{t-1}^T q_t (the state *before* token t) instead of S_t^T q_t; the
+  shared read queries the final recurrence's states that way.
+  Padded tail tokens have k = v = g = b = 0, which leaves the state unchanged.
+  """
+  b, t, h, kd = q_BxTxHxK.shape
+  vd = v_BxTxHxV.shape[-1]
+  scale = kd**-0.5 if scale is None else scale
+  c = min(chunk_size, t)
+  n = -(-t // c)
+
+  def chunks(x):  # [B, T, H, ...] -> [B, H, N, C, ...] float32, zero-padded to N * C.
+    x = x.astype(jnp.float32)
+    x = jnp.pad(x, [(0, 0), (0, n * c - t)] + [(0, 0)] * (x.ndim - 2))
+    x = x.reshape((b, n, c) + x.shape[2:])
+    return jnp.moveaxis(x, 3, 1)
+
+  q, k, v, g = map(chunks, (q_BxTxHxK * scale, k_BxTxHxK, v_BxTxHxV, g_BxTxHxK))
+  beta_BxHxNxC = chunks(beta_BxTxH)
+  cum_G = jnp.cumsum(g, axis=-2)  # [B, H, N, C, K], inclusive.
+  q_G = cum_G - g if read_previous else cum_G
+
+  def pair_decay(rows_G, mask_CxC):  # exp(rows_G_i - cum_G_j) where mask, else 0: [.., C, C, K]
+    diff = rows_G[..., :, None, :] - cum_G[..., None, :, :]
+    mask = mask_CxC[..., None]
+    return jnp.where(mask, jnp.exp(jnp.where(mask, diff, 0.0)), 0.0)
+
+  strict_CxC = jnp.tril(jnp.ones((c, c), bool), -1)
+  m_CxC = _decayed_dot(k, k, pair_decay(cum_G, strict_CxC))
+  eye_CxC = jnp.eye(c, dtype=jnp.float32)
+  lhs = eye_CxC + beta_BxHxNxC[..., :, None] * m_CxC
+  rhs = jnp.broadcast_to(eye_CxC * beta_BxHxNxC[..., None, :], lhs.shape)
+  t_CxC = _unit_lower_solve(lhs, rhs)
+  w_CxK = t_CxC @ (k * jnp.exp(cum_G))
+  u_CxV = t_CxC @ v
+  qk_mask_CxC = strict_CxC if read_previous else jnp.tril(jnp.ones((c, c), bool))
+  a_qk_CxC = _decayed_dot(q, k, pair_decay(q_G, qk_mask_CxC))
+  q_decayed = q * jnp.exp(q_G)
+  last_G = cum_G[..., -1:, :]
+  k_to_end = k * jnp.exp(last_G - cum_G)
+
+  def step(s_BxHxKxV, xs):
+    w, u, a_qk, q_dec, k_end, decay_end = xs
+    delta_BxHxCxV = u - w @ s_BxHxKxV
+    o_BxHxCxV = q_dec @ s_BxHxKxV + a_qk @ delta_BxHxCxV
+    s_BxHxKxV = decay_end[..., 0, :, None] * s_BxHxKxV + jnp.swapaxes(k_end, -1, -2) @ delta_BxHxCxV
+    return s_BxHxKxV, o_BxHxCxV
+
+  per_chunk = lambda x: jnp.moveaxis(x, 2, 0)
+  xs = tuple(map(per_chunk, (w_CxK, u_CxV, a_qk_CxC, q_decayed, k_to_end, jnp.exp(last_G))))
+  if state_BxHxKxV is None:
+    state_BxHxKxV = jnp.zeros((b, h, kd, vd), jnp.float32)
+  state, o_NxBxHxCxV = jax.lax.scan(step, state_BxHxKxV.astype(jnp.float32), xs)
+  o_BxTxHxV = jnp.moveaxis(o_NxBxHxCxV, 0, 2).reshape(b, h, n * c, vd)[:, :, :t]
+  return jnp.swapaxes(o_BxTxHxV, 1, 2), state
+
+
+def shared_read(
+  q_BxTxHxK,
+  k_BxTxHxK,
+  v_BxTxHxV,
+  g_BxTxHxK,
+  beta_BxTxH,
+  past,
+  *,
+  scale=None,
+  chunk_size: int = 64,
+  state_BxHxKxV=None,
+):
+  """Outputs of tokens that each start from the state S_{t-1} of a *past* sequence.
+
+  past: (k, v, g, beta) of the sequence whose states are read (the final recurrence's); token
+  t's own (q, k, v, g, beta) apply one delta-rule step to S_{t-1}, never stored:
+  o_t = S_{t-1}^T Diag(e^(g_t)) (q_t - b_t (k_t.q_t) k_t) + b_t (k_t.q_t) v_t. With
+  past = own this is the ordinary causal output.
+  """
+  kd = q_BxTxHxK.shape[-1]
+  scale = kd**-0.5 if scale is None else scale
+  q = q_BxTxHxK.astype(jnp.float32) * scale
+  k = k_BxTxHxK.astype(jnp.float32)
+  beta_BxTxHx1 = beta_BxTxH.astype(jnp.float32)[..., None]
+  kq_BxTxHx1 = jnp.sum(k * q, axis=-1, keepdims=True)
+  q_tilde = jnp.exp(g_BxTxHxK.astype(jnp.float32)) * (q - beta_BxTxHx1 * kq_BxTxHx1 * k)
+  o_past, _ = kda_chunkwise(
+    q_tilde, *past, state_BxHxKxV, scale=1.0, chunk_size=chunk_size, read_previous=True
+  )
+  return o_past + beta_BxTxHx1 * kq_BxTxHx1 * v_BxTxHxV.astype(jnp.float32)
+
+
+def causal_conv(x_BxTxC, w_WxC, tail_BxWxC=None):
+  """Depthwise causal conv: out_t = sum_i w_i x_{t - W + 1 + i}, with `tail` (W - 1 earlier
+  inputs, zeros if None) before x."""
+  width = w_WxC.shape[0]
+  if tail_BxWxC is None:
+    tail_BxWxC = jnp.zeros((x_BxTxC.shape[0], width - 1, x_BxTxC.shape[2]), x_BxTxC.dtype)
+  xp = jnp.concatenate([tail_BxWxC.astype(x_BxTxC.dtype), x_BxTxC], axis=1)
+  t = x_BxTxC.shape[1]
+  return sum(xp[:, i : i + t] * w_WxC[i] for i in range(width))
+
+
+def _conv_init(key, shape, dtype):
+  bound = 1.0 / math.sqrt(shape[0])  # torch Conv1d's default for a depthwise kernel.
+  return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
+def _a_log_init(key, shape, dtype):
+  return jnp.log(jax.random.uniform(key, shape, dtype, 1.0, 16.0))
+
+
+def _dt_bias_init(key, shape, dtype):
+  # Inverse softplus of dt log-uniform in [1e-3, 0.1], as fla.
+  u = jax.random.uniform(key, shape, jnp.float32)
+  dt = jnp.maximum(jnp.exp(u * (math.log(0.1) - math.log(0.001)) + math.log(0.001)), 1e-4)
+  return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
+
+
+class KDA(nn.Module):
+  """Kimi delta attention: num_heads heads of key and value width head_dim.
+
+  ctx.past (looped.model.attention.MixerContext) selects the form: None: chunkwise causal
+  forward; a `KDAState`: recurrent decode from it (returns the new state); a function of the
+  own `KDARecord` (parallel shared / quantized-read passes): the shared read of the returned
+  records' states (the own records give the ordinary causal output). ctx.read_past and the
+  masks are not used: KDA's cache is not quantized and has no slots.
+  """
+
+  cfg: ModelConfig
+  out_std: float
+
+  @nn.compact
+  def __call__(self, x_BxTxD, positions_BxT, ctx):
+    del positions_BxT  # The conv carries position information.
+    cfg = self.cfg
+    h, kd = cfg.num_heads, cfg.head_dim
+    b, t, _ = x_BxTxD.shape
+    channels = 3 * h * kd
+    conv_in_BxTxC = projection(cfg, channels, cfg.init_std, "qkv")(x_BxTxD)
+    conv_w = self.param("conv", _conv_init, (cfg.kda_conv_size, channels), cfg.weight_dtype)
+    f_BxTxR = projection(cfg, kd, cfg.init_std, "decay_down")(x_BxTxD)
+    f_BxTxHxK = projection(cfg, (h, kd), cfg.init_std, "decay_up")(f_BxTxR)
+    a_log_H = self.param("A_log", _a_log_init, (h,), jnp.float32)
+    dt_bias_HxK = self.param("dt_bias", _dt_bias_init, (h, kd), jnp.float32)
+    g_BxTxHxK = -jnp.exp(a_log_H)[:, None] * jax.nn.softplus(
+      f_BxTxHxK.astype(jnp.float32) + dt_bias_HxK
+    )
+    beta_BxTxH = jax.nn.sigmoid(
+      projection(cfg, h, cfg.init_std, "beta")(x_BxTxD).astype(jnp.float32)
+    )
+    own = KDARecord(conv_in_BxTxC, g_BxTxHxK, beta_BxTxH)
+    conv_w = conv_w.astype(jnp.float32)
+    chunk = cfg.kda_chunk_size
+
+    def split(conv_out_BxTxC):
+      q, k, v = jnp.split(jax.nn.silu(conv_out_BxTxC).reshape(b, -1, 3 * h, kd), 3, axis=2)
+      return l2_normalize(q), l2_normalize(k), v
+
+    past = ctx.past(own) if callable(ctx.past) else ctx.past
+    conv_in32 = conv_in_BxTxC.astype(jnp.float32)
+    if past is None:
+      q, k, v = split(causal_conv(conv_in32, conv_w))
+      o_BxTxHxV, _ = kda_chunkwise(q, k, v, g_BxTxHxK, beta_BxTxH, chunk_size=chunk)
+      entry = own
+    elif isinstance(past, KDAState):
+      q, k, v = split(causal_conv(conv_in32, conv_w, past.conv_BxWxC))
+      o_BxTxHxV, state = kda_recurrent(q, k, v, g_BxTxHxK, beta_BxTxH, past.state_BxHxKxV)
+      window = jnp.concatenate([past.conv_BxWxC, conv_in32], axis=1)
+      entry = KDAState(state, window[:, window.shape[1] - (cfg.kda_conv_size - 1) :])
+    else:  # Shared read of past records (s < t); the diagonal is the token's own.
+      past_in32 = past.conv_in_BxTxC.astype(jnp.float32)
+      past_conv = causal_conv(past_in32, conv_w)
+      _, k_p, v_p = split(past_conv)
+      q, k, v = split(past_conv + conv_w[-1] * (conv_in32 - past_in32))
+      past_seq = (k_p, v_p, past.g_BxTxHxK, past.beta_BxTxH)
+      o_BxTxHxV = shared_read(q, k, v, g_BxTxHxK, beta_BxTxH, past_seq, chunk_size=chunk)
+      entry = own
+
+    gate_BxTxR = projection(cfg, kd, cfg.init_std, "gate_down")(x_BxTxD)
+    gate_BxTxHxV = nn.DenseGeneral(
+      (h, kd),
+      use_bias=True,
+      kernel_init=nn.initializers.normal(cfg.init_std),
+      dtype=cfg.compute_dtype,
+      param_dtype=cfg.weight_dtype,
+      name="gate_up",
+    )(gate_BxTxR)
+    norm_scale = self.param("out_norm", nn.initializers.ones, (kd,), cfg.weight_dtype)
+    o32 = o_BxTxHxV * jax.lax.rsqrt(jnp.mean(jnp.square(o_BxTxHxV), -1, keepdims=True) + 1e-5)
+    o32 = o32 * norm_scale.astype(jnp.float32) * jax.nn.sigmoid(gate_BxTxHxV.astype(jnp.float32))
+    out = o32.astype(cfg.compute_dtype)
+    y_BxTxD = projection(cfg, cfg.d_model, self.out_std, "out", axis=(-2, -1))(out)
+    return y_BxTxD, entry
