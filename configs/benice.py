@@ -88,8 +88,8 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
 
   c.eval = ml_collections.ConfigDict()  # Shareability evaluation of each model.
   c.eval.jacobi_passes = (1, 4)  # Jacobi shared-pass counts reported (one compilation for all).
-  c.eval.decode_batches = 2  # First N eval batches also measured by exact shared decode.
-  c.eval.decode_rows = 0  # Rows per exact-decode call (joins eval batches; 0: one batch).
+  c.eval.decode_batches = 0  # First N eval batches also measured by exact decode (0: all).
+  c.eval.decode_rows = 0  # Rows per exact-decode call (a multiple of the eval batch; 0: all).
   c.eval.kv_formats = ("bf16", "fp8", "mxfp8", "nvfp4")  # Cache formats also evaluated.
 
   c.pipeline = ml_collections.ConfigDict()  # Reuse of finished stages from other runs.

@@ -41,9 +41,16 @@ class EvaluateTest(absltest.TestCase):
         m["ppl_shared_jacobi_eval"][n] / m["ppl_unshared_eval"] - 1,
         rtol=1e-6,
       )
-    # Decoding the subset 4 rows at a time (two batches joined) changes nothing.
-    joined = evaluation.evaluate(fns, TINY, params, batches, (1,), decode_batches=2, decode_rows=4)
-    np.testing.assert_allclose(joined["ppl_shared_exact_subset"], exact, rtol=1e-6)
+    # Decoding the subset one batch (2 rows) at a time instead of in one call changes nothing.
+    split = evaluation.evaluate(fns, TINY, params, batches, (1,), decode_batches=2, decode_rows=2)
+    np.testing.assert_allclose(split["ppl_shared_exact_subset"], exact, rtol=1e-6)
+    # Defaults: the decode subset is the whole eval set, still exact against T Jacobi passes.
+    whole = evaluation.evaluate(fns, TINY, params, batches, (t,))
+    self.assertEqual(whole["decode_subset"]["rows"], 6)
+    np.testing.assert_allclose(whole["ppl_unshared_subset"], whole["ppl_unshared_eval"], rtol=1e-9)
+    np.testing.assert_allclose(
+      whole["ppl_shared_exact_subset"], whole["ppl_shared_jacobi_eval"][str(t)], rtol=1e-5
+    )
     # K/V drift: the final recurrence is at distance 0 from itself; earlier ones are not.
     for kind in ("k", "v"):
       drift = np.asarray(m["kv_drift"][kind])

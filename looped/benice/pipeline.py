@@ -74,9 +74,11 @@ def validate(config) -> None:
       kv_quant.check_format(fmt, config.model.head_dim)
     except ValueError as e:
       cc.fail("eval.kv_formats", formats, str(e).rstrip("."))
+  num_eval_batches = cc.get(config, "data.num_eval_batches")
   decode_batches = cc.integer(
-    config, "eval.decode_batches", min_value=1, max_value=cc.get(config, "data.num_eval_batches")
+    config, "eval.decode_batches", min_value=0, max_value=num_eval_batches
   )
+  decode_batches = decode_batches or num_eval_batches
   rows = cc.integer(config, "eval.decode_rows", min_value=0)
   batch = config.data.eval_batch_size
   if rows and (rows % batch or (decode_batches * batch) % rows):
