@@ -27,7 +27,14 @@ setuptools.setup(
     "matplotlib>=3.8",  # PNG plots of evaluations and simulations.
   ],
   extras_require={
-    "test": ["pytest>=8", "pytest-xdist>=3.5", "ruff>=0.6"],
+    "test": [
+      "pytest>=8",
+      "pytest-xdist>=3.5",
+      "ruff>=0.6",
+      "nbclient>=0.10",  # Executes colabs/*.ipynb in tests/colabs_test.py.
+      "nbformat>=5.10",
+      "ipykernel>=6.29",  # The notebooks' kernel: this environment's Python.
+    ],
     "tensorboard": ["tensorboard>=2.15"],  # The viewer for WORKDIR/tensorboard/ event files.
   },
 )
