@@ -17,6 +17,7 @@ def _model(ppl_unshared, ppl_shared, gap, gap_j1, gap_j4):
     "gap_exact": gap,
     "gap_exact_ci95": [gap - 0.01, gap + 0.02],
     "gap_jacobi_eval": {"1": gap_j1, "4": gap_j4},
+    "gap_jacobi_eval_ci95": {"1": [gap_j1 - 0.01, gap_j1 + 0.01], "4": [gap_j4 - 0.03, gap_j4]},
     "contraction_ratios": [0.5, 0.25],
     "kv_drift": {"k": [[0.3, 0.1, 0.0]], "v": [[0.2, 0.1, 0.0]]},
   }
@@ -37,18 +38,23 @@ class CollectTest(testing.TempDirTestCase):
     ]
     text = collect.table(runs)
     self.assertIn(
-      "| arm_s1 | zero_shot | 6.000 | 5.000 | 5.200 | +4.0% [+3.0, +6.0] | +0.0% | +6.0% "
-      "| 0.50 0.25 | 0.30 |",
+      "| arm_s1 | zero_shot | 6.000 | 5.000 | 5.200 | +4.0% [+3.0, +6.0] | +0.0% [-1.0, +1.0] "
+      "| +6.0% [+3.0, +6.0] | 0.50 0.25 | 0.30 |",
       text,
     )
-    # Means (4.5, 4.8, 7%, 1%, 7%), spreads (1.0, 0.8, 6, 2, 2 points).
+    # Means (4.5, 4.8, 7%, 1%, 7%), spreads (1.0, 0.8, 6, 2, 2 points); widest 95% half-widths
+    # 1.5, 1.0 and 1.5 points (every seed's interval has the same width here).
     self.assertIn(
-      "| arm | zero_shot | 2 | 5.500 (1.000) | 4.500 (1.000) | 4.800 (0.800) | +7.0% (6.0%) "
-      "| +1.0% (2.0%) "
-      "| +7.0% (2.0%) |",
+      "| arm | zero_shot | 2 | 5.500 (1.000) | 4.500 (1.000) | 4.800 (0.800) | +7.0% (6.0%) ±1.5 "
+      "| +1.0% (2.0%) ±1.0 "
+      "| +7.0% (2.0%) ±1.5 |",
       text,
     )
-    self.assertIn("| other | zero_shot | 1 | 4.000 | 3.000 | 3.000 | +0.0% | +0.0% | +0.0% |", text)
+    self.assertIn(
+      "| other | zero_shot | 1 | 4.000 | 3.000 | 3.000 | +0.0% [-1.0, +2.0] | +0.0% [-1.0, +1.0] "
+      "| +0.0% [-3.0, +0.0] |",
+      text,
+    )
 
   def test_models_filter_and_missing_report(self):
     run = self._write(

@@ -5,8 +5,9 @@ r"""One Markdown table over many pipeline runs (seeds, arms, ablations), with pe
 
 Each argument is a pipeline workdir (or its report/shareability.json); `--models=a,b` keeps only
 those models. Runs whose names differ only in a trailing `_s<seed>` form a group; the table
-lists every run and model, then each group's mean with its spread (max - min over seeds) in
-brackets.
+lists every run and model, each gap with its 95% interval, then each group's mean with its spread
+(max - min over seeds) in brackets and, for every gap, the widest 95% half-width of its seeds
+(one seed: its interval).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ def rows(paths: list[str], models: tuple[str, ...] = ()) -> list[dict]:
           **{k: m[k] for k in COLUMNS},
           "gap_exact_ci95": m["gap_exact_ci95"],
           "gap_jacobi": {int(n): g for n, g in m["gap_jacobi_eval"].items()},
+          "gap_jacobi_ci95": {int(n): ci for n, ci in m["gap_jacobi_eval_ci95"].items()},
           "contraction": m["contraction_ratios"],
           "k_drift_r1": [layer[0] for layer in m["kv_drift"]["k"]],
         }
@@ -78,14 +80,20 @@ def table(paths: list[str], models: tuple[str, ...] = ()) -> str:
   """Per-run rows, then per-group means with the spread (max - min over seeds) in brackets."""
   rs = rows(paths, models)
   passes = sorted({n for r in rs for n in r["gap_jacobi"]})
-  jacobi_head = " | ".join(f"gap J{n}" for n in passes)
   lines = [
     "| run | model | ppl unshared (eval) | ppl unshared (subset) | ppl shared exact (subset) | "
-    f"gap exact [95% CI] | {jacobi_head} | contraction | K drift r=1 |",
+    "gap exact [95% CI] | "
+    + " | ".join(f"gap J{n} [95% CI]" for n in passes)
+    + " | contraction | K drift r=1 |",
     "|---|---|---|---|---|---|" + "---|" * len(passes) + "---|---|",
   ]
   for r in rs:
-    jacobi = " | ".join(_pct(r["gap_jacobi"][n]) if n in r["gap_jacobi"] else "-" for n in passes)
+    jacobi = " | ".join(
+      report.gap_with_ci(r["gap_jacobi"][n], r["gap_jacobi_ci95"][n])
+      if n in r["gap_jacobi"]
+      else "-"
+      for n in passes
+    )
     lines.append(
       f"| {r['run']} | {r['model']} | {r['ppl_unshared_eval']:.3f} | "
       f"{r['ppl_unshared_subset']:.3f} | {r['ppl_shared_exact_subset']:.3f} | "
@@ -101,7 +109,7 @@ def table(paths: list[str], models: tuple[str, ...] = ()) -> str:
   lines += [
     "",
     "| group | model | seeds | ppl unshared (eval) | ppl unshared (subset) | "
-    f"ppl shared exact (subset) | gap exact | {jacobi_head} |",
+    "ppl shared exact (subset) | gap exact | " + " | ".join(f"gap J{n}" for n in passes) + " |",
     "|---|---|---|---|---|---|---|" + "---|" * len(passes),
   ]
 
@@ -112,14 +120,32 @@ def table(paths: list[str], models: tuple[str, ...] = ()) -> str:
     mean, spread = float(np.mean(values)), float(np.ptp(values))
     return f"{fmt(mean)} ({fmt(spread).lstrip('+')})" if len(values) > 1 else fmt(mean)
 
+  def gap_stat(gaps, cis) -> str:
+    """One seed: '+1.2% [+0.8, +1.6]'; several: '+1.2% (0.4%) ±0.5', mean (spread) and the
+    widest 95% half-width among the seeds, in points."""
+    pairs = [(g, ci) for g, ci in zip(gaps, cis) if g is not None]
+    if not pairs:
+      return "-"
+    if len(pairs) == 1:
+      return report.gap_with_ci(*pairs[0])
+    half = max((ci[1] - ci[0]) / 2 for _, ci in pairs)
+    return f"{stat([g for g, _ in pairs], _pct)} ±{100 * half:.1f}"
+
   f3 = lambda x: f"{x:.3f}"
   for (group, model), members in groups.items():
     cells = [
       stat([m[k] for m in members], f3)
       for k in ("ppl_unshared_eval", "ppl_unshared_subset", "ppl_shared_exact_subset")
     ]
-    cells.append(stat([m["gap_exact"] for m in members], _pct))
-    cells += [stat([m["gap_jacobi"].get(n) for m in members], _pct) for n in passes]
+    cells.append(
+      gap_stat([m["gap_exact"] for m in members], [m["gap_exact_ci95"] for m in members])
+    )
+    cells += [
+      gap_stat(
+        [m["gap_jacobi"].get(n) for m in members], [m["gap_jacobi_ci95"].get(n) for m in members]
+      )
+      for n in passes
+    ]
     lines.append(f"| {group} | {model} | {len(members)} | " + " | ".join(cells) + " |")
   return "\n".join(lines)
 
