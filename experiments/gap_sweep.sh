@@ -39,7 +39,7 @@ for point in $POINTS; do
   flags=$(flags_of "$point")
   echo "== $point ($(date)) $flags"
   # shellcheck disable=SC2086
-  "$PY" -m looped.main --config=configs/benice.py:fixed,zero_shot --workdir="$R/$point" \
-    --config.seed=0 --config.eval.decode_batches=8 --config.eval.decode_rows=128 $flags \
+  "$PY" -m looped.main --config=configs/benice.py:zero_shot --workdir="$R/$point" \
+    --config.depth.sampler=fixed --config.seed=0 --config.eval.decode_batches=8 --config.eval.decode_rows=128 $flags \
     > "$R/$point.log" 2>&1
 done
