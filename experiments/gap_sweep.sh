@@ -29,6 +29,7 @@ factor_flags() {
     noqk) echo "--config.model.qk_norm=False" ;;
     zeros) echo "--config.model.state_init=zeros" ;;
     r8) echo "--config.model.num_recurrences=8" ;;
+    p0c0) echo "--config.model.num_prelude_layers=0 --config.model.num_coda_layers=0" ;;
     steps1500) echo "--config.train.num_steps=1500" ;;
     steps3000) echo "--config.train.num_steps=3000" ;;
     *) echo "unknown sweep factor $1" >&2; exit 2 ;;

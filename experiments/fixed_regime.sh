@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Issue 10, part 2: BeNice! in the regime where fixed-depth pretraining is not KV-shareable
+# (`configs/benice.py:fixed`, chosen by experiments/gap_sweep.sh; README "Where sharing breaks").
+# Per seed: the `:fixed` pipeline (fixed-depth pretraining -> zero-shot, standard finetune and
+# BeNice! with the variant's defaults), the other BeNice! settings on the same pretrained and
+# finetuned models (kv_passes 0 and 3 x read `all` and `first`), and stochastic-depth pretraining
+# of the same architecture (the stage-1 comparison: its zero-shot gap and contraction).
+# Every run is a pipeline workdir: rerunning skips what finished and resumes what did not.
+#
+#   bash experiments/fixed_regime.sh /tmp/regime_runs [seeds, default "0 1"]
+#   python -m looped.benice.collect /tmp/regime_runs/*_s[0-9]
+set -euo pipefail
+R=${1:?usage: experiments/fixed_regime.sh RUNS_DIR [SEEDS]}
+SEEDS=${2:-0 1}
+PY=${PYTHON:-python}
+mkdir -p "$R"
+
+pipeline() {  # pipeline NAME SEED CONFIG_ARG [flags...]
+  local name=$1 seed=$2 arg=$3
+  shift 3
+  echo "== ${name}_s$seed ($(date))"
+  "$PY" -m looped.main --config="configs/benice.py$arg" --workdir="$R/${name}_s$seed" \
+    --config.seed="$seed" "$@" > "$R/${name}_s$seed.log" 2>&1
+}
+
+ablation() {  # ablation SEED NAME [flags...]: BeNice! only, on fixed_s<SEED>'s other stages
+  local seed=$1 name=$2
+  shift 2
+  local b="$R/fixed_s$seed" w="$R/benice_${name}_s$seed"
+  # Same checkpoints and eval settings: the base run's evaluations are valid cache entries.
+  mkdir -p "$w/eval" && cp -n "$b/eval/zero_shot.json" "$b/eval/finetune.json" "$w/eval/"
+  echo "== benice_${name}_s$seed ($(date))"
+  "$PY" -m looped.main --config=configs/benice.py:fixed --workdir="$w" --config.seed="$seed" \
+    --config.pipeline.pretrain_workdir="$b/pretrain" \
+    --config.pipeline.finetune_workdir="$b/finetune" "$@" > "$w.log" 2>&1
+}
+
+for seed in $SEEDS; do
+  pipeline fixed "$seed" :fixed  # BeNice! here: kv_passes 3, read `all` (the variant's default)
+  ablation "$seed" kv0_all --config.benice.kv_passes=0
+  ablation "$seed" kv0_first --config.benice.kv_passes=0 --config.benice.read_recurrences=first
+  ablation "$seed" kv3_first --config.benice.read_recurrences=first
+  pipeline poisson "$seed" :fixed,zero_shot --config.depth.sampler=poisson
+done
