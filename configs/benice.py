@@ -7,7 +7,9 @@
       --config.pipeline.finetune_workdir=/tmp/fixed/finetune --config.benice.read_recurrences=first
 
 Args (comma-separated): `smoke` (tiny, runs in about a minute on a CPU, for tests), `fixed`
-(pretrain at fixed depth: every recurrence runs for every sequence, no stochastic depth),
+(the regime where sharing breaks, README "Where sharing breaks": fixed-depth pretraining of a
+non-contracting loop, linear injection and no prelude/coda layers, so the core's attention does
+all the sequence mixing; its BeNice! reads the K/V after 3 Jacobi passes),
 `zero_shot` (pretraining and its zero-shot shareability evaluation only, no KV formats), and
 at most one mixer: `gqa` (the default), `mla`, `kda` (every layer that mixer) or `hybrid` (KDA
 and MLA 3:1 over the distinct layers: prelude KDA, core KDA + MLA, coda KDA; README "Mixers").
@@ -35,7 +37,7 @@ MIXERS = {
 
 VARIANTS = {
   "smoke": "tiny, the whole pipeline in about a minute on a CPU (tests)",
-  "fixed": "pretrain at fixed depth (no stochastic depth)",
+  "fixed": "the regime where sharing breaks: fixed depth, linear injection, no prelude/coda",
   "zero_shot": "pretraining and its zero-shot shareability evaluation only",
   "gqa": "every layer grouped-query attention (the default)",
   "mla": "every layer multi-head latent attention (cached: latent + RoPE key)",
@@ -109,6 +111,11 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.eval.jacobi_passes = (1, 2)
     c.eval.decode_batches = 1
     c.eval.kv_formats = ("nvfp4",)
+  if "fixed" in args:  # Chosen by experiments/gap_sweep.sh (README "Where sharing breaks").
+    c.model.injection = "linear"
+    c.model.num_prelude_layers = 0
+    c.model.num_coda_layers = 0
+    c.benice.kv_passes = 3  # Recommended where there is a gap (README Results (c)).
   if "zero_shot" in args:  # Pretraining and its zero-shot evaluation only (sweeps).
     c.pipeline.models = ("zero_shot",)
     c.eval.kv_formats = ()
