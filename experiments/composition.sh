@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The composition table of issue 13 (README "Mixers"): BeNice! with GQA, MLA, KDA and the KDA:MLA
-# hybrid, each pretrained with stochastic depth (the default) and at fixed depth (the arm with a
-# sharing gap), x seeds. Every pipeline run trains and evaluates zero-shot, standard finetune and
+# hybrid, each pretrained with stochastic depth (the default) and in the `:fixed` regime (fixed
+# depth, linear injection, no prelude/coda: the arm with a sharing gap; there the hybrid is its
+# core's KDA + MLA alone), x seeds. Every pipeline run trains and evaluates zero-shot, standard finetune and
 # BeNice!, each also with bf16 / fp8 / mxfp8 / nvfp4 caches (config.eval.kv_formats).
 # Every run is a pipeline workdir: rerunning skips what finished and resumes what did not.
 #
