@@ -51,6 +51,7 @@ class Sequence:
   num_preemptions: int = 0
   first_token_s: float | None = None
   finish_s: float | None = None
+  stopped: bool = False  # Set by an executor when a sampled token ends the request early.
 
 
 @dataclasses.dataclass
@@ -251,7 +252,7 @@ class Scheduler:
         seq.num_tokens += 1
         if seq.first_token_s is None:
           seq.first_token_s = end
-        if seq.num_output == seq.request.output_len:
+        if seq.num_output == seq.request.output_len or seq.stopped:
           self._finish(seq, end)
           any_finished = True
     return self._drop_finished(any_finished, end)
