@@ -152,6 +152,12 @@ class EngineSamplingTest(absltest.TestCase):
     log_softmax = z - np.log(np.exp(z).sum(-1, keepdims=True))
     want = log_softmax[np.arange(len(alone.tokens)), alone.tokens]
     np.testing.assert_allclose(alone.logprobs, want, atol=1e-5)
+    # Token n is drawn with key fold_in(PRNGKey(seed), n) among the top-p survivors.
+    for n, row in enumerate(logits):
+      mask = _numpy_mask(list(row), 0, 0.9)
+      key = jax.random.fold_in(jax.random.PRNGKey(11), n)
+      drawn = jax.random.categorical(key, jnp.where(jnp.asarray(mask), jnp.asarray(row), -jnp.inf))
+      self.assertEqual(alone.tokens[n], int(drawn), f"token {n}")
     # The same request among others (different batch rows, chunking) draws the same tokens.
     crowded = engine.generate(others[:2] + [GenRequest(0, prompt, sp)] + others[2:])[2]
     self.assertEqual(crowded.tokens, alone.tokens)
