@@ -131,6 +131,7 @@ class EngineSamplingTest(absltest.TestCase):
       max_num_seqs=4,
       row_buckets=(4,),
       token_buckets=(8,),
+      column_buckets=(),  # One page-table width: fewer compilations.
       decode=_decode,
       **kw,
     )

@@ -47,6 +47,7 @@ class Engine:
     max_model_len: int | None = None,
     row_buckets: tuple[int, ...] | None = None,
     token_buckets: tuple[int, ...] | None = None,
+    column_buckets: tuple[int, ...] | None = None,
     sequential: bool | None = None,
     clock: scheduler_lib.Executor | None = None,
     record_logits: bool = False,
@@ -55,8 +56,9 @@ class Engine:
   ):
     """num_pages: KV pages in the pool (pages_for_budget converts a byte budget).
 
-    row_buckets / token_buckets: padded batch shapes, one compilation each (defaults: powers of
-    two up to max_num_seqs / max_num_batched_tokens).
+    row_buckets / token_buckets / column_buckets: padded batch shapes, one compilation each
+    (defaults: powers of two up to max_num_seqs / max_num_batched_tokens / the page-table width
+    of max_model_len); a step attends over column_bucket * page_size slots.
     """
     paged_cache.check_model(model.cfg)
     if num_pages < 1:
@@ -85,6 +87,9 @@ class Engine:
       max_model_len=self.max_model_len,
       row_buckets=row_buckets,
       token_buckets=token_buckets,
+      column_buckets=powers_of_two(-(-self.max_model_len // page_size))
+      if column_buckets is None
+      else column_buckets,
       sequential=sequential,
       clock=clock,
       record_logits=record_logits,

@@ -124,6 +124,7 @@ class ModelExecutor:
     max_model_len: int,
     row_buckets: tuple[int, ...],
     token_buckets: tuple[int, ...],
+    column_buckets: tuple[int, ...] | None = None,
     sequential: bool | None = None,
     clock: scheduler_lib.Executor | None = None,
     record_logits: bool = False,
@@ -138,7 +139,9 @@ class ModelExecutor:
     self.row_buckets = row_buckets
     self.token_buckets = token_buckets
     self.scratch_page = num_pages
-    self.num_columns = -(-(max_model_len + token_buckets[-1]) // page_size)
+    max_columns = -(-(max_model_len + token_buckets[-1]) // page_size)
+    # Page-table widths: the dense cache a step attends over is columns * page_size slots.
+    self.column_buckets = tuple(c for c in column_buckets or () if c < max_columns) + (max_columns,)
     self.pages = paged_cache.init_pages(model.cfg, num_pages, page_size, share_kv, kv_format)
     self.sequential = (share_kv or kv_format is not None) if sequential is None else sequential
     self.clock = clock
@@ -160,7 +163,9 @@ class ModelExecutor:
     q_max = max(batch.num_new_tokens)
     b, q = bucket(n, self.row_buckets), bucket(q_max, self.token_buckets)
     tokens = np.zeros((b, q), np.int32)
-    table = np.full((b, self.num_columns), self.scratch_page, np.int32)
+    reach = max(c + q for c in batch.num_context_tokens)  # Slots the step writes up to.
+    columns = bucket(-(-reach // self.page_size), self.column_buckets)
+    table = np.full((b, columns), self.scratch_page, np.int32)
     context = np.zeros((b,), np.int32)
     num_new = np.zeros((b,), np.int32)
     temperature = np.zeros((b,), np.float32)
@@ -196,7 +201,9 @@ class ModelExecutor:
     )
     token_B, logprob_B = np.asarray(token_B), np.asarray(logprob_B)
     wall = time.perf_counter() - start
-    self.step_log.append({"rows": n, "tokens": int(num_new.sum()), "bucket": (b, q), "s": wall})
+    self.step_log.append(
+      {"rows": n, "tokens": int(num_new.sum()), "bucket": (b, q, columns), "s": wall}
+    )
     if logits is not None:
       logits = np.asarray(logits)
     for i, (seq, state) in enumerate(zip(batch.seqs, states)):
