@@ -14,7 +14,8 @@ random weights (speed does not depend on them), float32, raw K/V pages of 16 tok
 2. Step times of the unshared layout (parallel prefill) over a grid of batch shapes (rows x new
    tokens per row x context per row), median of --reps runs after a compiling one.
 3. Fit of looped/serving/cost_model.py's roofline (peak FLOP/s, bandwidth, step overhead: the
-   `hardware` fields) to two thirds of the grid; median relative error on the held-out third.
+   `hardware` fields) to two thirds of the grid; median relative error on the held-out third
+   (a random third, fixed seed).
    The fitted profile is written with --hardware_out (usable as sim.hardware_json), and the
    simulator replays workload 1's batched unshared run with it: predicted vs measured busy time.
 """
@@ -165,7 +166,9 @@ def fit(model_shape, rows):
   on the training shapes; returns the profile and train/held-out errors."""
   terms = _terms(model_shape, rows)
   measured = np.asarray([r["s"] for r in rows])
-  held = np.arange(len(rows)) % 3 == 2
+  # A random third (fixed seed) is held out, so every rows/tokens/context value is in both sets.
+  held = np.zeros(len(rows), bool)
+  held[np.random.default_rng(0).permutation(len(rows))[: len(rows) // 3]] = True
   train = ~held
   peaks = np.logspace(8, 13, 61)
   bws = np.logspace(8, 12, 49)
