@@ -17,6 +17,7 @@ PROGRAMS = {
   "train": "looped.train.trainer",
   "serve_sim": "looped.serving.simulate",
   "benice": "looped.benice.pipeline",
+  "generate": "looped.engine.generate",
 }
 
 

@@ -44,6 +44,11 @@ PROFILES = {
     "H100 SXM datasheet derated by the H200 measured/spec ratios (estimate)",
   ),
   "h100_spec": Hardware("h100_spec", 989e12, 3.35e12, 80e9, _OVERHEAD_S, "datasheet (SXM)"),
+  # The engine's CPU steps (fp32, dense gather from pages), fitted by benchmarks/engine.py on a
+  # loaded 2-core machine: 31% median error on held-out shapes (README "Generation engine").
+  "cpu_2core": Hardware(
+    "cpu_2core", 5.62e10, 8.25e10, 128e9, 2.51e-3, "fitted by benchmarks/engine.py (loaded CPU)"
+  ),
 }
 
 _OVERRIDABLE = ("peak_flops", "mem_bandwidth", "memory_bytes", "step_overhead_s")

@@ -8,9 +8,11 @@ Each step:
 2. If nothing was preempted, queued requests are admitted first come, first served while budget,
    pages and the running cap allow; each reuses the longest cached run of its leading full pages
    (the last prompt token is always computed). A head that does not fit blocks the queue.
-3. The executor runs the batch and returns its duration. Pages that became full are registered in
-   the prefix cache only then: under KV-sharing the cache holds final-recurrence K/V, which exists
-   only once the step is done, so a request cannot hit pages computed in the same step.
+3. The executor runs the batch and returns its duration (a real executor may end a request
+   early, on a stop token, by setting its Sequence's `stopped`). Pages that became full are
+   registered in the prefix cache only then: under KV-sharing the cache holds final-recurrence
+   K/V, which exists only once the step is done, so a request cannot hit pages computed in the
+   same step.
 
 A request needs ceil((prompt + output - 1) / page_size) pages at most (the last generated token is
 never fed back); one that needs more than the pool holds, or exceeds max_model_len, is rejected on
@@ -51,6 +53,7 @@ class Sequence:
   num_preemptions: int = 0
   first_token_s: float | None = None
   finish_s: float | None = None
+  stopped: bool = False  # Set by an executor when a sampled token ends the request early.
 
 
 @dataclasses.dataclass
@@ -251,7 +254,7 @@ class Scheduler:
         seq.num_tokens += 1
         if seq.first_token_s is None:
           seq.first_token_s = end
-        if seq.num_output == seq.request.output_len:
+        if seq.num_output == seq.request.output_len or seq.stopped:
           self._finish(seq, end)
           any_finished = True
     return self._drop_finished(any_finished, end)

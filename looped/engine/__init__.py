@@ -1,0 +1,1 @@
+"""Generation engine (docs/design.md §5): the real model behind the serving scheduler."""

@@ -1,0 +1,191 @@
+"""Generation on the serving scheduler: page pool, prefix cache, continuous batching, the model.
+
+`Engine.generate` queues requests (by arrival time), lets looped.serving.scheduler decide every
+step (admission, chunked prefill, prefix-cache hits, preemption by recompute) exactly as the
+simulator does, and runs each step on the model through `ModelExecutor`. Time is the engine's
+clock: measured step wall time by default, or the duration another executor prices the same
+batch at (`clock`, e.g. the simulator's cost model), which makes the schedule, and so the
+hit rate, identical to the simulator's for the same requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from looped.engine import paged_cache
+from looped.engine.executor import ModelExecutor, RequestState, powers_of_two
+from looped.engine.requests import Generation, GenRequest
+from looped.model.looped_lm import LoopedLM
+from looped.serving import pages as pages_lib
+from looped.serving import replay
+from looped.serving import scheduler as scheduler_lib
+
+
+def pages_for_budget(
+  model: LoopedLM, budget_bytes: float, page_size: int, share_kv: bool, kv_format: str | None
+) -> int:
+  """Pages a KV budget holds in the given layout and format."""
+  per_page = page_size * paged_cache.bytes_per_token(model.cfg, share_kv, kv_format)
+  return int(budget_bytes // per_page)
+
+
+class Engine:
+  def __init__(
+    self,
+    model: LoopedLM,
+    params,
+    *,
+    share_kv: bool,
+    kv_format: str | None = None,
+    num_pages: int,
+    page_size: int = 16,
+    max_num_batched_tokens: int = 64,
+    max_num_seqs: int = 8,
+    max_model_len: int | None = None,
+    row_buckets: tuple[int, ...] | None = None,
+    token_buckets: tuple[int, ...] | None = None,
+    column_buckets: tuple[int, ...] | None = None,
+    sequential: bool | None = None,
+    clock: scheduler_lib.Executor | None = None,
+    record_logits: bool = False,
+    decode: Callable[[Sequence[int]], str] | None = None,
+    check_invariants: bool = False,
+  ):
+    """num_pages: KV pages in the pool (pages_for_budget converts a byte budget).
+
+    row_buckets / token_buckets / column_buckets: padded batch shapes, one compilation each
+    (defaults: powers of two up to max_num_seqs / max_num_batched_tokens / the page-table width
+    of max_model_len); a step attends over column_bucket * page_size slots.
+    """
+    paged_cache.check_model(model.cfg)
+    if num_pages < 1:
+      raise ValueError(f"num_pages = {num_pages}: the KV budget holds no page.")
+    self.model = model
+    self.max_model_len = max_model_len or model.cfg.max_seq_len
+    self.config = scheduler_lib.SchedulerConfig(
+      page_size, max_num_batched_tokens, max_num_seqs, self.max_model_len
+    )
+    row_buckets = tuple(sorted(row_buckets or powers_of_two(max_num_seqs)))
+    token_buckets = tuple(sorted(token_buckets or powers_of_two(max_num_batched_tokens)))
+    if row_buckets[-1] < max_num_seqs or token_buckets[-1] < max_num_batched_tokens:
+      raise ValueError(
+        f"buckets {row_buckets} x {token_buckets} must reach max_num_seqs = {max_num_seqs} and "
+        f"max_num_batched_tokens = {max_num_batched_tokens}."
+      )
+    self.num_pages = num_pages
+    self.check_invariants = check_invariants
+    self.executor = ModelExecutor(
+      model,
+      params,
+      num_pages=num_pages,
+      page_size=page_size,
+      share_kv=share_kv,
+      kv_format=kv_format,
+      max_model_len=self.max_model_len,
+      row_buckets=row_buckets,
+      token_buckets=token_buckets,
+      column_buckets=powers_of_two(-(-self.max_model_len // page_size))
+      if column_buckets is None
+      else column_buckets,
+      sequential=sequential,
+      clock=clock,
+      record_logits=record_logits,
+      decode=decode,
+    )
+    self.page_bytes = page_size * paged_cache.bytes_per_token(model.cfg, share_kv, kv_format)
+    self.scheduler: scheduler_lib.Scheduler | None = None
+
+  def check_request(self, request: GenRequest) -> None:
+    """Raises ValueError naming what makes a request unservable (before any compute)."""
+    rid = request.request_id
+    if not request.prompt_tokens:
+      raise ValueError(f"request {rid}: the prompt is empty.")
+    vocab = self.model.cfg.vocab_size
+    if min(request.prompt_tokens) < 0 or max(request.prompt_tokens) >= vocab:
+      raise ValueError(f"request {rid}: prompt token ids must lie in [0, {vocab}).")
+    request.sampling.check(vocab)
+    total = request.prompt_len + request.output_len
+    if total > self.max_model_len:
+      raise ValueError(
+        f"request {rid}: prompt ({request.prompt_len}) + max_new_tokens ({request.output_len}) "
+        f"= {total} exceeds max_model_len {self.max_model_len}."
+      )
+    need = -(-(total - 1) // self.config.page_size)
+    if need > self.num_pages:
+      raise ValueError(
+        f"request {rid}: needs {need} KV pages at its longest, the budget holds {self.num_pages}."
+      )
+
+  def generate(
+    self, requests: Sequence[GenRequest], on_token: Callable[[RequestState], None] | None = None
+  ) -> list[Generation]:
+    """Serves the requests to completion; results in the order given.
+
+    on_token(state) is called after every generated token (streaming).
+    """
+    ids = [r.request_id for r in requests]
+    if len(set(ids)) != len(ids):
+      raise ValueError("request ids must be unique.")
+    for r in requests:
+      self.check_request(r)
+    pool = pages_lib.PagePool(self.num_pages, debug=self.check_invariants)
+    executor = self.executor
+    executor.on_token = on_token
+    executor.states = {}
+    sched = scheduler_lib.Scheduler(
+      self.config, pool, executor, check_invariants=self.check_invariants
+    )
+    self.scheduler = sched
+    ordered = sorted(requests, key=lambda r: r.arrival_s)
+    for r in ordered:
+      executor.add(r)
+    replay.replay(ordered, sched)
+    if pool.num_in_use:
+      raise RuntimeError(f"{pool.num_in_use} pages still held after serving (a leak).")
+    seqs = {s.request.request_id: s for s in sched.finished}
+    out = []
+    for r in requests:
+      s, state = seqs[r.request_id], executor.states[r.request_id]
+      out.append(
+        Generation(
+          request_id=r.request_id,
+          prompt=r.prompt_text,
+          text=state.text,
+          tokens=list(state.generated),
+          logprobs=list(state.logprobs),
+          finish_reason=state.finish_reason or "length",
+          cached_prompt_tokens=s.cached_tokens,
+          num_preemptions=s.num_preemptions,
+          ttft_s=s.first_token_s - s.arrival_s,
+          latency_s=s.finish_s - s.arrival_s,
+        )
+      )
+    return out
+
+  def summary(self, generations: Sequence[Generation]) -> dict[str, Any]:
+    """Throughput, latency and cache figures of the last generate call."""
+    sched = self.scheduler
+    stats = sched.stats
+    tokens = sum(len(g.tokens) for g in generations)
+    busy = stats.busy_s
+    ttft = np.asarray([g.ttft_s for g in generations])
+    return {
+      "num_requests": len(generations),
+      "generated_tokens": tokens,
+      "prompt_tokens": stats.first_prompt_tokens,
+      "tokens_per_s": tokens / busy if busy else None,
+      "ttft_s": {"mean": float(ttft.mean()), "p50": float(np.median(ttft))},
+      "hit_rate": stats.first_cached_tokens / stats.first_prompt_tokens
+      if stats.first_prompt_tokens
+      else None,
+      "preemptions": stats.num_preemptions,
+      "num_steps": stats.num_steps,
+      "busy_s": busy,
+      "num_pages": self.num_pages,
+      "page_bytes": self.page_bytes,
+      "peak_pages_in_use": sched.pool.peak_in_use,
+      "pages_in_use_at_end": sched.pool.num_in_use,
+    }

@@ -1,0 +1,229 @@
+"""The scheduler's executor backed by the real model: one jitted step per scheduled batch.
+
+A step takes the scheduler's ragged batch (each sequence computes q_i new tokens after c_i
+cached ones; prefill chunks and decode tokens mixed), pads it to a (rows, tokens) bucket so
+steps do not recompile, gathers each row's pages into a dense cache, runs the model's decode
+path, writes the new K/V back into the pages and samples the next token of every sequence whose
+chunk reaches its last token.
+
+Two ways to run a chunk, chosen so a token's K/V depend only on the tokens before it (which is
+what makes a prefix-cache hit or a recompute after preemption reproduce the same values):
+- parallel (unshared layout, raw K/V): the q_i tokens in one model call, causal within the
+  chunk; equal to the parallel forward.
+- sequential (shared layout, or any KV format): the chunk's tokens one at a time in a lax.scan.
+  Under sharing, a token's recurrences must read the *final* K/V of every earlier token, which a
+  parallel chunk does not give (docs/design.md §3), and with a KV format every earlier token
+  must be read through the format; one token at a time is exact shared decode (and the format's
+  own quantized decode) whatever the chunking.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from looped.engine import paged_cache, sampling
+from looped.engine.requests import GenRequest
+from looped.model.looped_lm import LoopedLM
+from looped.serving import scheduler as scheduler_lib
+
+
+def bucket(n: int, sizes: tuple[int, ...]) -> int:
+  """Smallest size >= n."""
+  for s in sizes:
+    if s >= n:
+      return s
+  raise ValueError(f"{n} exceeds the largest bucket {sizes[-1]}.")
+
+
+def powers_of_two(limit: int) -> tuple[int, ...]:
+  """1, 2, 4, ... up to limit (limit itself included)."""
+  sizes, s = [], 1
+  while s < limit:
+    sizes.append(s)
+    s *= 2
+  return tuple(sizes) + (limit,)
+
+
+@dataclasses.dataclass
+class RequestState:
+  request: GenRequest
+  tokens: list[int]  # Prompt plus generated so far: what a (re)computation feeds.
+  generated: list[int] = dataclasses.field(default_factory=list)
+  logprobs: list[float] = dataclasses.field(default_factory=list)
+  text: str = ""
+  finish_reason: str | None = None
+  logits: dict = dataclasses.field(default_factory=dict)  # Position -> logits (record_logits).
+
+
+def _step_fn(
+  model: LoopedLM,
+  share_kv: bool,
+  kv_format: str | None,
+  sequential: bool,
+  return_logits: bool,
+  params,
+  pages,
+  tokens_BxQ,
+  page_table_BxP,
+  context_B,
+  num_new_B,
+  temperature_B,
+  top_k_B,
+  top_p_B,
+  seed_B,
+  index_B,
+):
+  b, q = tokens_BxQ.shape
+  cache = paged_cache.gather(pages, page_table_BxP, context_B, share_kv, kv_format)
+  if sequential:
+    # Only as many micro-steps as the longest chunk: a decode-only step costs one, whatever Q.
+    def one_token(j, carry):
+      cache, logits_QxBxV = carry
+      logits, aux = model.apply(params, tokens_BxQ[:, j][:, None], cache=cache)
+      return aux["cache"], logits_QxBxV.at[j].set(logits[:, 0])
+
+    v = model.cfg.vocab_size
+    init = (cache, jnp.zeros((q, b, v), jnp.float32))
+    cache, logits_QxBxV = jax.lax.fori_loop(0, jnp.max(num_new_B), one_token, init)
+    logits_BxQxV = jnp.moveaxis(logits_QxBxV, 0, 1)
+  else:
+    logits_BxQxV, aux = model.apply(params, tokens_BxQ, cache=cache)
+    cache = aux["cache"]
+  pages = paged_cache.scatter(pages, cache, page_table_BxP, context_B, num_new_B, q, share_kv)
+  last_BxV = logits_BxQxV[jnp.arange(b), jnp.maximum(num_new_B - 1, 0)]
+  token_B, logprob_B = sampling.sample(last_BxV, temperature_B, top_k_B, top_p_B, seed_B, index_B)
+  return pages, token_B, logprob_B, (logits_BxQxV if return_logits else None)
+
+
+@functools.lru_cache(maxsize=32)
+def compiled_step(cfg, share_kv: bool, kv_format: str | None, sequential: bool, logits: bool):
+  """The jitted step for a model and layout; shared by engines so each shape compiles once."""
+  step = functools.partial(_step_fn, LoopedLM(cfg), share_kv, kv_format, sequential, logits)
+  return jax.jit(step, donate_argnums=(1,))
+
+
+class ModelExecutor:
+  """Runs scheduler batches on the model (see the module docstring); returns step durations."""
+
+  def __init__(
+    self,
+    model: LoopedLM,
+    params,
+    *,
+    num_pages: int,
+    page_size: int,
+    share_kv: bool,
+    kv_format: str | None,
+    max_model_len: int,
+    row_buckets: tuple[int, ...],
+    token_buckets: tuple[int, ...],
+    column_buckets: tuple[int, ...] | None = None,
+    sequential: bool | None = None,
+    clock: scheduler_lib.Executor | None = None,
+    record_logits: bool = False,
+    decode: Callable | None = None,
+    on_token: Callable | None = None,
+  ):
+    self.model = model
+    self.params = params
+    self.page_size = page_size
+    self.share_kv = share_kv
+    self.kv_format = kv_format
+    self.row_buckets = row_buckets
+    self.token_buckets = token_buckets
+    self.scratch_page = num_pages
+    max_columns = -(-(max_model_len + token_buckets[-1]) // page_size)
+    # Page-table widths: the dense cache a step attends over is columns * page_size slots.
+    self.column_buckets = tuple(c for c in column_buckets or () if c < max_columns) + (max_columns,)
+    self.pages = paged_cache.init_pages(model.cfg, num_pages, page_size, share_kv, kv_format)
+    self.sequential = (share_kv or kv_format is not None) if sequential is None else sequential
+    self.clock = clock
+    self.record_logits = record_logits
+    self.decode = decode or (lambda ids: "")
+    self.on_token = on_token
+    self.states: dict[int, RequestState] = {}
+    self.step_log: list[dict] = []  # Per step: rows, tokens, bucket, wall seconds.
+    self._step = jax.jit(
+      functools.partial(_step_fn, model, share_kv, kv_format, self.sequential, record_logits),
+      donate_argnums=(1,),
+    )
+
+  def add(self, request: GenRequest) -> None:
+    self.states[request.request_id] = RequestState(request, list(request.prompt_tokens))
+
+  def execute(self, batch: scheduler_lib.StepBatch) -> float:
+    n = len(batch.seqs)
+    q_max = max(batch.num_new_tokens)
+    b, q = bucket(n, self.row_buckets), bucket(q_max, self.token_buckets)
+    tokens = np.zeros((b, q), np.int32)
+    reach = max(c + q for c in batch.num_context_tokens)  # Slots the step writes up to.
+    columns = bucket(-(-reach // self.page_size), self.column_buckets)
+    table = np.full((b, columns), self.scratch_page, np.int32)
+    context = np.zeros((b,), np.int32)
+    num_new = np.zeros((b,), np.int32)
+    temperature = np.zeros((b,), np.float32)
+    top_k = np.zeros((b,), np.int32)
+    top_p = np.ones((b,), np.float32)
+    seed = np.zeros((b,), np.int32)
+    index = np.zeros((b,), np.int32)
+    states = []
+    for i, (seq, new, ctx) in enumerate(
+      zip(batch.seqs, batch.num_new_tokens, batch.num_context_tokens)
+    ):
+      state = self.states[seq.request.request_id]
+      states.append(state)
+      tokens[i, :new] = state.tokens[ctx : ctx + new]
+      table[i, : len(seq.pages)] = seq.pages
+      context[i], num_new[i] = ctx, new
+      sp = state.request.sampling
+      temperature[i], top_k[i], top_p[i], seed[i] = sp.temperature, sp.top_k, sp.top_p, sp.seed
+      index[i] = len(state.generated)
+    start = time.perf_counter()
+    self.pages, token_B, logprob_B, logits = self._step(
+      self.params,
+      self.pages,
+      tokens,
+      table,
+      context,
+      num_new,
+      temperature,
+      top_k,
+      top_p,
+      seed,
+      index,
+    )
+    token_B, logprob_B = np.asarray(token_B), np.asarray(logprob_B)
+    wall = time.perf_counter() - start
+    self.step_log.append(
+      {"rows": n, "tokens": int(num_new.sum()), "bucket": (b, q, columns), "s": wall}
+    )
+    if logits is not None:
+      logits = np.asarray(logits)
+    for i, (seq, state) in enumerate(zip(batch.seqs, states)):
+      ctx, new = int(context[i]), int(num_new[i])
+      if logits is not None:
+        for j in range(new):
+          state.logits[ctx + j] = logits[i, j]
+      if ctx + new == seq.num_tokens:  # The chunk reaches its last token: sample.
+        self._emit(seq, state, int(token_B[i]), float(logprob_B[i]))
+    return wall if self.clock is None else self.clock.execute(batch)
+
+  def _emit(self, seq, state: RequestState, token: int, logprob: float) -> None:
+    state.generated.append(token)
+    state.tokens.append(token)
+    state.logprobs.append(logprob)
+    reason, state.text = sampling.check_stop(state.generated, state.request.sampling, self.decode)
+    if reason is not None:
+      state.finish_reason = reason
+      seq.stopped = True
+    elif len(state.generated) == state.request.output_len:
+      state.finish_reason = "length"
+    if self.on_token is not None:
+      self.on_token(state)

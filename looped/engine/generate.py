@@ -1,0 +1,252 @@
+"""Program 'generate': restore a trained model and generate from prompts on the paged engine.
+
+validate(config) checks every field, the checkpoint directory, the prompts and that the KV
+budget holds the longest request, before anything is restored or compiled. run(config, workdir)
+streams the text of a single prompt as it is produced, and writes WORKDIR/generations.jsonl
+(one object per prompt) and WORKDIR/summary.json (tokens/s, TTFT, hit rate, pages used).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from absl import logging
+
+from looped import config_checks as cc
+from looped import kv_quant
+from looped.data import tokenizers
+from looped.engine import paged_cache
+from looped.engine.engine import Engine, pages_for_budget
+from looped.engine.requests import GenRequest
+from looped.engine.sampling import SamplingParams
+from looped.model import config as model_lib
+from looped.model import mixers
+from looped.model.looped_lm import LoopedLM
+from looped.train import checkpointing
+
+
+def _recorded(checkpoint: str) -> dict | None:
+  """The stage_config.json a BeNice! pipeline stage dir holds (None for a trainer workdir)."""
+  path = os.path.join(checkpoint, "stage_config.json")
+  if not os.path.isfile(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def model_and_data(config) -> tuple[ml_collections.ConfigDict, ml_collections.ConfigDict]:
+  """`model` and `data` sections describing the checkpoint's model (module docstring)."""
+  recorded = _recorded(config.gen.checkpoint)
+  if recorded is None:
+    return config.model, config.data
+  data = {k: recorded["data"].get(k, config.data[k]) for k in ("tokenizer", "spm_path")}
+  return ml_collections.ConfigDict(recorded["model"]), ml_collections.ConfigDict(data)
+
+
+def _has_checkpoint(path: str) -> bool:
+  directory = checkpointing.checkpoint_dir(path)
+  directory = directory if os.path.isdir(directory) else path
+  return any(name.isdigit() for name in os.listdir(directory))
+
+
+def load_prompts(config) -> list[str]:
+  """Prompts from gen.prompts: inline (a string or a tuple of strings) or a file."""
+  value = cc.get(config, "gen.prompts")
+  if isinstance(value, str) and value and os.path.isfile(value):
+    with open(value, encoding="utf-8") as f:
+      lines = [line.rstrip("\n") for line in f]
+    if value.endswith(".jsonl"):
+      prompts = []
+      for i, line in enumerate(lines):
+        if not line.strip():
+          continue
+        try:
+          row = json.loads(line)
+        except json.JSONDecodeError as e:
+          cc.fail("gen.prompts", value, f"line {i + 1} is not JSON ({e.msg})")
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+          cc.fail("gen.prompts", value, f'line {i + 1} must be an object with a "prompt" string')
+        prompts.append(row["prompt"])
+    else:
+      prompts = [line.replace("\\n", "\n") for line in lines if line]
+  elif isinstance(value, str):
+    prompts = [value] if value else []
+  elif isinstance(value, (tuple, list)) and all(isinstance(p, str) for p in value):
+    prompts = list(value)
+  else:
+    cc.fail("gen.prompts", value, "must be a string, a tuple of strings or a prompts file")
+  if not prompts:
+    cc.fail("gen.prompts", value, "holds no prompt")
+  if not all(prompts):
+    cc.fail("gen.prompts", value, f"prompt {prompts.index('')} is empty")
+  return prompts
+
+
+def kv_format(config) -> str | None:
+  return config.gen.kv_format or None
+
+
+def sampling_params(config, tokenizer, index: int) -> SamplingParams:
+  g = config.gen
+  return SamplingParams(
+    max_new_tokens=g.max_new_tokens,
+    temperature=float(g.temperature),
+    top_k=g.top_k,
+    top_p=float(g.top_p),
+    seed=g.seed + index,
+    stop_token_ids=(tokenizer.eos_id,) if g.stop_at_eos else (),
+    stop_strings=tuple(g.stop_strings),
+  )
+
+
+def validate(config) -> None:
+  """Checks every field before any compute; raises ConfigError naming the field."""
+  cc.choice(config, "program", ("generate",))
+  checkpoint = cc.string(config, "gen.checkpoint")
+  if not os.path.isdir(checkpoint):
+    cc.fail("gen.checkpoint", checkpoint, "must be an existing trainer workdir or stage dir")
+  if not _has_checkpoint(checkpoint):
+    cc.fail("gen.checkpoint", checkpoint, "holds no checkpoint (no checkpoints/STEP directory)")
+  cc.integer(config, "gen.step", min_value=-1)
+  model_cfg, data_cfg = model_and_data(config)
+  model_lib.validate(ml_collections.ConfigDict({"model": model_cfg}))
+  cfg = model_lib.from_config(model_cfg)
+  try:
+    paged_cache.check_model(cfg)
+  except ValueError as e:
+    raise cc.ConfigError(f"config.model: {e}") from None
+  fmt = cc.string(config, "gen.kv_format", allow_empty=True)
+  if fmt:
+    cc.choice(config, "gen.kv_format", ("",) + kv_quant.FORMATS)
+    try:
+      mixers.check_kv_format(cfg, fmt)
+    except ValueError as e:
+      cc.fail("gen.kv_format", fmt, str(e).rstrip("."))
+  cc.boolean(config, "gen.share_kv")
+  page_size = cc.integer(config, "gen.page_size", min_value=1)
+  cc.integer(config, "gen.max_num_batched_tokens", min_value=1)
+  cc.integer(config, "gen.max_num_seqs", min_value=1)
+  max_new = cc.integer(config, "gen.max_new_tokens", min_value=1)
+  cc.number(config, "gen.temperature", min_value=0.0)
+  cc.integer(config, "gen.top_k", min_value=0)
+  cc.number(config, "gen.top_p", min_value=0.0, max_value=1.0, min_exclusive=True)
+  cc.integer(config, "gen.seed", min_value=0)
+  cc.boolean(config, "gen.stop_at_eos")
+  cc.boolean(config, "gen.stream")
+  stops = cc.get(config, "gen.stop_strings")
+  if isinstance(stops, str) or not all(isinstance(s, str) and s for s in stops):
+    cc.fail("gen.stop_strings", stops, "must be a tuple of non-empty strings")
+  prompts = load_prompts(config)
+  tokenizer = tokenizers.get(data_cfg)
+  lengths = [len(tokenizer.encode(p)) for p in prompts]
+  longest = max(lengths) + max_new
+  if longest > cfg.max_seq_len:
+    cc.fail(
+      "gen.max_new_tokens",
+      max_new,
+      f"the longest prompt ({max(lengths)} tokens) plus max_new_tokens exceeds the model's "
+      f"max_seq_len {cfg.max_seq_len}",
+    )
+  budget = cc.get(config, "gen.kv_budget_bytes")
+  if budget is not None:
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
+      cc.fail("gen.kv_budget_bytes", budget, "must be a positive number of bytes or None")
+    need = -(-(longest - 1) // page_size)
+    model = LoopedLM(cfg)
+    have = pages_for_budget(model, budget, page_size, config.gen.share_kv, fmt or None)
+    if have < need:
+      page_bytes = page_size * paged_cache.bytes_per_token(cfg, config.gen.share_kv, fmt or None)
+      cc.fail(
+        "gen.kv_budget_bytes",
+        budget,
+        f"holds {have} pages of {page_bytes:.0f} bytes; the longest request needs {need}",
+      )
+
+
+def _stream(state) -> None:
+  """Prints the part of the request's text not printed yet."""
+  printed = getattr(state, "printed", 0)
+  sys.stdout.write(state.text[printed:])
+  sys.stdout.flush()
+  state.printed = len(state.text)
+
+
+def run(config, workdir: str) -> dict[str, Any]:
+  validate(config)
+  model_cfg, data_cfg = model_and_data(config)
+  cfg = model_lib.from_config(model_cfg)
+  model = LoopedLM(cfg)
+  tokenizer = tokenizers.get(data_cfg)
+  abstract = jax.eval_shape(
+    lambda: {"params": model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]}
+  )
+  g = config.gen
+  step = None if g.step < 0 else g.step
+  try:
+    params = checkpointing.restore_params(g.checkpoint, abstract, step)
+  except (ValueError, FileNotFoundError) as e:
+    raise cc.ConfigError(
+      f"config.gen.checkpoint = {g.checkpoint!r} does not restore into config.model: {e}"
+    ) from None
+  prompts = load_prompts(config)
+  requests = [
+    GenRequest(
+      i,
+      tuple(int(t) for t in tokenizer.encode(p)),
+      sampling_params(config, tokenizer, i),
+      prompt_text=p,
+    )
+    for i, p in enumerate(prompts)
+  ]
+  fmt = kv_format(config)
+  if g.kv_budget_bytes is None:
+    num_pages = sum(-(-(r.prompt_len + r.output_len) // g.page_size) for r in requests)
+  else:
+    num_pages = pages_for_budget(model, g.kv_budget_bytes, g.page_size, g.share_kv, fmt)
+  engine = Engine(
+    model,
+    params,
+    share_kv=g.share_kv,
+    kv_format=fmt,
+    num_pages=num_pages,
+    page_size=g.page_size,
+    max_num_batched_tokens=g.max_num_batched_tokens,
+    max_num_seqs=g.max_num_seqs,
+    max_model_len=cfg.max_seq_len,
+    decode=tokenizer.decode,
+  )
+  stream = g.stream and len(prompts) == 1
+  if stream:
+    sys.stdout.write(prompts[0])
+  generations = engine.generate(requests, on_token=_stream if stream else None)
+  if stream:
+    sys.stdout.write("\n")
+  summary = {
+    **engine.summary(generations),
+    "share_kv": g.share_kv,
+    "kv_format": fmt or "raw",
+    "checkpoint": g.checkpoint,
+  }
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, "generations.jsonl"), "w") as f:
+    for gen in generations:
+      f.write(json.dumps(gen.__dict__) + "\n")
+  with open(os.path.join(workdir, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=1)
+  logging.info(
+    "generate: %d prompts, %d tokens, %.1f tokens/s, hit rate %s, peak pages %d/%d; wrote %s",
+    len(generations),
+    summary["generated_tokens"],
+    summary["tokens_per_s"] or 0.0,
+    summary["hit_rate"],
+    summary["peak_pages_in_use"],
+    num_pages,
+    workdir,
+  )
+  return {"generations": generations, "summary": summary}

@@ -1,0 +1,156 @@
+"""Paged KV storage for the engine: one page array per cached entry, in either sharing layout.
+
+Every per-token cache entry of the model (GQA's K and V, MLA's latent and RoPE key) is stored as
+pages [N + 1, page_size, ...] (core layers in the unshared layout [R, N + 1, page_size, ...]: one
+copy per recurrence; shared: the final recurrence only, as looped.model.kv_cache). Page N is a
+scratch page: writes of padding tokens and page-table slots past a request's pages point there,
+so every step has static shapes. With a KV format the pages hold the packed bytes and scales
+exactly as looped.model.kv_cache stores them per token, so a page is never dequantized in place.
+
+A step gathers each row's pages through its page table into a dense `KVCache` (the model's own
+decode path then runs unchanged), and scatters the new tokens' entries back into their pages.
+This dense-gather path is the first implementation; pallas_kernels.paged_decode reads pages
+directly but is not wired in yet.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from looped.model import kv_cache as kv_cache_lib
+from looped.model import mixers
+from looped.model.config import ModelConfig
+from looped.model.kv_cache import KVCache
+
+STAGES = ("prelude", "core", "coda")
+
+
+def check_model(cfg: ModelConfig) -> None:
+  """Raises ValueError if the model has a layer the paged engine cannot serve."""
+  for stage in STAGES:
+    if "kda" in cfg.mixers(stage):
+      raise ValueError(
+        f"The engine pages per-token K/V; {stage} layers use 'kda', whose cache is a per-sequence "
+        "state (not pageable, so not prefix-cacheable). Use 'gqa' or 'mla' mixers."
+      )
+
+
+def _lead(stage: str, share_kv: bool, cfg: ModelConfig) -> tuple[int, ...]:
+  return (cfg.num_recurrences,) if stage == "core" and not share_kv else ()
+
+
+def init_pages(
+  cfg: ModelConfig, num_pages: int, page_size: int, share_kv: bool, kv_format: str | None
+) -> dict:
+  """Zeroed pages (plus the scratch page) for every cached layer: {stage: [entry]}."""
+  check_model(cfg)
+  if kv_format is not None:
+    mixers.check_kv_format(cfg, kv_format)
+
+  def zeros(shape):
+    x = jnp.zeros(shape, cfg.compute_dtype)
+    return x if kv_format is None else kv_cache_lib.quantize_tokens(x, kv_format)
+
+  return {
+    stage: [
+      tuple(
+        zeros(_lead(stage, share_kv, cfg) + (num_pages + 1, page_size, *s))
+        for s in mixers.token_shapes(cfg, kind)
+      )
+      for kind in cfg.mixers(stage)
+    ]
+    for stage in STAGES
+  }
+
+
+def bytes_per_token(cfg: ModelConfig, share_kv: bool, kv_format: str | None) -> float:
+  """Stored bytes per token over all layers (packed elements and scales, nvfp4's per-token
+  tensor scale included), measured on a one-page pool so it is what the arrays really take."""
+  pages = jax.eval_shape(lambda: init_pages(cfg, 1, 1, share_kv, kv_format))
+  total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(pages))
+  return total / 2  # Two one-token pages: the real one and the scratch page.
+
+
+def _batch_axis(stage: str, share_kv: bool) -> int:
+  return 1 if stage == "core" and not share_kv else 0
+
+
+def gather(
+  pages: dict, page_table_BxP: jax.Array, context_B: jax.Array, share_kv: bool, kv_format
+) -> KVCache:
+  """Dense cache of each row's pages (slots = P * page_size), with length_B = context_B."""
+  b, p = page_table_BxP.shape
+
+  def one(stage):
+    axis = _batch_axis(stage, share_kv)
+
+    def leaf(x):
+      g = x[page_table_BxP] if axis == 0 else x[:, page_table_BxP]
+      shape = g.shape
+      return g.reshape(shape[: axis + 1] + (p * shape[axis + 2],) + shape[axis + 3 :])
+
+    return [jax.tree.map(leaf, entry) for entry in pages[stage]]
+
+  layers = {stage: one(stage) for stage in STAGES}
+  return KVCache(context_B.astype(jnp.int32), layers, share_kv, kv_format)
+
+
+def scatter(
+  pages: dict,
+  cache: KVCache,
+  page_table_BxP: jax.Array,
+  context_B: jax.Array,
+  num_new_B: jax.Array,
+  num_slots: int,
+  share_kv: bool,
+) -> dict:
+  """Writes slots [context_b, context_b + num_new_b) of the dense cache back into their pages.
+
+  Slots j >= num_new_b of the num_slots-wide window (padding) go to the scratch page.
+  """
+  page_size = _page_size(pages, share_kv)
+  j_Q = jnp.arange(num_slots)
+  pos_BxQ = context_B[:, None] + j_Q[None, :]
+  col_BxQ = jnp.clip(pos_BxQ // page_size, 0, page_table_BxP.shape[1] - 1)
+  page_BxQ = jnp.take_along_axis(page_table_BxP, col_BxQ, axis=1)
+  num_pages = _num_pages(pages, share_kv)
+  page_BxQ = jnp.where(j_Q[None, :] < num_new_B[:, None], page_BxQ, num_pages - 1)
+  slot_BxQ = pos_BxQ % page_size
+
+  def window(x, axis):  # [.., B, S, ...] -> [.., B, Q, ...] at each row's context.
+    fn = lambda row, c: jax.lax.dynamic_slice_in_dim(row, c, num_slots, axis=axis)
+    return jax.vmap(fn, in_axes=(axis, 0), out_axes=axis)(x, context_B)
+
+  out = {}
+  for stage in STAGES:
+    axis = _batch_axis(stage, share_kv)
+
+    def write(page_leaf, dense_leaf, axis=axis):
+      new = window(dense_leaf, axis)
+      index = (slice(None),) * axis + (page_BxQ, slot_BxQ)
+      return page_leaf.at[index].set(new.astype(page_leaf.dtype))
+
+    out[stage] = [
+      jax.tree.map(write, entry, dense)
+      for entry, dense in zip(pages[stage], cache.layers[stage], strict=True)
+    ]
+  return out
+
+
+def _first_leaf(pages: dict, share_kv: bool):
+  for stage in STAGES:
+    if pages[stage]:
+      return stage, jax.tree.leaves(pages[stage][0])[0]
+  raise ValueError("The model caches nothing per token.")
+
+
+def _num_pages(pages: dict, share_kv: bool) -> int:
+  """Pages in the arrays, the scratch page included."""
+  stage, leaf = _first_leaf(pages, share_kv)
+  return leaf.shape[_batch_axis(stage, share_kv)]
+
+
+def _page_size(pages: dict, share_kv: bool) -> int:
+  stage, leaf = _first_leaf(pages, share_kv)
+  return leaf.shape[_batch_axis(stage, share_kv) + 1]

@@ -1,0 +1,60 @@
+"""What the engine serves: a prompt's tokens with its sampling parameters, and what comes back.
+
+A `GenRequest` is what the scheduler queues (request_id, arrival_s, prompt_len, output_len,
+prompt_page_keys), so the simulator can replay exactly the same stream. Its prefix-cache keys
+are a hash chain over the prompt's tokens: page k's key hashes tokens [0, (k + 1) * page_size),
+so equal keys mean equal prefixes and a hit reuses K/V computed from the same tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import numpy as np
+
+from looped.engine.sampling import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GenRequest:
+  request_id: int
+  prompt_tokens: tuple[int, ...]
+  sampling: SamplingParams = SamplingParams()
+  arrival_s: float = 0.0
+  prompt_text: str = ""
+
+  @property
+  def prompt_len(self) -> int:
+    return len(self.prompt_tokens)
+
+  @property
+  def output_len(self) -> int:
+    """Most tokens it can generate (the scheduler's page reservation uses this)."""
+    return self.sampling.max_new_tokens
+
+  def prompt_page_keys(self, page_size: int) -> list[int]:
+    """Keys of the full prompt pages: non-negative 63-bit hashes chained over the tokens."""
+    keys, digest = [], b""
+    tokens = np.asarray(self.prompt_tokens, np.int64)
+    for k in range(len(tokens) // page_size):
+      page = tokens[k * page_size : (k + 1) * page_size].tobytes()
+      digest = hashlib.blake2b(digest + page, digest_size=8).digest()
+      keys.append(int.from_bytes(digest, "little") >> 1)
+    return keys
+
+
+@dataclasses.dataclass
+class Generation:
+  """One request's result."""
+
+  request_id: int
+  prompt: str
+  text: str  # Generated text (stop token / string excluded).
+  tokens: list[int]  # Generated token ids (a stop token included).
+  logprobs: list[float]  # log p(token) under the model, per generated token.
+  finish_reason: str  # 'length', 'stop_token' or 'stop_string'.
+  cached_prompt_tokens: int  # Prefix-cache hit at first admission.
+  num_preemptions: int
+  ttft_s: float  # First token time - arrival, on the engine's clock.
+  latency_s: float  # Finish - arrival.
