@@ -15,13 +15,8 @@ SEEDS=${2:-0 1}
 PY=${PYTHON:-python}
 mkdir -p "$R"
 
-pipeline() {  # pipeline NAME SEED CONFIG_ARG [flags...]
-  local name=$1 seed=$2 arg=$3
-  shift 3
-  echo "== ${name}_s$seed ($(date))"
-  "$PY" -m looped.main --config="configs/benice.py$arg" --workdir="$R/${name}_s$seed" \
-    --config.seed="$seed" "$@" > "$R/${name}_s$seed.log" 2>&1
-}
+# shellcheck source=experiments/pipeline_run.sh
+source "$(dirname "$0")/pipeline_run.sh"
 
 ablation() {  # ablation SEED NAME [flags...]: BeNice! only, on fixed_s<SEED>'s other stages
   local seed=$1 name=$2
