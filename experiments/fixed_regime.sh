@@ -7,11 +7,13 @@
 # of the same architecture (the stage-1 comparison: its zero-shot gap and contraction).
 # Every run is a pipeline workdir: rerunning skips what finished and resumes what did not.
 #
-#   bash experiments/fixed_regime.sh /tmp/regime_runs [seeds, default "0 1"]
+#   bash experiments/fixed_regime.sh /tmp/regime_runs [seeds, default "0 1"] [runs, default all]
+#   bash experiments/fixed_regime.sh /tmp/regime_runs "0" "fixed kv3_first"   # a subset
 #   python -m looped.benice.collect /tmp/regime_runs/*_s[0-9]
 set -euo pipefail
 R=${1:?usage: experiments/fixed_regime.sh RUNS_DIR [SEEDS]}
 SEEDS=${2:-0 1}
+RUNS=" ${3:-fixed kv0_all poisson kv0_first kv3_first} "
 PY=${PYTHON:-python}
 mkdir -p "$R"
 
@@ -31,10 +33,14 @@ ablation() {  # ablation SEED NAME [flags...]: BeNice! only, on fixed_s<SEED>'s 
     > "$w.log" 2>&1
 }
 
+wanted() { [[ $RUNS == *" $1 "* ]]; }  # is run $1 asked for?
+
 for seed in $SEEDS; do
-  pipeline fixed "$seed" :fixed  # BeNice! here: kv_passes 3, read `all` (the variant's default)
-  ablation "$seed" kv0_all --config.benice.kv_passes=0  # the paper's BeNice!
-  pipeline poisson "$seed" :fixed,zero_shot --config.depth.sampler=poisson
-  ablation "$seed" kv0_first --config.benice.kv_passes=0 --config.benice.read_recurrences=first
-  ablation "$seed" kv3_first --config.benice.read_recurrences=first
+  # The ablations read fixed_s<SEED>'s pretrain and finetune checkpoints: run `fixed` first.
+  wanted fixed && pipeline fixed "$seed" :fixed  # BeNice! here: kv_passes 3, read `all`
+  wanted kv0_all && ablation "$seed" kv0_all --config.benice.kv_passes=0  # the paper's BeNice!
+  wanted poisson && pipeline poisson "$seed" :fixed,zero_shot --config.depth.sampler=poisson
+  wanted kv0_first && ablation "$seed" kv0_first --config.benice.kv_passes=0 \
+    --config.benice.read_recurrences=first
+  if wanted kv3_first; then ablation "$seed" kv3_first --config.benice.read_recurrences=first; fi
 done
