@@ -4,6 +4,12 @@ r"""Command-line entry point: parses flags and hands the config to the library.
       --config.train.num_steps=200
 
 `python -m looped.main` alone lists the config files and their variants.
+
+Multi-host runs start one such process per host (or per GPU). `--jax_distributed` alone lets
+jax.distributed.initialize() auto-detect the cluster (Cloud TPU slices, SLURM, Open MPI);
+`--coordinator_address`, `--num_processes` and `--process_id` set it explicitly (and imply
+--jax_distributed), as launch/local.py does for several processes on one machine. CPU
+processes exchange collectives over gloo (jax's default CPU collectives).
 """
 
 import logging as std_logging
@@ -19,6 +25,17 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metr
 _DISTRIBUTED = flags.DEFINE_bool(
   "jax_distributed", False, "Call jax.distributed.initialize() (multi-host TPU/GPU runs)."
 )
+_COORDINATOR = flags.DEFINE_string(
+  "coordinator_address",
+  None,
+  "host:port of process 0's coordinator; with the next two, skips cluster auto-detection.",
+)
+_NUM_PROCESSES = flags.DEFINE_integer(
+  "num_processes", None, "Processes in the run (default: auto-detected).", lower_bound=1
+)
+_PROCESS_ID = flags.DEFINE_integer(
+  "process_id", None, "This process's index in [0, num_processes).", lower_bound=0
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -30,14 +47,33 @@ def _quiet_library_info_logs():
   )
 
 
+def _initialize_distributed():
+  """jax.distributed.initialize() when asked; explicit flags override auto-detection."""
+  explicit = {
+    "coordinator_address": _COORDINATOR.value,
+    "num_processes": _NUM_PROCESSES.value,
+    "process_id": _PROCESS_ID.value,
+  }
+  explicit = {k: v for k, v in explicit.items() if v is not None}
+  if not (_DISTRIBUTED.value or explicit):
+    return
+  import jax
+
+  jax.distributed.initialize(**explicit)
+  logging.info(
+    "jax.distributed: process index %d, process count %d, %d local of %d devices",
+    jax.process_index(),
+    jax.process_count(),
+    jax.local_device_count(),
+    jax.device_count(),
+  )
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   _quiet_library_info_logs()
-  if _DISTRIBUTED.value:
-    import jax
-
-    jax.distributed.initialize()
+  _initialize_distributed()
   try:
     with cli.quiet_logs():  # A bad config prints one line, not backend chatter before it.
       programs.validate(_CONFIG.value, _WORKDIR.value)

@@ -5,9 +5,12 @@ Each program module exposes `validate(config)` (raises ConfigError before any co
 pay for importing the trainer.
 """
 
+import hashlib
 import importlib
+import json
 
 import jax
+import numpy as np
 from absl import logging
 
 from looped import config_checks
@@ -36,9 +39,73 @@ def validate(config, workdir: str):
   return module
 
 
+def _payload(config, workdir: str) -> bytes:
+  return json.dumps(
+    {"config": json.loads(config.to_json_best_effort(sort_keys=True)), "workdir": workdir},
+    sort_keys=True,
+  ).encode()
+
+
+def _allgather_bytes(data: bytes, gather) -> list[bytes]:
+  """Every process's `data`: lengths first, then the bytes padded to the longest."""
+  lengths = np.asarray(gather(np.asarray([len(data)], np.int32))).reshape(-1)
+  padded = np.zeros(int(lengths.max()), np.uint8)
+  padded[: len(data)] = np.frombuffer(data, np.uint8)
+  rows = np.asarray(gather(padded)).reshape(len(lengths), -1)
+  return [bytes(row[:n]) for row, n in zip(rows, lengths)]
+
+
+def _leaves(tree, prefix: str = "") -> dict:
+  if not isinstance(tree, dict):
+    return {prefix: tree}
+  out = {}
+  for key, value in tree.items():
+    out.update(_leaves(value, f"{prefix}.{key}" if prefix else key))
+  return out
+
+
+def _first_difference(reference: bytes, other: bytes) -> str:
+  """'config.seed = 0 vs 1': the first field (sorted) whose value differs."""
+  ref, oth = _leaves(json.loads(reference)), _leaves(json.loads(other))
+  for key in sorted(ref.keys() | oth.keys()):
+    if ref.get(key, "<absent>") != oth.get(key, "<absent>"):
+      return f"{key} = {ref.get(key, '<absent>')!r} vs {oth.get(key, '<absent>')!r}"
+  return "no field differs (the serialisations do)"
+
+
+def check_processes_agree(config, workdir: str, gather=None) -> None:
+  """Raises ConfigError if the processes of a multi-host run got different configs or workdirs.
+
+  Each process parses its own flags; one stale flag on one host would otherwise train a
+  different model per host (or hang in mismatched collectives). Compares sha256 digests, and
+  only when they differ gathers the configs to name the first differing field.
+  gather: process_allgather by default (tests pass a fake one).
+  """
+  if gather is None:
+    if jax.process_count() == 1:
+      return
+    from jax.experimental import multihost_utils
+
+    gather = multihost_utils.process_allgather
+  payload = _payload(config, workdir)
+  digests = _allgather_bytes(hashlib.sha256(payload).digest(), gather)
+  differ = [i for i, d in enumerate(digests) if d != digests[0]]
+  if not differ:
+    return
+  payloads = _allgather_bytes(payload, gather)
+  raise config_checks.ConfigError(
+    f"processes disagree on the config or workdir: process(es) {differ} differ from process 0 "
+    f"of {len(digests)} (first difference, process 0 vs {differ[0]}: "
+    f"{_first_difference(payloads[0], payloads[differ[0]])}). Give every process the same "
+    "flags."
+  )
+
+
 def run(config, workdir: str):
-  """Validates, takes the workdir's lock (process 0 only) and runs the program."""
+  """Validates, checks that all processes agree, takes the workdir's lock (process 0 only) and
+  runs the program."""
   module = validate(config, workdir)
+  check_processes_agree(config, workdir)
   if jax.process_index() != 0:  # One lock per run, not per host of a multi-host run.
     logging.info("Config (validated):\n%s", config)
     return module.run(config, workdir)
