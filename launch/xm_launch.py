@@ -12,7 +12,7 @@ nothing; it and the job list need only absl, so they work without the xmanager e
 
 Executors (`--executor`):
   local   each work unit runs on this machine as a plain process (no Docker), with this
-          Python interpreter and the checkout on PYTHONPATH.
+          Python interpreter (or --python) and the checkout on PYTHONPATH.
   vertex  Vertex AI custom jobs: the checkout is packaged as a Python container (built with
           Docker / Cloud Build from --base_image, which must have Python, then `pip install
           -e .` and --pip_install, e.g. 'jax[cuda12]') and each job asks for --requirements, e.g.
@@ -32,32 +32,6 @@ import sys
 from absl import app, flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-_CONFIG = flags.DEFINE_string(
-  "config", None, "looped.main --config of every work unit, e.g. configs/benice.py:fixed."
-)
-_WORKDIR_ROOT = flags.DEFINE_string(
-  "workdir_root", None, "Each work unit's workdir is <workdir_root>/<its name>."
-)
-_SWEEP = flags.DEFINE_multi_string(
-  "sweep", [], "FIELD=V1,V2,...: one axis (work units: the cartesian product of the axes)."
-)
-_EXTRA = flags.DEFINE_multi_string(
-  "extra_flag", [], "A looped.main flag for every work unit, e.g. --config.train.num_steps=500."
-)
-_EXECUTOR = flags.DEFINE_enum("executor", "local", ["local", "vertex"], "Where the jobs run.")
-_REQUIREMENTS = flags.DEFINE_string(
-  "requirements", "", "vertex: RESOURCE=N,..., e.g. A100=8 or TPU_V4=8 (xm.JobRequirements)."
-)
-_BASE_IMAGE = flags.DEFINE_string(
-  "base_image", "python:3.11", "vertex: the container's base image (Python; CUDA for GPUs)."
-)
-_PIP_INSTALL = flags.DEFINE_string(
-  "pip_install", "", "vertex: packages added to the image, e.g. 'jax[cuda12]' or 'jax[tpu]'."
-)
-_TITLE = flags.DEFINE_string("experiment_title", "looped", "The XManager experiment's title.")
-_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the jobs it would create; launch nothing.")
-flags.mark_flags_as_required(["config", "workdir_root"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,17 +159,18 @@ def docker_instructions(pip_install: str) -> list[str]:
     "RUN python -m pip install --no-cache-dir -e .",
   ]
   if pip_install:
-    steps.append(f"RUN python -m pip install --no-cache-dir {pip_install}")
+    steps.append(f"RUN python -m pip install --no-cache-dir {shlex.quote(pip_install)}")
   return steps
 
 
-def make_executables(xm, xm_local, executor: str, base_image: str, pip_install: str):
+def make_executables(
+  xm, xm_local, executor: str, python: str = "", base_image: str = "", pip_install: str = ""
+):
   """(packageable, executor factory): how a looped.main job is packaged and where it runs."""
   if executor == "local":
-    spec = xm_local.Local.Spec()
     packageable = xm.binary(
-      executor_spec=spec,
-      path=sys.executable,
+      executor_spec=xm_local.Local.Spec(),
+      path=python or sys.executable,
       args=["-m", "looped.main"],
       env_vars={"PYTHONPATH": REPO, "PYTHONUNBUFFERED": "1"},
     )
@@ -220,34 +195,77 @@ def make_job(xm, executable, executor, job: Job):
   return xm.Job(executable=executable, executor=executor, args=list(job.args), name=job.name)
 
 
-def launch(jobs: list[Job], executor: str, requirements: dict, title: str):
-  """Creates the experiment and adds one work unit per job (imports xmanager only here)."""
+def launch(jobs: list[Job], executor: str, requirements: dict, title: str, **how):
+  """Creates the experiment and adds one work unit per job (imports xmanager only here).
+
+  how: python (local executor), base_image and pip_install (vertex): make_executables'.
+  """
   from xmanager import xm, xm_local
 
   with xm_local.create_experiment(experiment_title=title) as experiment:
-    packageable, make_executor = make_executables(
-      xm, xm_local, executor, _BASE_IMAGE.value, _PIP_INSTALL.value
-    )
+    packageable, make_executor = make_executables(xm, xm_local, executor, **how)
     [executable] = experiment.package([packageable])
     for job in jobs:
       experiment.add(make_job(xm, executable, make_executor(requirements), job))
       print(f"xm_launch: added work unit {job.name} (workdir {job.workdir})", flush=True)
 
 
+def define_flags():
+  """The command line's flags; only when run as a script, so tests can import this file."""
+  flags.DEFINE_string(
+    "config", None, "looped.main --config of every work unit, e.g. configs/benice.py:fixed."
+  )
+  flags.DEFINE_string(
+    "workdir_root", None, "Each work unit's workdir is <workdir_root>/<its name>."
+  )
+  flags.DEFINE_multi_string(
+    "sweep", [], "FIELD=V1,V2,...: one axis (work units: the cartesian product of the axes)."
+  )
+  flags.DEFINE_multi_string(
+    "extra_flag", [], "A looped.main flag for every work unit, e.g. --config.train.num_steps=500."
+  )
+  flags.DEFINE_enum("executor", "local", ["local", "vertex"], "Where the jobs run.")
+  flags.DEFINE_string(
+    "requirements", "", "vertex: RESOURCE=N,..., e.g. A100=8 or TPU_V4=8 (xm.JobRequirements)."
+  )
+  flags.DEFINE_string(
+    "python", "", "local: the interpreter that runs looped.main (default: this one)."
+  )
+  flags.DEFINE_string(
+    "base_image", "python:3.11", "vertex: the container's base image (Python; CUDA for GPUs)."
+  )
+  flags.DEFINE_string(
+    "pip_install", "", "vertex: packages added to the image, e.g. 'jax[cuda12]' or 'jax[tpu]'."
+  )
+  flags.DEFINE_string("experiment_title", "looped", "The XManager experiment's title.")
+  flags.DEFINE_bool("dry_run", False, "Print the jobs it would create; launch nothing.")
+  flags.mark_flags_as_required(["config", "workdir_root"])
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  f = flags.FLAGS
   try:
-    jobs = build_jobs(_CONFIG.value, _WORKDIR_ROOT.value, _SWEEP.value, _EXTRA.value)
-    requirements = parse_requirements(_REQUIREMENTS.value)
+    jobs = build_jobs(f.config, f.workdir_root, f.sweep, f.extra_flag)
+    requirements = parse_requirements(f.requirements)
   except ValueError as e:
     raise app.UsageError(str(e)) from None
-  print(describe(jobs, _EXECUTOR.value), flush=True)
-  if _DRY_RUN.value:
+  print(describe(jobs, f.executor), flush=True)
+  if f.dry_run:
     print("xm_launch: --dry_run, nothing launched.")
     return
-  launch(jobs, _EXECUTOR.value, requirements, _TITLE.value)
+  launch(
+    jobs,
+    f.executor,
+    requirements,
+    f.experiment_title,
+    python=f.python,
+    base_image=f.base_image,
+    pip_install=f.pip_install,
+  )
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

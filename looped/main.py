@@ -8,8 +8,9 @@ r"""Command-line entry point: parses flags and hands the config to the library.
 Multi-host runs start one such process per host (or per GPU). `--jax_distributed` alone lets
 jax.distributed.initialize() auto-detect the cluster (Cloud TPU slices, SLURM, Open MPI);
 `--coordinator_address`, `--num_processes` and `--process_id` set it explicitly (and imply
---jax_distributed), as launch/local.py does for several processes on one machine. CPU
-processes exchange collectives over gloo (jax's default CPU collectives).
+--jax_distributed; all three turn detection off, so each process uses all its local devices
+unless JAX_LOCAL_DEVICE_IDS says otherwise), as launch/local.py and launch/slurm.sbatch do.
+CPU processes exchange collectives over gloo (jax's default CPU collectives).
 """
 
 import logging as std_logging
@@ -28,7 +29,8 @@ _DISTRIBUTED = flags.DEFINE_bool(
 _COORDINATOR = flags.DEFINE_string(
   "coordinator_address",
   None,
-  "host:port of process 0's coordinator; with the next two, skips cluster auto-detection.",
+  "host:port of process 0's coordinator (default: auto-detected). Given with --num_processes "
+  "and --process_id, no cluster detection runs.",
 )
 _NUM_PROCESSES = flags.DEFINE_integer(
   "num_processes", None, "Processes in the run (default: auto-detected).", lower_bound=1
@@ -57,6 +59,10 @@ def _initialize_distributed():
   explicit = {k: v for k, v in explicit.items() if v is not None}
   if not (_DISTRIBUTED.value or explicit):
     return
+  if len(explicit) == 3:
+    # Fully specified: detect nothing. (Under SLURM jax would otherwise keep one GPU per
+    # process, device SLURM_LOCALID, even for one process per node.)
+    explicit["cluster_detection_method"] = "deactivate"
   import jax
 
   jax.distributed.initialize(**explicit)

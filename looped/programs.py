@@ -39,7 +39,8 @@ def validate(config, workdir: str):
   return module
 
 
-def _payload(config, workdir: str) -> bytes:
+def config_payload(config, workdir: str) -> bytes:
+  """What the processes of one run must agree on: the config (sorted JSON) and the workdir."""
   return json.dumps(
     {"config": json.loads(config.to_json_best_effort(sort_keys=True)), "workdir": workdir},
     sort_keys=True,
@@ -73,26 +74,28 @@ def _first_difference(reference: bytes, other: bytes) -> str:
   return "no field differs (the serialisations do)"
 
 
-def check_processes_agree(config, workdir: str, gather=None) -> None:
+def check_processes_agree(config, workdir: str, gather_bytes=None) -> None:
   """Raises ConfigError if the processes of a multi-host run got different configs or workdirs.
 
   Each process parses its own flags; one stale flag on one host would otherwise train a
   different model per host (or hang in mismatched collectives). Compares sha256 digests, and
   only when they differ gathers the configs to name the first differing field.
-  gather: process_allgather by default (tests pass a fake one).
+  gather_bytes: bytes -> every process's bytes; process_allgather by default (tests fake it).
   """
-  if gather is None:
+  if gather_bytes is None:
     if jax.process_count() == 1:
       return
     from jax.experimental import multihost_utils
 
-    gather = multihost_utils.process_allgather
-  payload = _payload(config, workdir)
-  digests = _allgather_bytes(hashlib.sha256(payload).digest(), gather)
+    def gather_bytes(data):
+      return _allgather_bytes(data, multihost_utils.process_allgather)
+
+  payload = config_payload(config, workdir)
+  digests = gather_bytes(hashlib.sha256(payload).digest())
   differ = [i for i, d in enumerate(digests) if d != digests[0]]
   if not differ:
     return
-  payloads = _allgather_bytes(payload, gather)
+  payloads = gather_bytes(payload)
   raise config_checks.ConfigError(
     f"processes disagree on the config or workdir: process(es) {differ} differ from process 0 "
     f"of {len(digests)} (first difference, process 0 vs {differ[0]}: "
