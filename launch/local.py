@@ -117,6 +117,14 @@ def _stop(procs: list[subprocess.Popen], sig: int = signal.SIGTERM) -> None:
       p.wait()
 
 
+def _die_with_parent() -> None:
+  """In the child (Linux): SIGTERM when local.py dies, even by SIGKILL, so none is orphaned."""
+  if sys.platform.startswith("linux"):
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG.
+
+
 def _exit_status(returncode: int) -> int:
   return returncode if returncode > 0 else 128 - returncode
 
@@ -148,8 +156,10 @@ def run(args: argparse.Namespace) -> int:
       stderr=subprocess.STDOUT,
       text=True,
       start_new_session=True,  # Its own process group, so stopping it reaches its children.
+      preexec_fn=_die_with_parent,  # Before any thread starts (preexec_fn and threads mix ill).
     )
     procs.append(proc)
+  for i, proc in enumerate(procs):
     pump = threading.Thread(target=_pump, args=(i, proc.stdout, lock), daemon=True)
     pump.start()
     pumps.append(pump)

@@ -14,6 +14,7 @@ CPU processes exchange collectives over gloo (jax's default CPU collectives).
 """
 
 import logging as std_logging
+import os
 import sys
 
 from absl import app, flags, logging
@@ -49,8 +50,9 @@ def _quiet_library_info_logs():
   )
 
 
-def _initialize_distributed():
-  """jax.distributed.initialize() when asked; explicit flags override auto-detection."""
+def _initialize_distributed() -> bool:
+  """jax.distributed.initialize() when asked (returns whether); explicit flags override
+  auto-detection."""
   explicit = {
     "coordinator_address": _COORDINATOR.value,
     "num_processes": _NUM_PROCESSES.value,
@@ -58,7 +60,7 @@ def _initialize_distributed():
   }
   explicit = {k: v for k, v in explicit.items() if v is not None}
   if not (_DISTRIBUTED.value or explicit):
-    return
+    return False
   if len(explicit) == 3:
     # Fully specified: detect nothing. (Under SLURM jax would otherwise keep one GPU per
     # process, device SLURM_LOCALID, even for one process per node.)
@@ -73,18 +75,30 @@ def _initialize_distributed():
     jax.local_device_count(),
     jax.device_count(),
   )
+  return True
+
+
+def _fail_now(message: str) -> None:
+  """cli.fail for a multi-process run, skipping jax.distributed's exit handler: it waits for
+  every process to shut down, so a process failing alone (e.g. process 0 finding the workdir
+  busy) would hang there, unseen by its launcher, while the others wait for it."""
+  print(f"error: {message}", file=sys.stderr, flush=True)
+  sys.stdout.flush()
+  os._exit(cli.EXIT_USAGE)
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   _quiet_library_info_logs()
-  _initialize_distributed()
+  distributed = _initialize_distributed()
   try:
     with cli.quiet_logs():  # A bad config prints one line, not backend chatter before it.
       programs.validate(_CONFIG.value, _WORKDIR.value)
     programs.run(_CONFIG.value, _WORKDIR.value)
   except config_checks.ConfigError as e:
+    if distributed:
+      _fail_now(str(e))
     cli.fail(str(e))
 
 

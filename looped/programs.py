@@ -31,9 +31,13 @@ def load(config):
 
 
 def validate(config, workdir: str):
-  """Checks the config and workdir before any compute; returns the program module."""
+  """Checks the config and workdir (the same on every process) before any compute; returns the
+  program module."""
   if not workdir:
     raise config_checks.ConfigError("--workdir must be a non-empty path.")
+  # First: a process with a stray flag would otherwise fail validation alone (or pass it
+  # alone) and leave the others waiting for it.
+  check_processes_agree(config, workdir)
   module = load(config)
   module.validate(config)
   return module
@@ -105,10 +109,8 @@ def check_processes_agree(config, workdir: str, gather_bytes=None) -> None:
 
 
 def run(config, workdir: str):
-  """Validates, checks that all processes agree, takes the workdir's lock (process 0 only) and
-  runs the program."""
+  """Validates, takes the workdir's lock (process 0 only) and runs the program."""
   module = validate(config, workdir)
-  check_processes_agree(config, workdir)
   if jax.process_index() != 0:  # One lock per run, not per host of a multi-host run.
     logging.info("Config (validated):\n%s", config)
     return module.run(config, workdir)
