@@ -36,7 +36,7 @@ setuptools.setup(
       "ipykernel>=6.29",  # The notebooks' kernel: this environment's Python.
     ],
     "tensorboard": ["tensorboard>=2.15"],  # The viewer for WORKDIR/tensorboard/ event files.
-    # launch/xm_launch.py: XManager experiments (~330 MB of cloud clients; pins protobuf<7).
+    # launch/xm_launch.py: XManager (~600 MB of cloud clients installed; pins protobuf<7).
     "launch": ["xmanager>=0.7"],
   },
 )

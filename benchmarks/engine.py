@@ -42,6 +42,7 @@ from looped.engine.executor import ModelExecutor, powers_of_two  # noqa: E402
 from looped.engine.requests import GenRequest  # noqa: E402
 from looped.engine.sampling import SamplingParams  # noqa: E402
 from looped.model import config as model_lib  # noqa: E402
+from looped.model import init_params  # noqa: E402
 from looped.model.looped_lm import LoopedLM  # noqa: E402
 from looped.serving import cost_model, hardware, pages, replay, scheduler, shape  # noqa: E402
 
@@ -236,7 +237,7 @@ def main():
   config.model.max_seq_len = args.max_model_len
   cfg = model_lib.from_config(config.model)
   model = LoopedLM(cfg)
-  params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
+  params = init_params(model, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
   model_shape = shape.ModelShape.from_config(dataclasses.asdict(cfg))
   requests = _requests(args.requests, args.new_tokens)
   results = {"device": str(jax.devices()[0]), "args": vars(args)}

@@ -1,11 +1,16 @@
-r"""Training-step speed of the scanned looped model vs the Python-unrolled one (same FLOPs).
+r"""Training-step speed: the scanned looped model vs the Python-unrolled one (same FLOPs), or
+the trainer's own step on several device meshes (--mesh, README "Scaling out").
 
   python benchmarks/train_step.py                       # default pretrain model, CPU
   python benchmarks/train_step.py --config_arg=smoke --steps=20
   python benchmarks/train_step.py --preset=350m --dtype=bfloat16   # on a GPU
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/train_step.py \
+      --mesh=data=8 --mesh=fsdp=8 --mesh=fsdp=4,tensor=2 --mesh=data=2,fsdp=2,tensor=2
 
 Reports compile time, median step time, tokens/s, model FLOPs utilisation against --peak_tflops
-(when given) and XLA's compiled memory estimate (arguments + temporaries), for each variant.
+(when given) and XLA's compiled memory estimate (arguments + temporaries), for each variant;
+with --mesh also the bytes of params + optimizer state each device holds (the largest over the
+devices, from the arrays' addressable shards) and that as a fraction of the whole state.
 Prints a Markdown table and writes JSON.
 """
 
@@ -22,8 +27,9 @@ import numpy as np
 from absl import app, flags
 
 from configs import pretrain
-from looped.model import LoopedLM, from_config
-from looped.train import objectives, optim
+from looped import sharding
+from looped.model import LoopedLM, from_config, init_params
+from looped.train import objectives, optim, trainer
 
 _CONFIG_ARG = flags.DEFINE_string("config_arg", "", "Arg for configs/pretrain.py get_config.")
 _PRESET = flags.DEFINE_enum("preset", None, ["350m"], "Model preset overriding the config.")
@@ -34,6 +40,11 @@ _RECURRENCES = flags.DEFINE_integer("num_recurrences", None, "R override (compil
 _STEPS = flags.DEFINE_integer("steps", 10, "Timed steps per variant (after one warmup step).")
 _PEAK = flags.DEFINE_float("peak_tflops", 0.0, "Accelerator peak TFLOP/s for MFU (0: skip).")
 _OUT = flags.DEFINE_string("out", "benchmarks/results/train_step.json", "JSON output path.")
+_MESH = flags.DEFINE_multi_string(
+  "mesh", [], "Mesh variants, e.g. 'fsdp=8' or 'data=2,fsdp=2,tensor=2' (axes not named: 1)."
+)
+_REMAT = flags.DEFINE_string("remat", None, "model.remat override ('full', 'dots_saveable', ...).")
+_ACCUM = flags.DEFINE_integer("grad_accum_steps", None, "train.grad_accum_steps override.")
 
 
 def _config():
@@ -55,7 +66,84 @@ def _config():
   if _SEQ.value:
     config.data.seq_len = _SEQ.value
     config.model.max_seq_len = max(config.model.max_seq_len, _SEQ.value)
+  if _REMAT.value:
+    config.model.remat = _REMAT.value
+  if _ACCUM.value:
+    config.train.grad_accum_steps = _ACCUM.value
   return config
+
+
+def _parse_mesh(spec: str) -> dict[str, int]:
+  sizes = {axis: 1 for axis in sharding.AXES}
+  for part in spec.split(","):
+    axis, _, size = part.partition("=")
+    if axis not in sizes or not size.isdigit():
+      raise app.UsageError(f"--mesh={spec!r}: expected axis=size pairs over {sharding.AXES}")
+    sizes[axis] = int(size)
+  return sizes
+
+
+def _timed(fn, *args):
+  """(median, min) seconds of _STEPS calls after one warmup; fn returns (state, loss)."""
+  state, loss = fn(*args)
+  jax.block_until_ready(loss)
+  times = []
+  for _ in range(_STEPS.value):
+    t0 = time.perf_counter()
+    state, loss = fn(state, *args[1:])
+    jax.block_until_ready(loss)
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times), min(times), float(loss)
+
+
+def _bench_mesh(config, spec: str) -> dict:
+  """The trainer's own step (init_state, make_train_step) on the mesh `spec`."""
+  config = config.copy_and_resolve_references()
+  for axis, size in _parse_mesh(spec).items():
+    config.mesh[axis] = size
+  sharding.validate(config)
+  cfg = from_config(config.model)
+  model = LoopedLM(cfg)
+  mesh = sharding.make_mesh(config)
+  rules = sharding.rules(config, mesh)
+  optimizer = optim.make_optimizer(config.train)
+  objective = objectives.language_modeling(model, config.depth)
+  b, t = config.data.batch_size, config.data.seq_len
+  tokens = np.asarray(jax.random.randint(jax.random.PRNGKey(0), (b, t + 1), 0, cfg.vocab_size))
+  with sharding.context(mesh, rules):
+    state = trainer.init_state(config, model, optimizer, mesh, rules)
+    batch = sharding.global_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, mesh)
+    step = trainer.make_train_step(
+      objective, optimizer, optim.learning_rate_schedule(config.train), config.train
+    )
+    t0 = time.perf_counter()
+    compiled = trainer.jit_train_step(step, state).lower(state, None, batch).compile()
+    compile_s = time.perf_counter() - t0
+    held = sharding.bytes_per_device((state.params, state.opt_state))
+    total = sum(x.nbytes for x in jax.tree.leaves((state.params, state.opt_state)))
+    run = lambda state, batch: (lambda out: (out[0], out[1]["loss"]))(compiled(state, None, batch))
+    step_s, step_min, loss = _timed(run, state, batch)
+  mem = compiled.memory_analysis()
+  flops = model_flops_per_token(cfg, t) * b * t
+  row = {
+    "variant": spec,
+    "devices": mesh.size,
+    "compile_s": compile_s,
+    "step_s_median": step_s,
+    "step_s_min": step_min,
+    "tokens_per_s": b * t / step_s,
+    "model_tflops_per_s": flops / step_s / 1e12,
+    "state_bytes_per_device": max(held.values()),
+    "state_fraction_per_device": max(held.values()) / total,
+    "xla_memory_bytes": None
+    if mem is None
+    else int(mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes),
+    "params": int(sum(x.size for x in jax.tree.leaves(state.params))),
+    "final_loss": loss,
+  }
+  if _PEAK.value:
+    row["mfu"] = flops / step_s / (_PEAK.value * 1e12 * mesh.size)
+  return row
 
 
 def model_flops_per_token(cfg, seq_len: int) -> float:
@@ -82,7 +170,7 @@ def _bench_variant(config, scan: bool) -> dict:
   b, t = config.data.batch_size, config.data.seq_len
   tokens = jax.random.randint(jax.random.PRNGKey(0), (b, t + 1), 0, cfg.vocab_size)
   batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-  params = {"params": model.init(jax.random.PRNGKey(1), batch["inputs"][:1])["params"]}
+  params = init_params(model, jax.random.PRNGKey(1), batch["inputs"][:1])
   opt_state = optimizer.init(params)
 
   def step(params, opt_state, batch, key):
@@ -128,9 +216,13 @@ def _bench_variant(config, scan: bool) -> dict:
 def main(argv):
   del argv
   config = _config()
-  rows = [_bench_variant(config, scan) for scan in (True, False)]
+  if _MESH.value:
+    rows = [_bench_mesh(config, spec) for spec in _MESH.value]
+  else:
+    rows = [_bench_variant(config, scan) for scan in (True, False)]
   header = {
     "device": str(jax.devices()[0].device_kind),
+    "device_count": jax.device_count(),
     "backend": jax.default_backend(),
     "batch": config.data.batch_size,
     "seq_len": config.data.seq_len,
@@ -138,6 +230,8 @@ def main(argv):
     "model": config.model.to_dict(),
   }
   cols = ["variant", "compile_s", "step_s_median", "tokens_per_s", "model_tflops_per_s"]
+  if _MESH.value:
+    cols += ["state_bytes_per_device", "state_fraction_per_device"]
   cols += ["xla_memory_bytes"] + (["mfu"] if _PEAK.value else [])
   print(
     f"\ndevice={header['device']} batch={header['batch']} seq_len={header['seq_len']} "
@@ -152,13 +246,16 @@ def main(argv):
       v = row[c]
       cells.append(f"{v:.4g}" if isinstance(v, float) else str(v))
     print("| " + " | ".join(cells) + " |")
-  ratio = rows[1]["step_s_median"] / rows[0]["step_s_median"]
-  print(f"unrolled/scan step-time ratio: {ratio:.3f}")
+  summary = {"setup": header, "rows": rows}
+  if not _MESH.value:
+    summary["unrolled_over_scan"] = rows[1]["step_s_median"] / rows[0]["step_s_median"]
+    print(f"unrolled/scan step-time ratio: {summary['unrolled_over_scan']:.3f}")
   os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
   with open(_OUT.value, "w") as f:
-    json.dump({"setup": header, "rows": rows, "unrolled_over_scan": ratio}, f, indent=2)
+    json.dump(summary, f, indent=2)
   print(f"wrote {_OUT.value}")
-  np.testing.assert_allclose(rows[0]["final_loss"], rows[1]["final_loss"], rtol=1e-3)
+  losses = [row["final_loss"] for row in rows]  # Same math in every variant.
+  np.testing.assert_allclose(losses, losses[0], rtol=1e-3)
 
 
 if __name__ == "__main__":

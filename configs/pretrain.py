@@ -44,7 +44,7 @@ def model_config() -> ml_collections.ConfigDict:
   m.dtype = "float32"  # Compute dtype: 'float32' or 'bfloat16'.
   m.param_dtype = "float32"  # Parameter storage dtype: 'float32' or 'bfloat16'.
   m.scan_recurrences = True  # Loop the core with lax.scan (False: Python-unrolled, same math).
-  m.remat = False  # Rematerialise each recurrence in the backward pass (saves activations).
+  m.remat = "none"  # Per-recurrence remat: 'none', 'full', 'dots_saveable', ... (saves memory).
   m.attention_impl = "xla"  # 'xla' (einsum) or 'pallas' (pallas_kernels; interpreted on CPU).
   m.prelude_mixers = ("gqa",)  # Sequence mixer per prelude layer, repeated: 'gqa', 'mla', 'kda'.
   m.core_mixers = ("gqa",)  # Per core layer, repeated, e.g. ('kda', 'kda', 'kda', 'mla').
@@ -80,6 +80,29 @@ def data_config() -> ml_collections.ConfigDict:
   return d
 
 
+def mesh_config() -> ml_collections.ConfigDict:
+  """The device mesh (README "Scaling out"): sizes multiply to the device count."""
+  m = ml_collections.ConfigDict()
+  m.data = -1  # Data parallel: batch split, params replicated (-1: the devices left over).
+  m.fsdp = 1  # Fully sharded data parallel: batch split, params and Adam moments sharded.
+  m.tensor = 1  # Tensor parallel: heads, KV heads, MLP width and vocabulary split.
+  return m
+
+
+def mesh_rules() -> tuple:
+  """Logical axis -> mesh axes (looped.sharding): in order; a mesh axis is used once per array."""
+  return (
+    ("batch", ("data", "fsdp")),  # Rows of a batch (activations, decode caches).
+    ("embed", "fsdp"),  # Residual width of weights: the FSDP shard (activations: whole).
+    ("heads", "tensor"),  # Query heads.
+    ("kv_heads", "tensor"),  # Key/value heads (replicated when fewer than the tensor shards).
+    ("mlp", "tensor"),  # MLP hidden width.
+    ("vocab", "tensor"),  # Embedding rows / logits (replicated when not divisible).
+    ("length", None),  # Sequence positions: whole.
+    ("head_dim", None),  # Width of one head: whole.
+  )
+
+
 def get_config(arg: str = "") -> ml_collections.ConfigDict:
   args = configs.parse_args(arg, VARIANTS)
 
@@ -88,6 +111,8 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.seed = 0  # Seed for parameters, data order and stochastic depth.
   c.model = model_config()
   c.data = data_config()
+  c.mesh = mesh_config()
+  c.mesh_rules = mesh_rules()  # Logical -> mesh axes; see mesh_rules() for each rule.
 
   c.depth = ml_collections.ConfigDict()
   c.depth.sampler = "poisson"  # Stochastic depth: 'poisson' (per sequence), 'bernoulli', 'fixed'.
@@ -109,6 +134,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.train.checkpoint_every = 250  # Steps between checkpoints (and at the end).
   c.train.keep_checkpoints = 2  # Checkpoints kept in the workdir.
   c.train.init_from = ""  # Checkpoint directory to take params from at step 0 ('' = random).
+  c.train.grad_accum_steps = 1  # Microbatches per step (gradients summed; batch split k ways).
 
   if "smoke" in args:
     c.model.d_model = 64

@@ -9,7 +9,8 @@ name the coordinator (localhost, a free port), the process count and its id.
 Everything after `--` goes to every process; `--per_process_flags=ID:FLAG` (repeatable) adds
 FLAG to process ID only, e.g. to test that processes which disagree on the config fail.
 Output lines are prefixed `[pID]`. If a process fails, the others are terminated and this
-exits with its status, naming it; SIGINT/SIGTERM are forwarded to every process group.
+exits with its status, naming it; SIGINT/SIGTERM are forwarded to every process group (and
+SIGKILL follows after --grace_s); if local.py itself is killed, so are they.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GRACE_S = 10.0  # How long a terminated process may take before it is killed.
+DRAIN_S = 10.0  # The longest wait for an exited process's last output lines.
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -37,6 +38,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   parser.add_argument("--port", type=int, default=0, help="Coordinator port (0: a free one).")
   parser.add_argument(
     "--platform", default="cpu", help="JAX_PLATFORMS of the processes ('' leaves it unset)."
+  )
+  parser.add_argument(
+    "--grace_s",
+    type=float,
+    default=10.0,
+    help="Seconds a stopped process gets before SIGKILL (jax.distributed's preemption "
+    "notifier catches SIGTERM, so a training process usually takes them all).",
   )
   parser.add_argument(
     "--per_process_flags",
@@ -67,10 +75,12 @@ def free_port() -> int:
 
 def commands(args: argparse.Namespace, port: int) -> list[tuple[dict, list[str]]]:
   """(environment overrides, argv) of each process."""
+  count = "--xla_force_host_platform_device_count"
+  xla_flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(count)]
   out = []
   for i in range(args.num_processes):
     env = {
-      "XLA_FLAGS": f"--xla_force_host_platform_device_count={args.devices_per_process}",
+      "XLA_FLAGS": " ".join([*xla_flags, f"{count}={args.devices_per_process}"]),
       "PYTHONUNBUFFERED": "1",
     }
     if args.platform:
@@ -97,15 +107,15 @@ def _pump(index: int, stream, lock: threading.Lock) -> None:
       sys.stdout.flush()
 
 
-def _stop(procs: list[subprocess.Popen], sig: int = signal.SIGTERM) -> None:
-  """Sends `sig` to every live process group, then SIGKILL after GRACE_S."""
+def _stop(procs: list[subprocess.Popen], grace_s: float, sig: int = signal.SIGTERM) -> None:
+  """Sends `sig` to every live process group, then SIGKILL after grace_s."""
   for p in procs:
     if p.poll() is None:
       try:
         os.killpg(p.pid, sig)
       except ProcessLookupError:
         pass
-  deadline = time.time() + GRACE_S
+  deadline = time.time() + grace_s
   for p in procs:
     try:
       p.wait(timeout=max(deadline - time.time(), 0.1))
@@ -118,11 +128,12 @@ def _stop(procs: list[subprocess.Popen], sig: int = signal.SIGTERM) -> None:
 
 
 def _die_with_parent() -> None:
-  """In the child (Linux): SIGTERM when local.py dies, even by SIGKILL, so none is orphaned."""
+  """In the child (Linux): SIGKILL when local.py dies, even by SIGKILL, so none is orphaned
+  (not SIGTERM: jax.distributed's preemption notifier catches it)."""
   if sys.platform.startswith("linux"):
     import ctypes
 
-    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG.
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG.
 
 
 def _exit_status(returncode: int) -> int:
@@ -138,17 +149,12 @@ def run(args: argparse.Namespace) -> int:
 
   def forward(signum, _frame):
     print(f"local.py: got signal {signum}, forwarding to the processes", file=sys.stderr)
-    _stop(procs, signum)
+    _stop(procs, args.grace_s, signum)
     sys.exit(128 + signum)
 
   signal.signal(signal.SIGTERM, forward)
   signal.signal(signal.SIGINT, forward)
   for i, (env, argv) in enumerate(commands(args, port)):
-    print(
-      f"local.py: [p{i}] " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()),
-      shlex.join(argv),
-      flush=True,
-    )
     proc = subprocess.Popen(
       argv,
       env={**os.environ, **env, "PYTHONPATH": pythonpath},
@@ -159,6 +165,8 @@ def run(args: argparse.Namespace) -> int:
       preexec_fn=_die_with_parent,  # Before any thread starts (preexec_fn and threads mix ill).
     )
     procs.append(proc)
+    shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+    print(f"local.py: [p{i}] pid {proc.pid}: {shown} {shlex.join(argv)}", flush=True)
   for i, proc in enumerate(procs):
     pump = threading.Thread(target=_pump, args=(i, proc.stdout, lock), daemon=True)
     pump.start()
@@ -167,11 +175,11 @@ def run(args: argparse.Namespace) -> int:
   while True:
     failed = next((i for i, p in enumerate(procs) if (p.poll() or 0) != 0), None)
     if failed is not None:
-      pumps[failed].join(timeout=GRACE_S)  # Its last lines (the error) before the verdict.
+      pumps[failed].join(timeout=DRAIN_S)  # Its last lines (the error) before the verdict.
       others = [p for i, p in enumerate(procs) if i != failed and p.poll() is None]
-      _stop(others)
+      _stop(others, args.grace_s)
       for pump in pumps:
-        pump.join(timeout=GRACE_S)
+        pump.join(timeout=DRAIN_S)
       code = procs[failed].returncode
       print(
         f"local.py: process {failed} of {len(procs)} failed with exit status {code}; "
@@ -182,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
       return _exit_status(code)
     if all(p.poll() is not None for p in procs):
       for pump in pumps:
-        pump.join(timeout=GRACE_S)
+        pump.join(timeout=DRAIN_S)
       print(f"local.py: all {len(procs)} processes finished.", flush=True)
       return 0
     time.sleep(0.1)

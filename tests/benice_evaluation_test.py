@@ -8,7 +8,7 @@ from absl.testing import absltest
 
 from looped import testing
 from looped.benice import evaluation
-from looped.model import LoopedLM
+from looped.model import LoopedLM, init_params
 
 TINY = testing.TINY_MODEL
 
@@ -19,7 +19,7 @@ class EvaluateTest(absltest.TestCase):
     model = LoopedLM(TINY)
     rows = jax.random.randint(jax.random.PRNGKey(1), (3, 2, t + 1), 0, TINY.vocab_size)
     batches = [{"inputs": np.asarray(r[:, :-1]), "targets": np.asarray(r[:, 1:])} for r in rows]
-    params = {"params": model.init(jax.random.PRNGKey(0), batches[0]["inputs"])["params"]}
+    params = init_params(model, jax.random.PRNGKey(0), batches[0]["inputs"])
     fns = evaluation.make_stats_fns(TINY)
     m = evaluation.evaluate(fns, TINY, params, batches, (1, t), decode_batches=2)
 
@@ -75,7 +75,7 @@ class EvaluateTest(absltest.TestCase):
     model = LoopedLM(TINY)
     rows = jax.random.randint(jax.random.PRNGKey(2), (1, 2, t + 1), 0, TINY.vocab_size)
     batches = [{"inputs": np.asarray(r[:, :-1]), "targets": np.asarray(r[:, 1:])} for r in rows]
-    params = {"params": model.init(jax.random.PRNGKey(0), batches[0]["inputs"])["params"]}
+    params = init_params(model, jax.random.PRNGKey(0), batches[0]["inputs"])
     exact = evaluation.evaluate(
       evaluation.make_stats_fns(TINY), TINY, params, batches, (t,), decode_batches=1
     )

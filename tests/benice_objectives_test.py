@@ -12,7 +12,7 @@ from absl.testing import absltest
 
 from looped import testing
 from looped.benice import objectives
-from looped.model import LoopedLM
+from looped.model import LoopedLM, init_params
 from looped.train import objectives as train_objectives
 
 TINY = testing.TINY_MODEL
@@ -43,7 +43,7 @@ def _benice_cfg(**overrides):
 def _setup(seed=0, batch=2, length=9, cfg=TINY):
   model = LoopedLM(cfg)
   tokens = jax.random.randint(jax.random.PRNGKey(seed + 1), (batch, length + 1), 0, 61)
-  params = {"params": model.init(jax.random.PRNGKey(seed), tokens[:, :-1])["params"]}
+  params = init_params(model, jax.random.PRNGKey(seed), tokens[:, :-1])
   return model, params, {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 

@@ -12,6 +12,7 @@ from looped.engine import sampling
 from looped.engine.engine import Engine
 from looped.engine.requests import GenRequest
 from looped.engine.sampling import SamplingParams
+from looped.model import init_params
 from looped.model.looped_lm import LoopedLM
 from looped.testing import TINY_MODEL
 
@@ -118,7 +119,7 @@ class EngineSamplingTest(absltest.TestCase):
   def setUpClass(cls):
     super().setUpClass()
     cls.model = LoopedLM(CFG)
-    cls.params = cls.model.init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))
+    cls.params = init_params(cls.model, jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))
 
   def _engine(self, **kw):
     return Engine(

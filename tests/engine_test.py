@@ -12,6 +12,7 @@ from looped.engine import paged_cache
 from looped.engine.engine import Engine
 from looped.engine.requests import GenRequest
 from looped.engine.sampling import SamplingParams
+from looped.model import init_params
 from looped.model.kv_cache import init_cache
 from looped.model.looped_lm import LoopedLM
 from looped.model.sharing import decode_forward
@@ -27,7 +28,7 @@ CASES = [(True, f) for f in FORMATS] + [(False, f) for f in (None, "fp8", "nvfp4
 
 
 def _params(cfg=CFG):
-  return LoopedLM(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))
+  return init_params(LoopedLM(cfg), jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))
 
 
 def _requests(n, rng, *, vocab, max_new=(2, 8), prefixes=4, spread_s=0.0):

@@ -17,6 +17,7 @@ from absl.testing import absltest
 from looped import data as data_lib
 from looped import programs, testing
 from looped.config_checks import ConfigError
+from looped.model import init_params
 from looped.train import checkpointing, trainer, workdir_lock
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,7 +39,7 @@ def _params_of(workdir, step=None):
   config = _config()
   model = trainer.LoopedLM(trainer.model_lib.from_config(config.model))
   abstract = jax.eval_shape(
-    lambda: {"params": model.init(jax.random.PRNGKey(0), np.zeros((1, 8), np.int32))["params"]}
+    lambda: init_params(model, jax.random.PRNGKey(0), np.zeros((1, 8), np.int32))
   )
   return checkpointing.restore_params(workdir, abstract, step)
 

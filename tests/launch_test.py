@@ -22,10 +22,16 @@ from looped.train import workdir_lock
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH = os.path.join(REPO, "launch")
-# A 4-step smoke pretraining, checkpointed and evaluated at its end.
+# A 4-step smoke pretraining, checkpointed and evaluated at its end; one fixed-depth core
+# layer run twice, as the 2 processes compile it on 2 shared cores.
 TINY_RUN = [
   "--config=configs/pretrain.py:smoke",
   *(f"--config.{k}={v}" for k, v in testing.TINY_RUN_OVERRIDES.items()),
+  "--config.model.num_prelude_layers=0",
+  "--config.model.num_coda_layers=0",
+  "--config.model.num_core_layers=1",
+  "--config.model.num_recurrences=2",
+  "--config.depth.sampler=fixed",
   "--config.train.num_steps=4",
   "--config.train.log_every=2",
   "--config.train.eval_every=4",
@@ -286,18 +292,20 @@ class ConfigAgreementTest(absltest.TestCase):
 
 
 class LocalMultiProcessTest(testing.TempDirTestCase):
-  def test_two_processes_train_end_to_end_and_only_process_0_writes_metrics(self):
+  def test_two_processes_of_two_devices_train_and_only_process_0_writes_metrics(self):
     workdir = os.path.join(self.tmp, "run")
-    proc = _local("--num_processes=2", "--", *TINY_RUN, f"--workdir={workdir}")
+    proc = _local(
+      "--num_processes=2", "--devices_per_process=2", "--", *TINY_RUN, f"--workdir={workdir}"
+    )
     self.assertEqual(proc.returncode, 0, proc.stdout[-3000:] + proc.stderr[-3000:])
     for i in range(2):
-      self.assertIn(
-        f"local.py: [p{i}] XLA_FLAGS=--xla_force_host_platform_device_count=1", proc.stdout
+      self.assertRegex(
+        proc.stdout, rf"local.py: \[p{i}\] XLA_FLAGS=.*--xla_force_host_platform_device_count=2"
       )
       self.assertIn("--coordinator_address=localhost:", proc.stdout)
       self.assertRegex(
         proc.stdout,
-        rf"\[p{i}\] .*jax.distributed: process index {i}, process count 2, 1 local of 2",
+        rf"\[p{i}\] .*jax.distributed: process index {i}, process count 2, 2 local of 4",
       )
       self.assertRegex(proc.stdout, rf"\[p{i}\] .*step 4/4 \| loss")
     self.assertIn("local.py: all 2 processes finished.", proc.stdout)

@@ -19,7 +19,7 @@ from absl.testing import absltest, parameterized
 from configs import pretrain
 from looped import config_checks, kv_quant, testing
 from looped.benice import evaluation
-from looped.model import LoopedLM, init_cache, mixers, validate
+from looped.model import LoopedLM, init_cache, init_params, mixers, validate
 from looped.model.attention import attend
 from looped.model.kv_cache import cache_nbytes
 from looped.model.mla import mla_absorbed, mla_expanded
@@ -48,7 +48,7 @@ def _setup(name, length=6):
   cfg = _cfg(name)
   model = LoopedLM(cfg)
   tokens = jax.random.randint(jax.random.PRNGKey(1), (2, length), 0, cfg.vocab_size)
-  params = {"params": model.init(jax.random.PRNGKey(0), tokens)["params"]}
+  params = init_params(model, jax.random.PRNGKey(0), tokens)
   return model, params, tokens
 
 
@@ -147,7 +147,7 @@ class MixerKvFormatTest(parameterized.TestCase):
     cfg = _cfg("hybrid", head_dim=16, mla_kv_rank=16, mla_rope_dim=16)
     model = LoopedLM(cfg)
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 6), 0, cfg.vocab_size)
-    params = {"params": model.init(jax.random.PRNGKey(0), tokens)["params"]}
+    params = init_params(model, jax.random.PRNGKey(0), tokens)
     jacobi = jax.jit(lambda p, x, n: jacobi_forward(model, p, x, n, kv_format=fmt)[0])
     decode = lambda share: jax.jit(
       lambda p, x: decode_forward(model, p, x, share_kv=share, kv_format=fmt)

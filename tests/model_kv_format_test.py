@@ -6,7 +6,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 from looped import kv_quant
-from looped.model import LoopedLM, ModelConfig, init_cache
+from looped.model import LoopedLM, ModelConfig, init_cache, init_params
 from looped.model.kv_cache import cache_nbytes, num_cached_values, quantize_roundtrip
 from looped.model.sharing import decode_forward, jacobi_forward
 
@@ -26,7 +26,7 @@ CFG = ModelConfig(
 def _setup():
   model = LoopedLM(CFG)
   tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 8), 0, CFG.vocab_size)
-  params = {"params": model.init(jax.random.PRNGKey(0), tokens)["params"]}
+  params = init_params(model, jax.random.PRNGKey(0), tokens)
   return model, params, tokens
 
 

@@ -11,7 +11,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 from looped import testing
-from looped.model import LoopedLM, depth, init_cache
+from looped.model import LoopedLM, depth, init_cache, init_params
 from looped.model.kv_cache import num_cached_values
 from looped.model.sharing import decode_forward, jacobi_forward
 
@@ -33,7 +33,7 @@ def _decode(model, share_kv, prefill=0):
 def _setup(cfg=TINY, batch=2, length=9, seed=0):
   model = LoopedLM(cfg)
   tokens = jax.random.randint(jax.random.PRNGKey(seed + 1), (batch, length), 0, cfg.vocab_size)
-  params = {"params": model.init(jax.random.PRNGKey(seed), tokens)["params"]}
+  params = init_params(model, jax.random.PRNGKey(seed), tokens)
   return model, params, tokens
 
 

@@ -18,13 +18,14 @@ import json
 import os
 import time
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from absl import logging
 
 from looped import config_checks as cc
 from looped import data as data_lib
-from looped import kv_quant
+from looped import kv_quant, sharding
 from looped import model as model_lib
 from looped.benice import evaluation, objectives, report, stages
 from looped.model.looped_lm import LoopedLM
@@ -103,9 +104,15 @@ def validate(config) -> None:
       )
 
 
-def _abstract_params(model: LoopedLM, seq_len: int):
+def _abstract_params(model: LoopedLM, seq_len: int, mesh, rules):
+  """Shapes, dtypes and mesh shardings of the params: what a restore places them as."""
   dummy = jnp.zeros((1, seq_len), jnp.int32)
-  return jax.eval_shape(lambda: {"params": model.init(jax.random.PRNGKey(0), dummy)["params"]})
+  boxed = jax.eval_shape(lambda: {"params": model.init(jax.random.PRNGKey(0), dummy)["params"]})
+  return jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+    nn.unbox(boxed),
+    sharding.shardings(boxed, mesh, rules),
+  )
 
 
 def _train_stage(
@@ -184,7 +191,9 @@ def _evaluate(config, workdir: str, model: LoopedLM, abstract, stage_dirs: dict)
 def run(config, workdir: str) -> dict:
   """Runs (or skips) every stage, then writes and prints the report. Returns the report."""
   model = LoopedLM(model_lib.from_config(config.model))
-  abstract = _abstract_params(model, config.data.seq_len)
+  mesh = sharding.make_mesh(config)  # Training, evaluation and decode all run on it.
+  rules = sharding.rules(config, mesh)
+  abstract = _abstract_params(model, config.data.seq_len, mesh, rules)
   stage_dirs = {
     stages.PRETRAIN: config.pipeline.pretrain_workdir or os.path.join(workdir, "pretrain"),
     stages.FINETUNE: config.pipeline.finetune_workdir or os.path.join(workdir, "finetune"),
@@ -233,7 +242,8 @@ def run(config, workdir: str) -> dict:
   else:
     stage_dirs.pop(stages.BENICE)
 
-  results = _evaluate(config, workdir, model, abstract, stage_dirs)
+  with sharding.context(mesh, rules):
+    results = _evaluate(config, workdir, model, abstract, stage_dirs)
   out = report.build(config, results, stage_dirs)
   if jax.process_index() == 0:
     report_dir = os.path.join(workdir, "report")

@@ -42,8 +42,9 @@ def stage_config(config, stage: str) -> ml_collections.ConfigDict:
   """The config `trainer.train` gets for `stage` (module docstring)."""
   c = ml_collections.ConfigDict()
   c.seed = config.seed
-  for section in ("model", "data", "depth", "train"):
+  for section in ("model", "data", "depth", "train", "mesh"):
     c[section] = _copy(config[section])
+  c.mesh_rules = config.mesh_rules
   if stage in POST_STAGES:
     c.depth = _copy(config.post.depth)
     for name, value in config.post.train.items():
@@ -83,8 +84,13 @@ def latest_step(workdir: str) -> int | None:
   return max(steps) if steps else None
 
 
+_PLACEMENT = ("mesh", "mesh_rules")
+
+
 def _fingerprint(stage_cfg) -> dict:
   d = json.loads(json.dumps(stage_cfg.to_dict()))
+  for name in _PLACEMENT:  # The same stage on another mesh (a checkpoint restores on any).
+    d.pop(name, None)
   for name in _CADENCE:
     d["train"].pop(name, None)
   return d

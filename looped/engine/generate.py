@@ -26,7 +26,7 @@ from looped.engine.engine import Engine, pages_for_budget
 from looped.engine.requests import GenRequest
 from looped.engine.sampling import SamplingParams
 from looped.model import config as model_lib
-from looped.model import mixers
+from looped.model import init_params, mixers
 from looped.model.looped_lm import LoopedLM
 from looped.train import checkpointing
 
@@ -184,7 +184,7 @@ def run(config, workdir: str) -> dict[str, Any]:
   model = LoopedLM(cfg)
   tokenizer = tokenizers.get(data_cfg)
   abstract = jax.eval_shape(
-    lambda: {"params": model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]}
+    lambda: init_params(model, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
   )
   g = config.gen
   step = None if g.step < 0 else g.step

@@ -2,6 +2,14 @@
 
 from looped.model.config import ModelConfig, from_config, validate
 from looped.model.kv_cache import KVCache, init_cache
-from looped.model.looped_lm import LoopedLM
+from looped.model.looped_lm import LoopedLM, init_params
 
-__all__ = ["KVCache", "LoopedLM", "ModelConfig", "from_config", "init_cache", "validate"]
+__all__ = [
+  "KVCache",
+  "LoopedLM",
+  "ModelConfig",
+  "from_config",
+  "init_cache",
+  "init_params",
+  "validate",
+]

@@ -91,10 +91,13 @@ class Attention(nn.Module):
   @nn.compact
   def __call__(self, x_BxTxD, positions_BxT, ctx: MixerContext) -> tuple[jax.Array, KV]:
     cfg = self.cfg
-    proj = lambda heads, name: projection(cfg, (heads, cfg.head_dim), cfg.init_std, name)
-    q_BxTxNxH = proj(cfg.num_heads, "query")(x_BxTxD)
-    k_BxTxKxH = proj(cfg.num_kv_heads, "key")(x_BxTxD)
-    v_BxTxKxH = proj(cfg.num_kv_heads, "value")(x_BxTxD)
+    proj = lambda heads, name, axis: projection(
+      cfg, (heads, cfg.head_dim), cfg.init_std, name, axes=("embed", axis, "head_dim")
+    )
+    q_BxTxNxH = proj(cfg.num_heads, "query", "heads")(x_BxTxD)
+    k_BxTxKxH = proj(cfg.num_kv_heads, "key", "kv_heads")(x_BxTxD)
+    v_BxTxKxH = proj(cfg.num_kv_heads, "value", "kv_heads")(x_BxTxD)
+    q_BxTxNxH = nn.with_logical_constraint(q_BxTxNxH, ("batch", "length", "heads", "head_dim"))
     if cfg.qk_norm:
       q_BxTxNxH = RMSNorm(cfg.weight_dtype, name="query_norm")(q_BxTxNxH)
       k_BxTxKxH = RMSNorm(cfg.weight_dtype, name="key_norm")(k_BxTxKxH)
@@ -112,5 +115,8 @@ class Attention(nn.Module):
       out_BxTxNxH = attend(
         q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, ctx.self_mask_BxTxT, past_k, past_v, ctx.past_mask_BxTxS
       )
-    y_BxTxD = projection(cfg, cfg.d_model, self.out_std, "out", axis=(-2, -1))(out_BxTxNxH)
+    out_BxTxNxH = nn.with_logical_constraint(out_BxTxNxH, ("batch", "length", "heads", "head_dim"))
+    y_BxTxD = projection(
+      cfg, cfg.d_model, self.out_std, "out", axis=(-2, -1), axes=("heads", "head_dim", "embed")
+    )(out_BxTxNxH)
     return y_BxTxD, own

@@ -17,6 +17,7 @@ INJECTIONS = ("diagonal", "linear", "additive")
 STATE_INITS = ("like_init", "zeros", "embed")
 DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("xla", "pallas")
+REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 MIXERS = ("gqa", "mla", "kda")  # Sequence mixers (attention.py, mla.py, kda.py).
 STAGES = ("prelude", "core", "coda")
 
@@ -47,7 +48,7 @@ class ModelConfig:
   dtype: str = "float32"
   param_dtype: str = "float32"
   scan_recurrences: bool = True
-  remat: bool = False
+  remat: str = "none"
   attention_impl: str = "xla"
   prelude_mixers: tuple[str, ...] = ("gqa",)
   core_mixers: tuple[str, ...] = ("gqa",)
@@ -123,7 +124,8 @@ def validate(config, prefix: str = "model") -> None:
   )
   cc.number(config, p + "rope_base", min_value=1.0, min_exclusive=True)
   cc.number(config, p + "init_std", min_value=0.0, min_exclusive=True)
-  for name in ("prelude_norm", "qk_norm", "tie_embeddings", "scan_recurrences", "remat"):
+  cc.choice(config, p + "remat", REMAT_POLICIES)
+  for name in ("prelude_norm", "qk_norm", "tie_embeddings", "scan_recurrences"):
     cc.boolean(config, p + name)
   cc.divides(config, p + "num_heads", cc.get(config, p + "num_kv_heads"), p + "num_kv_heads")
   if cc.get(config, p + "head_dim") % 2:

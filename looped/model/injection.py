@@ -28,7 +28,7 @@ class Injection(nn.Module):
     if cfg.injection == "additive":
       return h_BxTxD + e_BxTxD
     if cfg.injection == "linear":
-      w = projection(cfg, d, (2 * d) ** -0.5, "linear")
+      w = projection(cfg, d, (2 * d) ** -0.5, "linear", axes=("embed", None))
       return w(jnp.concatenate([h_BxTxD, e_BxTxD], axis=-1))
     # decay = exp(-softplus(dt) exp(A_log)); dt = 0 at init, A_log set so decay = decay_init.
     a_log_init = math.log(-math.log(cfg.diagonal_decay_init) / math.log(2.0))
@@ -36,6 +36,6 @@ class Injection(nn.Module):
     dt_D = self.param("dt", nn.initializers.zeros, (d,), jnp.float32)
     step_D = nn.softplus(dt_D)
     decay_D = jnp.exp(-step_D * jnp.exp(a_log_D))
-    b = projection(cfg, d, d**-0.5, "B")
+    b = projection(cfg, d, d**-0.5, "B", axes=("embed", None))
     h = decay_D.astype(h_BxTxD.dtype) * h_BxTxD
     return h + step_D.astype(h_BxTxD.dtype) * b(e_BxTxD)

@@ -260,17 +260,19 @@ class KDA(nn.Module):
     h, kd = cfg.num_heads, cfg.head_dim
     b, t, _ = x_BxTxD.shape
     channels = 3 * h * kd
-    conv_in_BxTxC = projection(cfg, channels, cfg.init_std, "qkv")(x_BxTxD)
+    conv_in_BxTxC = projection(cfg, channels, cfg.init_std, "qkv", axes=("embed", None))(x_BxTxD)
     conv_w = self.param("conv", _conv_init, (cfg.kda_conv_size, channels), cfg.weight_dtype)
-    f_BxTxR = projection(cfg, kd, cfg.init_std, "decay_down")(x_BxTxD)
-    f_BxTxHxK = projection(cfg, (h, kd), cfg.init_std, "decay_up")(f_BxTxR)
+    f_BxTxR = projection(cfg, kd, cfg.init_std, "decay_down", axes=("embed", None))(x_BxTxD)
+    f_BxTxHxK = projection(cfg, (h, kd), cfg.init_std, "decay_up", axes=(None, "heads", None))(
+      f_BxTxR
+    )
     a_log_H = self.param("A_log", _a_log_init, (h,), jnp.float32)
     dt_bias_HxK = self.param("dt_bias", _dt_bias_init, (h, kd), jnp.float32)
     g_BxTxHxK = -jnp.exp(a_log_H)[:, None] * jax.nn.softplus(
       f_BxTxHxK.astype(jnp.float32) + dt_bias_HxK
     )
     beta_BxTxH = jax.nn.sigmoid(
-      projection(cfg, h, cfg.init_std, "beta")(x_BxTxD).astype(jnp.float32)
+      projection(cfg, h, cfg.init_std, "beta", axes=("embed", None))(x_BxTxD).astype(jnp.float32)
     )
     own = KDARecord(conv_in_BxTxC, g_BxTxHxK, beta_BxTxH)
     conv_w = conv_w.astype(jnp.float32)
@@ -300,7 +302,7 @@ class KDA(nn.Module):
       o_BxTxHxV = shared_read(q, k, v, g_BxTxHxK, beta_BxTxH, past_seq, chunk_size=chunk)
       entry = own
 
-    gate_BxTxR = projection(cfg, kd, cfg.init_std, "gate_down")(x_BxTxD)
+    gate_BxTxR = projection(cfg, kd, cfg.init_std, "gate_down", axes=("embed", None))(x_BxTxD)
     gate_BxTxHxV = nn.DenseGeneral(
       (h, kd),
       use_bias=True,
@@ -313,5 +315,7 @@ class KDA(nn.Module):
     o32 = o_BxTxHxV * jax.lax.rsqrt(jnp.mean(jnp.square(o_BxTxHxV), -1, keepdims=True) + 1e-5)
     o32 = o32 * norm_scale.astype(jnp.float32) * jax.nn.sigmoid(gate_BxTxHxV.astype(jnp.float32))
     out = o32.astype(cfg.compute_dtype)
-    y_BxTxD = projection(cfg, cfg.d_model, self.out_std, "out", axis=(-2, -1))(out)
+    y_BxTxD = projection(
+      cfg, cfg.d_model, self.out_std, "out", axis=(-2, -1), axes=("heads", "head_dim", "embed")
+    )(out)
     return y_BxTxD, entry

@@ -13,16 +13,42 @@ def normal_init(std: float):
   return nn.initializers.normal(stddev=std)
 
 
-def projection(cfg: ModelConfig, features, std: float, name: str, axis=-1) -> nn.DenseGeneral:
-  """Bias-free linear map in the model's compute/param dtypes (every matmul of the model)."""
-  return nn.DenseGeneral(
-    features,
-    axis=axis,
-    use_bias=False,
-    kernel_init=normal_init(std),
-    dtype=cfg.compute_dtype,
-    param_dtype=cfg.weight_dtype,
-    name=name,
+class Projection(nn.Module):
+  """Bias-free linear map contracting `axis` of x with a kernel [x.shape[axis]..., features...].
+
+  Like nn.DenseGeneral (same parameter name, shape, init values and math), but its kernel carries
+  logical axis names, so one rule table (looped.sharding) decides how it is sharded on any mesh.
+  """
+
+  features: tuple[int, ...]
+  axis: tuple[int, ...]
+  axes: tuple[str | None, ...]  # Logical name of every kernel dimension (in dims, then out).
+  std: float
+  dtype: jnp.dtype
+  param_dtype: jnp.dtype
+
+  @nn.compact
+  def __call__(self, x):
+    axis = tuple(a % x.ndim for a in self.axis)
+    shape = tuple(x.shape[a] for a in axis) + self.features
+    if len(self.axes) != len(shape):
+      raise ValueError(f"{self.name}: {len(self.axes)} logical axes {self.axes} for kernel {shape}")
+    init = nn.with_logical_partitioning(normal_init(self.std), self.axes)
+    kernel = self.param("kernel", init, shape, self.param_dtype)
+    x, kernel = nn.dtypes.promote_dtype(x, kernel, dtype=self.dtype)
+    contract = (axis, tuple(range(len(axis))))
+    return jax.lax.dot_general(x, kernel, (contract, ((), ())))
+
+
+def projection(cfg: ModelConfig, features, std: float, name: str, *, axes, axis=-1) -> Projection:
+  """Bias-free linear map in the model's compute/param dtypes (every matmul of the model).
+
+  axes: logical names of the kernel's dimensions, e.g. ('embed', 'heads', 'head_dim').
+  """
+  features = (features,) if isinstance(features, int) else tuple(features)
+  axis = (axis,) if isinstance(axis, int) else tuple(axis)
+  return Projection(
+    features, axis, tuple(axes), std, cfg.compute_dtype, cfg.weight_dtype, name=name
   )
 
 
@@ -61,11 +87,12 @@ class Mlp(nn.Module):
   @nn.compact
   def __call__(self, x_BxTxD):
     cfg = self.cfg
-    dense = lambda n, std, name: projection(cfg, n, std, name)
-    up_BxTxF = dense(cfg.mlp_dim, cfg.init_std, "up")(x_BxTxD)
+    dense = lambda n, std, name, axes: projection(cfg, n, std, name, axes=axes)
+    up_BxTxF = dense(cfg.mlp_dim, cfg.init_std, "up", ("embed", "mlp"))(x_BxTxD)
     if cfg.mlp_type == "swiglu":
-      gate_BxTxF = dense(cfg.mlp_dim, cfg.init_std, "gate")(x_BxTxD)
+      gate_BxTxF = dense(cfg.mlp_dim, cfg.init_std, "gate", ("embed", "mlp"))(x_BxTxD)
       h_BxTxF = nn.silu(gate_BxTxF) * up_BxTxF
     else:
       h_BxTxF = jnp.square(nn.relu(up_BxTxF))
-    return dense(cfg.d_model, self.out_std, "down")(h_BxTxF)
+    h_BxTxF = nn.with_logical_constraint(h_BxTxF, ("batch", "length", "mlp"))
+    return dense(cfg.d_model, self.out_std, "down", ("mlp", "embed"))(h_BxTxF)

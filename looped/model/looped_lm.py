@@ -56,7 +56,7 @@ class Block(nn.Module):
     x_BxTxD = x_BxTxD + Mlp(cfg, self.out_std, name="mlp")(
       RMSNorm(cfg.weight_dtype, name="mlp_norm")(x_BxTxD)
     )
-    return x_BxTxD, kv
+    return nn.with_logical_constraint(x_BxTxD, ("batch", "length", "embed")), kv
 
 
 def _out_std(cfg: ModelConfig) -> float:
@@ -139,6 +139,15 @@ class Recurrence(nn.Module):
     return MixerContext(bcast["self_mask"], past, bcast["past_mask"], bcast.get("read_past"))
 
 
+def init_params(model: LoopedLM, rng: jax.Array, tokens_BxT: jax.Array) -> dict:
+  """{'params': ...} of a fresh model as plain arrays.
+
+  model.init returns the params boxed with their logical axis names (nn.LogicallyPartitioned);
+  looped.sharding reads those boxes to place params on a mesh, everything else wants arrays.
+  """
+  return {"params": nn.unbox(model.init(rng, tokens_BxT)["params"])}
+
+
 class LoopedLM(nn.Module):
   """Parcae-style looped LM with optional KV-sharing across recurrences."""
 
@@ -202,12 +211,12 @@ class LoopedLM(nn.Module):
     embed = nn.Embed(
       cfg.vocab_size,
       cfg.d_model,
-      embedding_init=normal_init(cfg.init_std),
+      embedding_init=nn.with_logical_partitioning(normal_init(cfg.init_std), ("vocab", "embed")),
       dtype=cfg.compute_dtype,
       param_dtype=cfg.weight_dtype,
       name="embed",
     )
-    x = embed(tokens_BxT)
+    x = nn.with_logical_constraint(embed(tokens_BxT), ("batch", "length", "embed"))
     new_cache = {}
 
     def run_plain_layers(x, prefix: str):
@@ -260,7 +269,8 @@ class LoopedLM(nn.Module):
     if cfg.tie_embeddings:
       logits = embed.attend(x.astype(cfg.compute_dtype))
     else:
-      logits = projection(cfg, cfg.vocab_size, cfg.init_std, "head")(x)
+      logits = projection(cfg, cfg.vocab_size, cfg.init_std, "head", axes=("embed", "vocab"))(x)
+    logits = nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
 
     active_RxB = depth_mask_BxR.T.astype(jnp.float32)
     count_R = jnp.maximum(jnp.sum(active_RxB, axis=1), 1.0)
@@ -298,7 +308,10 @@ class LoopedLM(nn.Module):
   def _recurrences(self, decode: bool, collect_states: bool):
     """The core loop: lax.scan (one trace) or a Python loop (R traces), same parameters."""
     cfg = self.cfg
-    body_cls = nn.remat(Recurrence, prevent_cse=False) if cfg.remat else Recurrence
+    body_cls = Recurrence
+    if cfg.remat != "none":  # What the backward pass keeps of each recurrence's forward.
+      policy = None if cfg.remat == "full" else getattr(jax.checkpoint_policies, cfg.remat)
+      body_cls = nn.remat(Recurrence, prevent_cse=False, policy=policy)
     if cfg.scan_recurrences:
       scanned = nn.scan(
         body_cls,

@@ -95,18 +95,25 @@ class MLA(nn.Module):
     cfg = self.cfg
     n, h, c, r = cfg.num_heads, cfg.head_dim, cfg.mla_kv_rank, cfg.mla_rope_dim
     if cfg.mla_q_rank:
-      c_q = projection(cfg, cfg.mla_q_rank, cfg.init_std, "query_down")(x_BxTxD)
+      c_q = projection(cfg, cfg.mla_q_rank, cfg.init_std, "query_down", axes=("embed", None))(
+        x_BxTxD
+      )
       c_q = RMSNorm(cfg.weight_dtype, name="query_norm")(c_q)
-      q_BxTxNxE = projection(cfg, (n, h + r), cfg.init_std, "query_up")(c_q)
+      q_BxTxNxE = projection(cfg, (n, h + r), cfg.init_std, "query_up", axes=(None, "heads", None))(
+        c_q
+      )
     else:
-      q_BxTxNxE = projection(cfg, (n, h + r), cfg.init_std, "query")(x_BxTxD)
+      q_BxTxNxE = projection(cfg, (n, h + r), cfg.init_std, "query", axes=("embed", "heads", None))(
+        x_BxTxD
+      )
     q_nope_BxTxNxH = q_BxTxNxE[..., :h]
     q_rope_BxTxNxR = rope(q_BxTxNxE[..., h:], positions_BxT, cfg.rope_base)
-    kv_BxTxE = projection(cfg, c + r, cfg.init_std, "kv_down")(x_BxTxD)
+    kv_BxTxE = projection(cfg, c + r, cfg.init_std, "kv_down", axes=("embed", None))(x_BxTxD)
     c_BxTx1xC = RMSNorm(cfg.weight_dtype, name="kv_norm")(kv_BxTxE[..., :c])[:, :, None, :]
     k_rope_BxTx1xR = rope(kv_BxTxE[:, :, None, c:], positions_BxT, cfg.rope_base)
     own = (c_BxTx1xC, k_rope_BxTx1xR)
-    up = lambda name: self.param(name, normal_init(cfg.init_std), (c, n, h), cfg.weight_dtype)
+    up_init = nn.with_logical_partitioning(normal_init(cfg.init_std), (None, "heads", "head_dim"))
+    up = lambda name: self.param(name, up_init, (c, n, h), cfg.weight_dtype)
     w_uk_CxNxH, w_uv_CxNxH = up("key_up"), up("value_up")
 
     absorbed = ctx.past is not None and not callable(ctx.past)
@@ -122,5 +129,7 @@ class MLA(nn.Module):
     out_BxTxNxH = form(
       q_nope_BxTxNxH, q_rope_BxTxNxR, c_all, k_rope_all, w_uk_CxNxH, w_uv_CxNxH, mask
     ).astype(cfg.compute_dtype)
-    y_BxTxD = projection(cfg, cfg.d_model, self.out_std, "out", axis=(-2, -1))(out_BxTxNxH)
+    y_BxTxD = projection(
+      cfg, cfg.d_model, self.out_std, "out", axis=(-2, -1), axes=("heads", "head_dim", "embed")
+    )(out_BxTxNxH)
     return y_BxTxD, own

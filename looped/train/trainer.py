@@ -12,18 +12,19 @@ import os
 import time
 from typing import Any
 
+import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from absl import logging
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
 from looped import config_checks as cc
 from looped import data as data_lib
 from looped import model as model_lib
+from looped import sharding
 from looped.model import depth as depth_lib
 from looped.model.looped_lm import LoopedLM
 from looped.train import checkpointing, objectives, optim
@@ -74,6 +75,8 @@ def validate_training(config) -> None:
   cc.number(config, "train.grad_clip", min_value=0.0)
   for name in ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints"):
     cc.integer(config, "train." + name, min_value=1)
+  cc.integer(config, "train.grad_accum_steps", min_value=1)
+  sharding.validate(config)
   init_from = cc.string(config, "train.init_from", allow_empty=True)
   if init_from and not os.path.isdir(init_from):
     cc.fail("train.init_from", init_from, "must be an existing checkpoint or run directory")
@@ -82,17 +85,6 @@ def validate_training(config) -> None:
 def run(config, workdir: str) -> TrainResult:
   model = LoopedLM(model_lib.from_config(config.model))
   return train(config, workdir, model, objectives.language_modeling(model, config.depth))
-
-
-def _mesh() -> Mesh:
-  return Mesh(np.asarray(jax.devices()), ("data",))
-
-
-def _global_batch(batch: dict, mesh: Mesh) -> dict:
-  sharding = NamedSharding(mesh, P("data"))
-  return {
-    k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in batch.items()
-  }
 
 
 def make_eval_fn(model: LoopedLM):
@@ -109,23 +101,84 @@ def make_eval_fn(model: LoopedLM):
 def evaluate(eval_fn, params, eval_batches, mesh, bytes_per_token: float) -> dict:
   total, count = 0.0, 0
   for batch in eval_batches:
-    loss_sum, n = eval_fn(params, _global_batch(batch, mesh))
+    loss_sum, n = eval_fn(params, sharding.global_batch(batch, mesh))
     total += float(loss_sum)
     count += int(n)
   val_loss = total / count
   return {"val_loss": val_loss, "val_bpb": val_loss / math.log(2) / bytes_per_token}
 
 
-def _init_state(config, model: LoopedLM, optimizer, mesh: Mesh) -> TrainState:
+def init_state(config, model: LoopedLM, optimizer, mesh: Mesh, rules) -> TrainState:
+  """A fresh train state, created in place on the mesh: each device computes only its shards
+  of params and optimizer state (placed by their logical axes and the rule table)."""
   params_key, train_key = jax.random.split(jax.random.PRNGKey(config.seed))
   dummy = jnp.zeros((1, config.data.seq_len), jnp.int32)
 
-  def init():
+  def init_boxed():  # Params (and hence Adam moments) boxed with their logical axis names.
     params = {"params": model.init(params_key, dummy)["params"]}  # Not 'perturbations'.
     return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), train_key)
 
-  replicated = NamedSharding(mesh, P())
-  return jax.jit(init, out_shardings=replicated)()
+  state_shardings = sharding.shardings(jax.eval_shape(init_boxed), mesh, rules)
+  return jax.jit(lambda: nn.unbox(init_boxed()), out_shardings=state_shardings)()
+
+
+def make_train_step(objective: objectives.Objective, optimizer, schedule, train_cfg):
+  """(state, frozen, batch) -> (state, metrics): one optimizer step over
+  train_cfg.grad_accum_steps microbatches."""
+  grad_fn = jax.value_and_grad(objective.loss_fn, has_aux=True)
+  grad_fn = _accumulated(grad_fn, train_cfg.grad_accum_steps)
+
+  def train_step(state: TrainState, frozen, batch):
+    key = jax.random.fold_in(state.rng, state.step)
+    (loss, metrics), grads = grad_fn(state.params, frozen, batch, key)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads), lr=schedule(state.step))
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+  return train_step
+
+
+def jit_train_step(train_step, state: TrainState):
+  """The step compiled to keep the state where `state` is (its shardings), donating it."""
+  state_shardings = jax.tree.map(lambda x: x.sharding, state)
+  return jax.jit(train_step, donate_argnums=(0,), out_shardings=(state_shardings, None))
+
+
+def _on_mesh(frozen, params, param_shardings, mesh: Mesh):
+  """The objective's constants on the mesh: a params-shaped tree (a frozen teacher) sharded
+  like the params, anything else replicated."""
+  if frozen is None:
+    return None
+  if jax.tree.structure(frozen) == jax.tree.structure(params):
+    return jax.device_put(frozen, param_shardings)
+  return jax.device_put(frozen, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+
+def _accumulated(grad_fn, steps: int):
+  """grad_fn over `steps` microbatches, gradients and metrics averaged (the same mean loss as
+  one pass over the batch when microbatches hold equal token counts).
+
+  Microbatch i takes rows i, i + steps, ... of the batch, so every device keeps its own rows
+  (the batch is split in contiguous blocks over the devices) and nothing is resharded.
+  """
+  if steps == 1:
+    return grad_fn
+
+  def accumulated(params, frozen, batch, key):
+    micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // steps, steps, *x.shape[1:]), batch)
+
+    def body(total, i):
+      mb = jax.tree.map(lambda x: x[:, i], micro)
+      out = grad_fn(params, frozen, mb, jax.random.fold_in(key, i))
+      return jax.tree.map(jnp.add, total, out), None
+
+    shapes = jax.eval_shape(grad_fn, params, frozen, jax.tree.map(lambda x: x[:, 0], micro), key)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    total, _ = jax.lax.scan(body, zeros, jnp.arange(steps))
+    return jax.tree.map(lambda x: x / steps, total)
+
+  return accumulated
 
 
 def _format_eta(seconds: float) -> str:
@@ -151,10 +204,17 @@ def train(
     config.train.init_from, else random init). They are copied, so the caller's arrays stay
     valid although the train state is donated to each step.
   """
+  mesh = sharding.make_mesh(config)
+  rules = sharding.rules(config, mesh)
+  with sharding.context(mesh, rules):
+    return _train(config, workdir, model, objective, init_params, mesh, rules)
+
+
+def _train(config, workdir, model, objective, init_params, mesh, rules) -> TrainResult:
   tc = config.train
   os.makedirs(workdir, exist_ok=True)
-  mesh = _mesh()
   is_chief = jax.process_index() == 0
+  logging.info("Mesh %s over %d devices", dict(mesh.shape), mesh.size)
 
   data_iter = data_lib.make_train_iterator(
     config, process_index=jax.process_index(), process_count=jax.process_count()
@@ -166,7 +226,8 @@ def train(
 
   optimizer = optim.make_optimizer(tc)
   schedule = optim.learning_rate_schedule(tc)
-  state = _init_state(config, model, optimizer, mesh)
+  state = init_state(config, model, optimizer, mesh, rules)
+  param_shardings = jax.tree.map(lambda x: x.sharding, state.params)
   ckpt = checkpointing.Checkpointer(workdir, tc.keep_checkpoints)
   restored, resumed_from = ckpt.restore_latest(state, data_iter)
   if resumed_from is not None:
@@ -182,7 +243,7 @@ def train(
     # Copy: the train state is donated to the step, and the caller may keep using its params
     # (e.g. as a frozen teacher).
     copied = jax.tree.map(lambda x: jnp.array(x, copy=True), init_params)
-    state = state.replace(params=jax.device_put(copied, NamedSharding(mesh, P())))
+    state = state.replace(params=jax.device_put(copied, param_shardings))
   start = int(state.step)
   writer = MetricsWriter(workdir, resume_step=start, enabled=is_chief)
 
@@ -197,16 +258,8 @@ def train(
     writer.close()
     return TrainResult(state, {}, resumed_from)
 
-  def train_step(state: TrainState, frozen, batch):
-    key = jax.random.fold_in(state.rng, state.step)
-    grad_fn = jax.value_and_grad(objective.loss_fn, has_aux=True)
-    (loss, metrics), grads = grad_fn(state.params, frozen, batch, key)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads), lr=schedule(state.step))
-    return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
-
-  train_step = jax.jit(train_step, donate_argnums=(0,))
+  frozen = _on_mesh(objective.frozen, state.params, param_shardings, mesh)
+  train_step = jit_train_step(make_train_step(objective, optimizer, schedule, tc), state)
 
   def saveable(state: TrainState, frozen, batch):
     """Whether `state` may be saved: finite params and optimizer state, and a finite loss of
@@ -230,8 +283,8 @@ def train(
   t_last, step_last, t_start, start_timed = time.time(), start, time.time(), start
   record: dict = {}
   for step in range(start + 1, tc.num_steps + 1):
-    batch = _global_batch(next(data_iter), mesh)
-    state, metrics = train_step(state, objective.frozen, batch)
+    batch = sharding.global_batch(next(data_iter), mesh)
+    state, metrics = train_step(state, frozen, batch)
     if step == start + 1:  # Throughput and ETA exclude the first step's compilation.
       jax.block_until_ready(metrics["loss"])
       t_last, step_last, t_start = time.time(), step, time.time()
@@ -268,7 +321,7 @@ def train(
       _format_eta(eta),
     )
     if save_now:
-      ok, loss_after = jax.device_get(saveable(state, objective.frozen, batch))
+      ok, loss_after = jax.device_get(saveable(state, frozen, batch))
       if not ok:
         ckpt.wait()
         raise FloatingPointError(
