@@ -10,7 +10,9 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shlex
+import signal
 import subprocess
 import sys
 
@@ -300,7 +302,8 @@ class LocalMultiProcessTest(testing.TempDirTestCase):
     self.assertEqual(proc.returncode, 0, proc.stdout[-3000:] + proc.stderr[-3000:])
     for i in range(2):
       self.assertRegex(
-        proc.stdout, rf"local.py: \[p{i}\] XLA_FLAGS=.*--xla_force_host_platform_device_count=2"
+        proc.stdout,
+        rf"local.py: \[p{i}\] pid \d+: XLA_FLAGS=.*--xla_force_host_platform_device_count=2",
       )
       self.assertIn("--coordinator_address=localhost:", proc.stdout)
       self.assertRegex(
@@ -340,6 +343,35 @@ class LocalMultiProcessTest(testing.TempDirTestCase):
     self.assertIn("[p0] error: ", proc.stdout)
     self.assertIn("is in use by another run", proc.stdout)
     self.assertIn("local.py: process 0 of 2 failed with exit status 2", proc.stderr)
+
+  def test_sigterm_is_forwarded_and_no_process_outlives_local_py(self):
+    proc = subprocess.Popen(
+      [sys.executable, os.path.join(LAUNCH, "local.py"), "--num_processes=2", "--grace_s=2"]
+      + ["--", *TINY_RUN, "--config.train.num_steps=100000"]
+      + [f"--workdir={os.path.join(self.tmp, 'long')}"],
+      cwd=REPO,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    pids, joined = [], 0
+    try:
+      for line in proc.stdout:  # Until both processes have joined jax.distributed.
+        if match := re.match(r"local.py: \[p\d\] pid (\d+):", line):
+          pids.append(int(match.group(1)))
+        joined += "jax.distributed: process index" in line
+        if joined == 2:
+          break
+      proc.send_signal(signal.SIGTERM)
+      rest = proc.communicate(timeout=60)[0]
+    finally:
+      proc.kill()
+    self.assertEqual(proc.returncode, 128 + signal.SIGTERM, rest[-3000:])
+    self.assertIn("local.py: got signal 15, forwarding to the processes", rest)
+    self.assertLen(pids, 2)
+    for pid in pids:
+      with self.assertRaises(ProcessLookupError):
+        os.kill(pid, 0)
 
   def test_processes_given_different_configs_fail_before_training(self):
     proc = _local(
