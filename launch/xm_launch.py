@@ -16,8 +16,10 @@ Executors (`--executor`):
   vertex  Vertex AI custom jobs: the checkout is packaged as a Python container (built with
           Docker / Cloud Build from --base_image, which must have Python, then `pip install
           -e .` and --pip_install, e.g. 'jax[cuda12]') and each job asks for --requirements, e.g.
-          `--requirements=A100=8` (GPUs) or `--requirements=TPU_V4=8` (TPU cores). Needs
-          gcloud credentials and GOOGLE_CLOUD_PROJECT / GOOGLE_CLOUD_BUCKET_NAME set.
+          `--requirements=A100=8` (GPUs) or `--requirements=TPU_V3=8` (TPU cores; xmanager
+          0.8 maps only TPU_V2/V3 and picks machine types for A100 only: newer TPUs go
+          through tpu_vm.sh). Needs gcloud credentials (`gcloud auth application-default
+          login`, its project) and GOOGLE_CLOUD_BUCKET_NAME for the staged image.
 """
 
 from __future__ import annotations
@@ -147,15 +149,15 @@ def parse_requirements(spec: str) -> dict[str, int]:
 
 
 def docker_instructions(pip_install: str) -> list[str]:
-  """The image's build steps: the checkout under /workdir, installed with pip (xmanager's
+  """The image's build steps: the checkout under /app, installed with pip (xmanager's
   default steps expect a requirements.txt, which this repo does not have)."""
   name = os.path.basename(REPO)
   steps = [
     "ENV LANG=C.UTF-8",
-    "RUN mkdir -p -m 775 /workdir && chown 1000:root /workdir",
-    "WORKDIR /workdir",
-    f"COPY --chown=1000:root {name}/ /workdir/{name}",
-    f"WORKDIR /workdir/{name}",  # Relative --config paths resolve against the checkout.
+    "RUN mkdir -p -m 775 /app && chown 1000:root /app",
+    "WORKDIR /app",
+    f"COPY --chown=1000:root {name}/ /app/{name}",
+    f"WORKDIR /app/{name}",  # Relative --config paths resolve against the checkout.
     "RUN python -m pip install --no-cache-dir -e .",
   ]
   if pip_install:
@@ -226,7 +228,7 @@ def define_flags():
   )
   flags.DEFINE_enum("executor", "local", ["local", "vertex"], "Where the jobs run.")
   flags.DEFINE_string(
-    "requirements", "", "vertex: RESOURCE=N,..., e.g. A100=8 or TPU_V4=8 (xm.JobRequirements)."
+    "requirements", "", "vertex: RESOURCE=N,..., e.g. A100=8 or TPU_V3=8 (xm.JobRequirements)."
   )
   flags.DEFINE_string(
     "python", "", "local: the interpreter that runs looped.main (default: this one)."

@@ -166,9 +166,15 @@ class XmLaunchObjectsTest(absltest.TestCase):
     self.assertIn(
       "RUN python -m pip install --no-cache-dir 'jax[cuda12]'", spec.docker_instructions
     )
+    from xmanager.cloud import vertex
+
     executor = make_executor(xm_launch.parse_requirements("A100=8"))
     self.assertIsInstance(executor, xm_local.Vertex)
-    self.assertEqual(executor.requirements.task_requirements[xm.ResourceType.A100], 8)
+    machine = vertex.get_machine_spec(xm_launch.make_job(xm, object(), executor, job))
+    self.assertEqual((machine["accelerator_count"], machine["machine_type"]), (8, "a2-highgpu-8g"))
+    executor = make_executor(xm_launch.parse_requirements("TPU_V3=8"))
+    machine = vertex.get_machine_spec(xm_launch.make_job(xm, object(), executor, job))
+    self.assertEqual((machine["accelerator_count"], machine["machine_type"]), (8, "cloud-tpu"))
 
 
 class ShellLaunchersTest(testing.TempDirTestCase):
