@@ -87,7 +87,8 @@ def check_processes_agree(config, workdir: str, gather_bytes=None) -> None:
   gather_bytes: bytes -> every process's bytes; process_allgather by default (tests fake it).
   """
   if gather_bytes is None:
-    if jax.process_count() == 1:
+    # Not jax.process_count() alone: it would start a backend for programs that need none.
+    if not jax.distributed.is_initialized() or jax.process_count() == 1:
       return
     from jax.experimental import multihost_utils
 
