@@ -54,10 +54,16 @@ def _has_xmanager() -> bool:
   return importlib.util.find_spec("xmanager") is not None
 
 
-def _local(*args, cwd=REPO):
+# Cheaper CPU compiles (a third less CPU time); local.py keeps them next to its device count.
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+LOCAL_ENV = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}")
+
+
+def _local(*args):
   return subprocess.run(
     [sys.executable, os.path.join(LAUNCH, "local.py"), *args],
-    cwd=cwd,
+    cwd=REPO,
+    env=LOCAL_ENV,
     capture_output=True,
     text=True,
     timeout=300,
@@ -309,7 +315,8 @@ class LocalMultiProcessTest(testing.TempDirTestCase):
     for i in range(2):
       self.assertRegex(
         proc.stdout,
-        rf"local.py: \[p{i}\] pid \d+: XLA_FLAGS=.*--xla_force_host_platform_device_count=2",
+        rf"local.py: \[p{i}\] pid \d+: XLA_FLAGS='.*{FAST_COMPILE} "
+        "--xla_force_host_platform_device_count=2'",
       )
       self.assertIn("--coordinator_address=localhost:", proc.stdout)
       self.assertRegex(
@@ -356,6 +363,7 @@ class LocalMultiProcessTest(testing.TempDirTestCase):
       + ["--", *TINY_RUN, "--config.train.num_steps=100000"]
       + [f"--workdir={os.path.join(self.tmp, 'long')}"],
       cwd=REPO,
+      env=LOCAL_ENV,
       stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT,
       text=True,
