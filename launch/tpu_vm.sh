@@ -2,17 +2,18 @@
 # Runs `python -m looped.main --jax_distributed FLAGS` on every worker of a Cloud TPU VM slice.
 #
 #   launch/tpu_vm.sh --tpu=NAME --zone=ZONE [--project=P] [--repo_dir=DIR] [--dry_run] \
-#       -- --config=configs/pretrain.py --workdir=gs://BUCKET/run
+#       -- --config=configs/pretrain.py --workdir=/mnt/shared/run
 #
 # Every worker must already have the checkout at --repo_dir (relative: to the home directory
 # there; default 'looped') installed with jax[tpu]. jax.distributed.initialize() finds the
-# slice's workers by itself; the workdir must be one place all workers see (a gs:// path).
+# slice's workers by itself. The workdir must be the same directory on every worker (an NFS /
+# Filestore or gcsfuse mount): looped writes it with plain file I/O, not gs:// URLs.
 # Options may also come from the environment: TPU_NAME, TPU_ZONE, TPU_PROJECT, REPO_DIR,
 # PYTHON (default python3) and DRY_RUN=1 (print the command, run nothing; needs no gcloud).
 set -euo pipefail
 
 usage() {
-  sed -n '2,11s/^# \{0,1\}//p' "$0" >&2
+  sed -n '2,12s/^# \{0,1\}//p' "$0" >&2
   exit 2
 }
 

@@ -19,7 +19,9 @@ Executors (`--executor`):
           `--requirements=A100=8` (GPUs) or `--requirements=TPU_V3=8` (TPU cores; xmanager
           0.8 maps only TPU_V2/V3 and picks machine types for A100 only: newer TPUs go
           through tpu_vm.sh). Needs gcloud credentials (`gcloud auth application-default
-          login`, its project) and GOOGLE_CLOUD_BUCKET_NAME for the staged image.
+          login`, its project) and GOOGLE_CLOUD_BUCKET_NAME for the staged image. Vertex
+          mounts buckets at /gcs/BUCKET, so --workdir_root=/gcs/BUCKET/sweep keeps the runs
+          (looped writes workdirs with plain file I/O, not gs:// URLs).
 """
 
 from __future__ import annotations

@@ -207,7 +207,7 @@ class ShellLaunchersTest(testing.TempDirTestCase):
   def test_tpu_vm_runs_the_same_distributed_command_on_every_worker(self):
     flags = [
       "--config=configs/pretrain.py",
-      "--workdir=gs://b/run",
+      "--workdir=/mnt/shared/run",
       "--config.model.core_mixers=('kda','mla')",
     ]
     lines = self._dry_run(
@@ -262,7 +262,7 @@ class ShellLaunchersTest(testing.TempDirTestCase):
     lines = self._dry_run(
       "slurm.sbatch",
       ["--", *flags],
-      {**env, "SLURM_JOB_NODELIST": "gpu[1,3-4],cpu7", "PROCESSES_PER_NODE": "8"},
+      {**env, "SLURM_JOB_NODELIST": "gpu[1,3-4],cpu7", "SLURM_NTASKS_PER_NODE": "8"},
     )
     self.assertIn("coordinator gpu1:", lines[0])
     task = shlex.split(lines[1].removeprefix("slurm.sbatch: "))[-1]
