@@ -2,9 +2,11 @@
 
 File sources ('stdlib', 'text') are tokenized once per process into one in-memory stream per
 split (kept in a small in-process cache, nothing on disk); rows are windows of it (packing.py).
-Training: row ids -> this process's shard (process_index::process_count) -> shuffle (seeded by
-config.seed, reshuffled every epoch) -> repeat forever -> batch -> gather. Without worker
-processes the iterator state is one integer, so checkpoints are tiny.
+Training: row ids -> shuffle (seeded by config.seed, reshuffled every epoch) -> repeat forever ->
+global batches of data.batch_size -> this process's slice [p*b, (p+1)*b) (b = B / process_count)
+-> gather. Every process walks the same global order, so the global batch of a step does not
+depend on the number of processes (a 2-host run trains exactly like a 1-host one). Without
+worker processes the iterator state is one integer, so checkpoints are tiny.
 
 TFDS is streamed: documents -> this process's shard -> shuffle documents per epoch -> repeat ->
 tokenize -> pack into rows -> batch, reading only what the next batch needs.
@@ -89,11 +91,12 @@ def make_train_iterator(config, *, process_index: int, process_count: int):
       f"config.data.seq_len + 1 = {seq_len + 1}; one batch needs config.data.batch_size = "
       f"{data.batch_size} rows."
     )
-  row_ids = grain.MapDataset.range(total_rows)[process_index::process_count]
+  row_ids = grain.MapDataset.range(total_rows)
   if data.shuffle:
     row_ids = row_ids.shuffle(seed=seed)
-  batches = row_ids.repeat().batch(local_batch, drop_remainder=True)
-  batches = batches.map(GatherRows(stream, seq_len)).to_iter_dataset(_MEMORY_READ)
+  batches = row_ids.repeat().batch(data.batch_size, drop_remainder=True)
+  mine = slice(process_index * local_batch, (process_index + 1) * local_batch)
+  batches = batches.map(GatherRows(stream, seq_len, mine)).to_iter_dataset(_MEMORY_READ)
   return _with_workers(batches, data.worker_count).__iter__()
 
 
@@ -159,14 +162,17 @@ class EncodeDocument:
 
 
 class GatherRows:
-  """Picklable batch of row ids -> {'inputs', 'targets'} gathered from an in-memory stream."""
+  """Picklable batch of row ids -> {'inputs', 'targets'} of the rows `rows` selects (this
+  process's slice of a global batch), gathered from an in-memory stream."""
 
-  def __init__(self, stream: np.ndarray, seq_len: int):
+  def __init__(self, stream: np.ndarray, seq_len: int, rows: slice = slice(None)):
     self.stream = stream
     self.seq_len = seq_len
+    self.rows = rows
 
   def __call__(self, row_ids) -> dict[str, np.ndarray]:
-    return packing.to_example(packing.gather_rows(self.stream, row_ids, self.seq_len))
+    rows = np.asarray(row_ids)[self.rows]
+    return packing.to_example(packing.gather_rows(self.stream, rows, self.seq_len))
 
 
 def _with_workers(ds: grain.IterDataset, worker_count: int) -> grain.IterDataset:

@@ -171,7 +171,7 @@ def restore_params(workdir_or_dir: str, abstract_params, step: int | None = None
     raise FileNotFoundError(f"No checkpoint found under {directory!r}.")
   logging.info("Loading params from %s step %d", directory, step)
   where = os.path.join(directory, str(step))
-  items = dict(params=ocp.args.StandardRestore(abstract_params))
+  items = dict(params=ocp.args.StandardRestore(_placed(abstract_params)))
   verified = _has_checksums(where)
   if verified:
     items["checksums"] = ocp.args.JsonRestore()
@@ -184,6 +184,19 @@ def restore_params(workdir_or_dir: str, abstract_params, step: int | None = None
   if verified:
     _verify("params", restored["params"], (restored["checksums"] or {}).get("params", {}), where)
   return restored["params"]
+
+
+def _placed(abstract):
+  """Leaves without a sharding go to this process's first device: Orbax needs a placement to
+  restore arrays written by another topology (e.g. a multi-host or multi-device run)."""
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+  def place(x):
+    if getattr(x, "sharding", None) is not None:
+      return x
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device)
+
+  return jax.tree.map(place, abstract)
 
 
 def _has_checksums(step_dir: str) -> bool:
