@@ -17,6 +17,7 @@ from configs import generate as generate_config
 from looped import config_checks, programs, testing
 from looped.data.tokenizers import BytesTokenizer
 from looped.model import config as model_lib
+from looped.model import init_params
 from looped.model.kv_cache import init_cache
 from looped.model.looped_lm import LoopedLM
 from looped.train import checkpointing, trainer
@@ -66,9 +67,7 @@ class GenerateProgramTest(absltest.TestCase):
     trainer.run(config, cls.train_dir)
     cls.model = LoopedLM(model_lib.from_config(config.model))
     abstract = jax.eval_shape(
-      lambda: {
-        "params": cls.model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
-      }
+      lambda: init_params(cls.model, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
     )
     cls.params = checkpointing.restore_params(cls.train_dir, abstract)
     cls.model_config = config.model

@@ -45,7 +45,7 @@ class ScanTest(parameterized.TestCase):
     unrolled = LoopedLM(dataclasses.replace(cfg, scan_recurrences=False))
     # One parameter tree serves both.
     chex.assert_trees_all_equal_shapes(
-      params["params"], unrolled.init(jax.random.PRNGKey(0), tokens)["params"]
+      params["params"], init_params(unrolled, jax.random.PRNGKey(0), tokens)["params"]
     )
     mask = jnp.array([[1, 0, 1], [1, 1, 0]], bool)
     out_s, aux_s = scanned.apply(params, tokens, depth_mask_BxR=mask)

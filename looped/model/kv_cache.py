@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 
+import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -122,6 +123,22 @@ def _write_rows(cache_BxSx, chunk_BxTx, start_B):
   return jax.vmap(one)(cache_BxSx, chunk_BxTx, start_B)
 
 
+def _constrain(x):
+  """Per-token cache arrays [(R,) B, S, K, ...] are split by batch rows and KV heads on a mesh
+  (looped.sharding; a no-op outside one). A single head (MLA's latent) stays whole."""
+  lead = (None,) * (x.ndim - 4)
+  heads = "kv_heads" if x.shape[-2] > 1 else None
+  return nn.with_logical_constraint(x, lead + ("batch", "length", heads, None))
+
+
+def _constrain_entry(kv):
+  """_constrain on an entry's K and V (their packed elements when quantized; scales follow)."""
+  one = lambda x: (
+    x.replace(data=_constrain(x.data)) if isinstance(x, kv_quant.QuantizedKV) else _constrain(x)
+  )
+  return tuple(one(x) for x in kv)
+
+
 def write_chunk(cache: KVCache, new: dict, num_tokens: int) -> KVCache:
   """Appends the chunk's raw K/V (same structure as cache.layers, T slots), advances length.
 
@@ -139,7 +156,7 @@ def write_chunk(cache: KVCache, new: dict, num_tokens: int) -> KVCache:
     per_recurrence = name == "core" and not cache.share_kv
     write_entry = jax.vmap(write) if per_recurrence else write
     layers[name] = [
-      kv_new if is_state(kv) else jax.tree.map(write_entry, kv, kv_new)
+      kv_new if is_state(kv) else _constrain_entry(jax.tree.map(write_entry, kv, kv_new))
       for kv, kv_new in zip(kvs, new[name], strict=True)
     ]
   return cache.replace(length_B=cache.length_B + num_tokens, layers=layers)
