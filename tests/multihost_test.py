@@ -92,9 +92,11 @@ class MultiHostTest(testing.TempDirTestCase):
     got, want = _params(workdir, STEPS), _params(reference, STEPS)
     changed = jax.tree.map(lambda a, b: float(np.abs(a - b).max()), want, _params(reference, 4))
     self.assertGreater(max(jax.tree.leaves(changed)), 1e-3)  # Training moved the params.
+    # Equal to 1e-6 absolute (params are O(0.01-1)): the 2-process gradient is a cross-process
+    # sum of two partial sums, so float32 rounding differs (measured: at most ~2e-7 after 40 steps).
     for path, a in jax.tree_util.tree_leaves_with_path(got):
       b = _at(want, path)
-      np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7, err_msg=jax.tree_util.keystr(path))
+      np.testing.assert_allclose(a, b, rtol=0, atol=1e-6, err_msg=jax.tree_util.keystr(path))
 
 
 def _at(tree, path):
