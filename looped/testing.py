@@ -51,6 +51,20 @@ def smoke_config(overrides: dict):
   return config
 
 
+def saved_params(model_cfg, workdir: str, step: int | None = None):
+  """The verified params of a run's checkpoint (the latest, or `step`), to compare runs."""
+  import jax  # Lazy, like configs above: importing looped.testing stays cheap.
+  import numpy as np
+
+  from looped.model import LoopedLM, from_config, init_params
+  from looped.train import checkpointing
+
+  model = LoopedLM(from_config(model_cfg))
+  tokens = np.zeros((1, 8), np.int32)
+  abstract = jax.eval_shape(lambda: init_params(model, jax.random.PRNGKey(0), tokens))
+  return checkpointing.restore_params(workdir, abstract, step)
+
+
 def set_field(config, dotted: str, value) -> None:
   """config.<dotted> = value, even if the type differs (to test bad values)."""
   node = config

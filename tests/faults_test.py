@@ -17,7 +17,6 @@ from absl.testing import absltest
 from looped import data as data_lib
 from looped import programs, testing
 from looped.config_checks import ConfigError
-from looped.model import init_params
 from looped.train import checkpointing, trainer, workdir_lock
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,12 +35,7 @@ def _config(**extra):
 
 
 def _params_of(workdir, step=None):
-  config = _config()
-  model = trainer.LoopedLM(trainer.model_lib.from_config(config.model))
-  abstract = jax.eval_shape(
-    lambda: init_params(model, jax.random.PRNGKey(0), np.zeros((1, 8), np.int32))
-  )
-  return checkpointing.restore_params(workdir, abstract, step)
+  return testing.saved_params(_config().model, workdir, step)
 
 
 class WorkdirLockTest(testing.TempDirTestCase):

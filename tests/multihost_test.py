@@ -15,8 +15,8 @@ import numpy as np
 from absl.testing import absltest
 
 from looped import testing
-from looped.model import LoopedLM, from_config, init_params
-from looped.train import checkpointing, objectives, trainer
+from looped.model import LoopedLM, from_config
+from looped.train import objectives, trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 40
@@ -49,11 +49,7 @@ def _launch(workdir: str) -> subprocess.Popen:
 
 
 def _params(workdir: str, step: int):
-  model = LoopedLM(from_config(_config().model))
-  abstract = jax.eval_shape(
-    lambda: init_params(model, jax.random.PRNGKey(0), np.zeros((1, 8), np.int32))
-  )
-  return checkpointing.restore_params(workdir, abstract, step)
+  return testing.saved_params(_config().model, workdir, step)
 
 
 class MultiHostTest(testing.TempDirTestCase):
