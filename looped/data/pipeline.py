@@ -9,7 +9,8 @@ depend on the number of processes (a 2-host run trains exactly like a 1-host one
 worker processes the iterator state is one integer, so checkpoints are tiny.
 
 TFDS is streamed: documents -> this process's shard -> shuffle documents per epoch -> repeat ->
-tokenize -> pack into rows -> batch, reading only what the next batch needs.
+tokenize -> pack into rows -> batch, reading only what the next batch needs (so, unlike file
+sources, its global batches depend on the number of processes).
 
 Eval batch j is rows [j*B, (j+1)*B) of the validation stream (B = data.eval_batch_size, no
 shuffle); process p gets rows [p*b, (p+1)*b) of it (b = B / process_count), so the global eval
