@@ -32,6 +32,8 @@ def overrides(stage_config: dict, base: dict) -> list[str]:
   for section in ("model", "train", "depth"):
     for key, default in base[section].items():
       value = stage_config[section].get(key, default)
+      if (section, key) == ("model", "remat") and isinstance(value, bool):
+        value = "full" if value else "none"  # Recorded before remat became a policy name.
       if isinstance(default, tuple):
         value = tuple(value)
       if value != default:
