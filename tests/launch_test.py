@@ -330,16 +330,21 @@ class LocalMultiProcessTest(testing.TempDirTestCase):
       steps = [json.loads(line)["step"] for line in f]
     self.assertEqual(steps, [2, 4])  # Once each: process 1 wrote nothing.
 
-  def test_a_failing_process_stops_the_others_and_is_named(self):
-    # Process 1 misspells a field and exits before joining; process 0 would wait for it.
+  def _two_processes_exiting_2(self, process_1_flag: str, name: str):
+    """local.py with 2 processes, process 1 given one more flag; the run must exit with 2."""
     proc = _local(
       "--num_processes=2",
-      "--per_process_flags=1:--config.train.num_stepz=4",
+      f"--per_process_flags=1:{process_1_flag}",
       "--",
       *TINY_RUN,
-      f"--workdir={os.path.join(self.tmp, 'bad')}",
+      f"--workdir={os.path.join(self.tmp, name)}",
     )
     self.assertEqual(proc.returncode, 2, proc.stdout[-3000:] + proc.stderr[-3000:])
+    return proc
+
+  def test_a_failing_process_stops_the_others_and_is_named(self):
+    # Process 1 misspells a field and exits before joining; process 0 would wait for it.
+    proc = self._two_processes_exiting_2("--config.train.num_stepz=4", "bad")
     self.assertIn("[p1] error: --config.train.num_stepz=4: the config has no field", proc.stdout)
     self.assertIn(
       "local.py: process 1 of 2 failed with exit status 2; terminated the others.", proc.stderr
@@ -388,14 +393,7 @@ class LocalMultiProcessTest(testing.TempDirTestCase):
         os.kill(pid, 0)
 
   def test_processes_given_different_configs_fail_before_training(self):
-    proc = _local(
-      "--num_processes=2",
-      "--per_process_flags=1:--config.seed=1",
-      "--",
-      *TINY_RUN,
-      f"--workdir={os.path.join(self.tmp, 'split')}",
-    )
-    self.assertEqual(proc.returncode, 2, proc.stdout[-3000:] + proc.stderr[-3000:])
+    proc = self._two_processes_exiting_2("--config.seed=1", "split")
     self.assertRegex(
       proc.stdout,
       r"\[p[01]\] error: processes disagree on the config or workdir: process\(es\) \[1\] differ "
