@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import kv_formats, ops, platform
+from pallas_kernels import kv_formats, ops, paged_decode_tpu, platform
 from pallas_kernels.kv_formats import PackedKV
 
 # Minimum rows of a dot operand per platform (Triton's tl.dot needs 16; interpret mode none).
@@ -138,6 +138,7 @@ def paged_decode(
   lengths_B: jax.Array,
   *,
   sm_scale: float | None = None,
+  variant: str | None = None,
   interpret: bool | None = None,
 ) -> jax.Array:
   """Attention of T new tokens per sequence to its paged cache and to each other.
@@ -151,7 +152,11 @@ def paged_decode(
       entries past ceil(length / page_size) are never read.
     lengths_B: int32 cached tokens per sequence (slots >= length are masked, may be NaN).
     sm_scale: logit scale (default D ** -0.5).
-    interpret: Pallas interpret mode (default: exactly when there is no GPU/TPU).
+    variant: 'generic' (one kernel for interpret, Triton and Mosaic; the whole page pool of a
+      head is one block) or 'tpu' (pages pipelined through scalar-prefetched page ids,
+      `paged_decode_tpu`). Default: 'tpu' on TPU, else 'generic'.
+    interpret: Pallas interpret mode (default: exactly when there is no GPU/TPU). With the
+      'tpu' variant, True means Pallas' TPU interpreter (`pltpu.InterpretParams()`).
 
   Returns:
     [B, T, N, D] in q's dtype. Forward only (decode needs no gradient).
@@ -163,8 +168,12 @@ def paged_decode(
   fmt = k_pages.fmt
   n_parts = 2 if fmt == "nvfp4" else 1
   sm_scale = float(d**-0.5 if sm_scale is None else sm_scale)
-  interpret = platform.interpret_default(interpret)
-  min_rows = 1 if interpret else _MIN_ROWS[platform.platform()]
+  variant = platform.variant_default(variant)
+  interpret = platform.interpret_default(interpret, variant)
+  if variant == "tpu":
+    min_rows = paged_decode_tpu.ROWS  # Mosaic's tiling, also in interpret mode.
+  else:
+    min_rows = 1 if interpret else _MIN_ROWS[platform.platform()]
 
   # q -> [B, K, rows, D] with row m = t * G + g; own K/V -> [B, K, T, D]; both padded to
   # min_rows (padded rows are dropped, padded own keys are masked by u < T).
@@ -182,6 +191,57 @@ def paged_decode(
   q_parts = _split_parts(q, n_parts)
   k_new_parts = _split_parts(own(k_new_BxTxKxD), n_parts)
   v_new_parts = _split_parts(own(v_new_BxTxKxD), n_parts)
+  if variant == "tpu":
+    out_parts = paged_decode_tpu.paged_decode_tpu(
+      q_parts,
+      k_new_parts,
+      v_new_parts,
+      k_pages,
+      v_pages,
+      page_table_BxP.astype(jnp.int32),
+      lengths_B.astype(jnp.int32),
+      group=group,
+      num_new=t,
+      sm_scale=sm_scale,
+      interpret=interpret,
+    )
+  else:
+    out_parts = _generic(
+      q_parts,
+      k_new_parts,
+      v_new_parts,
+      k_pages,
+      v_pages,
+      page_table_BxP,
+      lengths_B,
+      group=group,
+      num_new=t,
+      sm_scale=sm_scale,
+      interpret=interpret,
+    )
+  out = out_parts[0] if n_parts == 1 else jnp.stack(out_parts, axis=-1).reshape(*q.shape)
+  out = out[:, :, :rows].reshape(b, kv_heads, t, group, d).transpose(0, 2, 1, 3, 4)
+  return out.reshape(b, t, n, d)
+
+
+def _generic(
+  q_parts,
+  k_new_parts,
+  v_new_parts,
+  k_pages,
+  v_pages,
+  page_table_BxP,
+  lengths_B,
+  *,
+  group,
+  num_new,
+  sm_scale,
+  interpret,
+):
+  """The generic pallas_call: one program per (sequence, KV head), whole page pool blocks."""
+  fmt = k_pages.fmt
+  n_parts = len(q_parts)
+  b, kv_heads = q_parts[0].shape[:2]
   k_leaves, v_leaves = _leaves(k_pages), _leaves(v_pages)
   # Page table padded to a power of two (Triton block shapes).
   pages_per_seq = page_table_BxP.shape[1]
@@ -203,15 +263,15 @@ def paged_decode(
     n_parts=n_parts,
     n_leaves=len(k_leaves),
     group=group,
-    num_new=t,
+    num_new=num_new,
     sm_scale=sm_scale,
   )
-  out_parts = pl.pallas_call(
+  return pl.pallas_call(
     kernel,
     grid=(b, kv_heads),
     in_specs=in_specs,
     out_specs=[row_spec(x) for x in q_parts],
-    out_shape=[jax.ShapeDtypeStruct(x.shape, q.dtype) for x in q_parts],
+    out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in q_parts],
     interpret=interpret,
     compiler_params=platform.compiler_params(interpret),
     name=f"paged_decode_{fmt}",
@@ -224,6 +284,3 @@ def paged_decode(
     *k_leaves,
     *v_leaves,
   )
-  out = out_parts[0] if n_parts == 1 else jnp.stack(out_parts, axis=-1).reshape(*q.shape)
-  out = out[:, :, :rows].reshape(b, kv_heads, t, group, d).transpose(0, 2, 1, 3, 4)
-  return out.reshape(b, t, n, d)

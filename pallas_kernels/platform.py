@@ -21,9 +21,32 @@ def platform() -> str:
   return backend if backend in ("gpu", "tpu") else "cpu"
 
 
-def interpret_default(interpret: bool | None) -> bool:
-  """interpret=None means: interpret exactly when there is no accelerator."""
-  return platform() == "cpu" if interpret is None else bool(interpret)
+VARIANTS = ("generic", "tpu")
+
+
+def variant_default(variant: str | None) -> str:
+  """Which kernel variant: 'generic' (one body for interpret, Triton, Mosaic) or 'tpu' (blocks
+  pipelined by Mosaic through BlockSpecs). None means 'tpu' exactly on TPU."""
+  if variant is None:
+    return "tpu" if platform() == "tpu" else "generic"
+  if variant not in VARIANTS:
+    raise ValueError(f"Unknown kernel variant {variant!r}; allowed: {VARIANTS}.")
+  return variant
+
+
+def interpret_default(interpret, variant: str = "generic"):
+  """interpret=None means: interpret exactly when there is no accelerator. For the 'tpu'
+  variant, interpret=True is Pallas' TPU interpreter (simulated VMEM and DMAs, uninitialized
+  memory NaN, out-of-bounds reads raise); an `InterpretParams` passes through."""
+  if interpret is None:
+    interpret = platform() == "cpu"
+  if not isinstance(interpret, bool):
+    return interpret
+  if interpret and variant == "tpu":
+    from jax.experimental.pallas import tpu as pltpu
+
+    return pltpu.InterpretParams()
+  return interpret
 
 
 def compiler_params(interpret: bool, num_warps: int = 4, num_stages: int = 2):

@@ -21,7 +21,7 @@ Per-query-head K/V gradients are summed over the group outside the kernels.
 
 The past may arrive packed in a KV format (`kv_formats.PackedKV`, per-token layout of
 `looped.kv_quant`): the forward and dq kernels then dequantize each past tile as they load it
-(`_past_tile`), and the past, a constant, gets zero cotangents (no dkv kernel).
+(`ops.past_tile`), and the past, a constant, gets zero cotangents (no dkv kernel).
 """
 
 from __future__ import annotations
@@ -35,41 +35,13 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import kv_formats, ops, platform
+from pallas_kernels import kv_formats, ops, platform, shared_attention_tpu
 
 _dot = ops.dot_f32
 
 
-def _past_mask(q_start, k_start, block_q: int, block_k: int):
-  """[block_q, block_k] bool: key position s < query position t."""
-  t = q_start + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
-  s = k_start + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
-  return s < t
-
-
 # ---------------------------------------------------------------------------------------------
 # Kernels. Refs are [rows, D] blocks of one (batch, head); softmax statistics [rows, 1].
-
-
-def _past_tile(leaf_refs, start, size: int, fmt: str | None, dtype):
-  """Past K or V rows [start, start + size) as [size, D]; a packed past is dequantized here.
-
-  Packed leaves (kernel layout, one row per token): data [T, D or D / 2], fp8 scale [T, 1],
-  mx / nvfp4 scales [T, D / block], nvfp4 tensor scale [T, 1].
-  """
-  rows = pl.ds(start, size)
-  if fmt is None:
-    return leaf_refs[0][rows, :]
-  data = leaf_refs[0][rows, :]
-  scale = tensor_scale = None
-  if fmt == "fp8":
-    scale = leaf_refs[1][rows, 0]
-  elif fmt != "bf16" and fmt != "raw":
-    scale = leaf_refs[1][rows, :]
-  if fmt == "nvfp4":
-    tensor_scale = leaf_refs[2][rows, 0]
-  packed = kv_formats.PackedKV(data, scale, tensor_scale, fmt)
-  return kv_formats.dequantize(packed).astype(dtype)  # Rounded as a cache read would be.
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, *refs, sm_scale, block_k, past_fmt, n_leaves):
@@ -86,10 +58,10 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, sm_scale, block_k, past_fmt, n_leave
   def body(j, carry):
     m_Q, l_Q, acc_QxD = carry
     k_start = j * block_k
-    kp_KxD = _past_tile(kp_refs, k_start, block_k, past_fmt, q_QxD.dtype)
-    vp_KxD = _past_tile(vp_refs, k_start, block_k, past_fmt, q_QxD.dtype)
+    kp_KxD = ops.past_tile(kp_refs, k_start, block_k, past_fmt, q_QxD.dtype)
+    vp_KxD = ops.past_tile(vp_refs, k_start, block_k, past_fmt, q_QxD.dtype)
     s_QxK = _dot(q_QxD, kp_KxD, 1, 1) * sm_scale
-    s_QxK = jnp.where(_past_mask(q_start, k_start, block_q, block_k), s_QxK, -jnp.inf)
+    s_QxK = jnp.where(ops.past_mask(q_start, k_start, block_q, block_k), s_QxK, -jnp.inf)
     m_new = jnp.maximum(m_Q, jnp.max(s_QxK, axis=1))
     alpha = jnp.exp(m_Q - m_new)
     p_QxK = jnp.exp(s_QxK - m_new[:, None])
@@ -122,10 +94,10 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, *refs, sm_scale, block_k, past_fmt, n_le
 
   def body(j, dq_QxD):
     k_start = j * block_k
-    kp_KxD = _past_tile(kp_refs, k_start, block_k, past_fmt, q_QxD.dtype)
-    vp_KxD = _past_tile(vp_refs, k_start, block_k, past_fmt, q_QxD.dtype)
+    kp_KxD = ops.past_tile(kp_refs, k_start, block_k, past_fmt, q_QxD.dtype)
+    vp_KxD = ops.past_tile(vp_refs, k_start, block_k, past_fmt, q_QxD.dtype)
     s_QxK = _dot(q_QxD, kp_KxD, 1, 1) * sm_scale
-    mask = _past_mask(q_start, k_start, block_q, block_k)
+    mask = ops.past_mask(q_start, k_start, block_q, block_k)
     p_QxK = jnp.where(mask, jnp.exp(s_QxK - lse_Qx1), 0.0)
     dp_QxK = _dot(do_QxD, vp_KxD, 1, 1)
     ds_QxK = p_QxK * (dp_QxK - delta_Qx1)
@@ -150,7 +122,7 @@ def _bwd_dkv_kernel(
     q_QxD, do_QxD = q_ref[rows, :], do_ref[rows, :]
     lse_Qx1, delta_Qx1 = lse_ref[rows, :], delta_ref[rows, :]
     s_QxK = _dot(q_QxD, kp_KxD, 1, 1) * sm_scale
-    mask = _past_mask(q_start, k_start, block_q, block_k)
+    mask = ops.past_mask(q_start, k_start, block_q, block_k)
     p_QxK = jnp.where(mask, jnp.exp(s_QxK - lse_Qx1), 0.0)
     dv_KxD = dv_KxD + _dot(p_QxK.astype(do_QxD.dtype), do_QxD, 0, 0)
     ds_QxK = p_QxK * (_dot(do_QxD, vp_KxD, 1, 1) - delta_Qx1)
@@ -205,7 +177,12 @@ def _past_specs(past, t: int, kv_head):
   return leaves, specs
 
 
-def _fwd(q, k, v, kp, vp, sm_scale, block_q, block_k, interpret):
+def _fwd(q, k, v, kp, vp, sm_scale, block_q, block_k, interpret, variant):
+  if variant == "tpu":
+    leaves = _past_leaves(kp), _past_leaves(vp)
+    return shared_attention_tpu.fwd(
+      q, k, v, *leaves, _past_fmt(kp), sm_scale, block_q, block_k, interpret
+    )
   b, hq, t, d = q.shape
   group = hq // k.shape[1]
   kv_head = lambda h: h // group
@@ -239,12 +216,35 @@ def _fwd(q, k, v, kp, vp, sm_scale, block_q, block_k, interpret):
   )(q, k, v, *kp_leaves, *vp_leaves)
 
 
-def _bwd(q, k, v, kp, vp, o, lse, do, sm_scale, block_q, block_k, interpret):
+def _bwd(q, k, v, kp, vp, o, lse, do, sm_scale, block_q, block_k, interpret, variant):
   b, hq, t, d = q.shape
   hkv = k.shape[1]
   group = hq // hkv
-  kv_head = lambda h: h // group
   delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1, keepdims=True)
+  group_sum = lambda x, like: x.reshape(b, hkv, group, t, d).sum(2).astype(like.dtype)
+  blocks = (sm_scale, block_q, block_k, interpret)
+  if variant == "tpu":
+    leaves = _past_leaves(kp), _past_leaves(vp)
+    dq, dk_h, dv_h = shared_attention_tpu.dq(
+      q, k, v, *leaves, _past_fmt(kp), do, lse, delta, *blocks
+    )
+    if _past_fmt(kp) is None:
+      dkp_h, dvp_h = shared_attention_tpu.dkv(q, do, lse, delta, kp, vp, *blocks)
+  else:
+    dq, dk_h, dv_h = _bwd_dq(q, k, v, kp, vp, do, lse, delta, *blocks)
+    if _past_fmt(kp) is None:
+      dkp_h, dvp_h = _bwd_dkv(q, do, lse, delta, kp, vp, *blocks)
+  if _past_fmt(kp) is not None:  # A packed past is a constant: no past-K/V kernel.
+    return dq, group_sum(dk_h, k), group_sum(dv_h, v), None, None
+  # Sum the query heads of each group into their K/V head.
+  return dq, group_sum(dk_h, k), group_sum(dv_h, v), group_sum(dkp_h, kp), group_sum(dvp_h, vp)
+
+
+def _bwd_dq(q, k, v, kp, vp, do, lse, delta, sm_scale, block_q, block_k, interpret):
+  """The generic dq kernel: (dq, dk_h, dv_h) per query head."""
+  b, hq, t, d = q.shape
+  group = hq // k.shape[1]
+  kv_head = lambda h: h // group
   per_head = lambda x: jax.ShapeDtypeStruct((b, hq, t, d), x.dtype)
   common = dict(interpret=interpret, compiler_params=platform.compiler_params(interpret))
   kp_leaves, kp_specs = _past_specs(kp, t, kv_head)
@@ -256,7 +256,7 @@ def _bwd(q, k, v, kp, vp, o, lse, do, sm_scale, block_q, block_k, interpret):
     past_fmt=_past_fmt(kp),
     n_leaves=len(kp_leaves),
   )
-  dq, dk_h, dv_h = pl.pallas_call(
+  return pl.pallas_call(
     dq_kernel,
     grid=(b, hq, t // block_q),
     in_specs=[
@@ -274,10 +274,16 @@ def _bwd(q, k, v, kp, vp, o, lse, do, sm_scale, block_q, block_k, interpret):
     name="shared_attention_bwd_dq",
     **common,
   )(q, k, v, *kp_leaves, *vp_leaves, do, lse, delta)
-  group_sum = lambda x, like: x.reshape(b, hkv, group, t, d).sum(2).astype(like.dtype)
-  if _past_fmt(kp) is not None:  # A packed past is a constant: no past-K/V kernel.
-    return dq, group_sum(dk_h, k), group_sum(dv_h, v), None, None
-  dkp_h, dvp_h = pl.pallas_call(
+
+
+def _bwd_dkv(q, do, lse, delta, kp, vp, sm_scale, block_q, block_k, interpret):
+  """The generic past-K/V kernel: (dk_past_h, dv_past_h) per query head."""
+  b, hq, t, d = q.shape
+  group = hq // kp.shape[1]
+  kv_head = lambda h: h // group
+  per_head = lambda x: jax.ShapeDtypeStruct((b, hq, t, d), x.dtype)
+  common = dict(interpret=interpret, compiler_params=platform.compiler_params(interpret))
+  return pl.pallas_call(
     functools.partial(_bwd_dkv_kernel, sm_scale=sm_scale, block_q=block_q),
     grid=(b, hq, t // block_k),
     in_specs=[
@@ -293,8 +299,6 @@ def _bwd(q, k, v, kp, vp, o, lse, do, sm_scale, block_q, block_k, interpret):
     name="shared_attention_bwd_dkv",
     **common,
   )(q, do, lse, delta, kp, vp)
-  # Sum the query heads of each group into their K/V head.
-  return dq, group_sum(dk_h, k), group_sum(dv_h, v), group_sum(dkp_h, kp), group_sum(dvp_h, vp)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,25 +338,25 @@ def _from_bhtd(x, t):
   return jnp.swapaxes(x[:, :, :t], 1, 2)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _attention(q, k, v, kp, vp, sm_scale, block_q, block_k, interpret):
-  return _attention_fwd(q, k, v, kp, vp, sm_scale, block_q, block_k, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _attention(q, k, v, kp, vp, sm_scale, block_q, block_k, interpret, variant):
+  return _attention_fwd(q, k, v, kp, vp, sm_scale, block_q, block_k, interpret, variant)[0]
 
 
-def _attention_fwd(q, k, v, kp, vp, sm_scale, block_q, block_k, interpret):
+def _attention_fwd(q, k, v, kp, vp, sm_scale, block_q, block_k, interpret, variant):
   t = q.shape[1]
   t_pad = math.lcm(block_q, block_k) * pl.cdiv(t, math.lcm(block_q, block_k))
   padded = [_to_bhtd(x, t_pad) for x in (q, k, v)] + [_past_to_kernel(x, t_pad) for x in (kp, vp)]
-  o, lse = _fwd(*padded, sm_scale, block_q, block_k, interpret)
+  o, lse = _fwd(*padded, sm_scale, block_q, block_k, interpret, variant)
   packed = (kp, vp) if isinstance(kp, kv_formats.PackedKV) else None
   return _from_bhtd(o, t), (padded, o, lse, packed)
 
 
-def _attention_bwd(sm_scale, block_q, block_k, interpret, residuals, do):
+def _attention_bwd(sm_scale, block_q, block_k, interpret, variant, residuals, do):
   padded, o, lse, packed = residuals
   t = do.shape[1]
   do = _to_bhtd(do, o.shape[2])
-  grads = _bwd(*padded, o, lse, do, sm_scale, block_q, block_k, interpret)
+  grads = _bwd(*padded, o, lse, do, sm_scale, block_q, block_k, interpret, variant)
   if packed is None:
     return tuple(_from_bhtd(g, t) for g in grads)
   # A packed past is a constant: its bytes and scales get zero cotangents.
@@ -379,6 +383,7 @@ def shared_attention(
   sm_scale: float | None = None,
   block_q: int | None = None,
   block_k: int | None = None,
+  variant: str | None = None,
   interpret: bool | None = None,
 ) -> jax.Array:
   """Shared-cache attention: t sees the past K/V at s < t and its own K/V at s = t.
@@ -394,7 +399,12 @@ def shared_attention(
       copy. A packed past is a constant (zero cotangents).
     sm_scale: logit scale (default D ** -0.5).
     block_q, block_k: query / key block sizes (default per platform; T need not divide).
-    interpret: run in Pallas interpret mode (default: exactly when there is no GPU/TPU).
+    variant: 'generic' (one kernel body for interpret, Triton and Mosaic; the past, or the
+      query side in the dkv kernel, is one whole-T block looped over in the kernel) or 'tpu'
+      (those blocks pipelined by Mosaic along a grid axis, `shared_attention_tpu`). Default:
+      'tpu' on TPU, else 'generic'.
+    interpret: run in Pallas interpret mode (default: exactly when there is no GPU/TPU). With
+      the 'tpu' variant, True means Pallas' TPU interpreter (`pltpu.InterpretParams()`).
 
   Returns:
     [B, T, N, D] in q's dtype. Differentiable in all five arrays (custom VJP with Pallas
@@ -413,7 +423,8 @@ def shared_attention(
   default_q, default_k = platform.FLASH_BLOCKS[platform.platform()]
   block_q, block_k = _block(block_q, default_q, t), _block(block_k, default_k, t)
   sm_scale = float(d**-0.5 if sm_scale is None else sm_scale)
-  interpret = platform.interpret_default(interpret)
+  variant = platform.variant_default(variant)
+  interpret = platform.interpret_default(interpret, variant)
   return _attention(
     q_BxTxNxD,
     k_BxTxKxD,
@@ -424,4 +435,5 @@ def shared_attention(
     block_q,
     block_k,
     interpret,
+    variant,
   )

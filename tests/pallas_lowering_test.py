@@ -4,6 +4,11 @@
 lowering (sm_90 when no GPU is present), which rejects unsupported primitives, dtypes and block
 shapes. It does not compile to PTX or run anything: numerics are checked in interpret mode by the
 other pallas_* tests. Shapes are the benchmark's (head dim 128, bf16).
+
+The TPU variants lower the same way for a TPU target (device kind mocked as a TPU v5p, which
+the Pallas -> Mosaic lowering reads for its tiling): that runs Pallas' block-shape checks and
+lowers every primitive of the kernel to Mosaic MLIR, serialized into a `tpu_custom_call`. The
+Mosaic compiler proper (layout inference, VMEM allocation) is in libtpu and is not run.
 """
 
 from unittest import mock
@@ -11,6 +16,7 @@ from unittest import mock
 import jax
 import jax.numpy as jnp
 from absl.testing import absltest, parameterized
+from jax._src.pallas.mosaic import tpu_info
 
 import pallas_kernels
 from pallas_kernels import PackedKV, platform
@@ -22,6 +28,16 @@ def _triton_calls(fn, *args) -> int:
   with mock.patch.object(platform, "platform", lambda: "gpu"):
     lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
   return lowered.as_text().count("__gpu$xla.gpu.triton")
+
+
+def _mosaic_calls(fn, *args) -> int:
+  with (
+    mock.patch.object(platform, "platform", lambda: "tpu"),
+    mock.patch.object(tpu_info, "get_device_kind", lambda: "TPU v5p"),
+    mock.patch.object(tpu_info, "get_num_device_cores", lambda: 1),
+  ):
+    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",))
+  return lowered.as_text().count("tpu_custom_call")
 
 
 def _pages(fmt, pages=8, page_size=64, heads=4, d=128):
@@ -61,6 +77,40 @@ class TritonLoweringTest(parameterized.TestCase):
     decode = lambda *a: pallas_kernels.paged_decode(*a, interpret=False)
     pages = _pages(fmt)
     self.assertEqual(_triton_calls(decode, q, kv, kv, pages, pages, table, lengths), 1)
+
+
+class MosaicLoweringTest(parameterized.TestCase):
+  """The TPU variants (the default on TPU) through Pallas -> Mosaic for a TPU target."""
+
+  def test_tpu_is_the_default_variant_on_tpu(self):
+    with mock.patch.object(platform, "platform", lambda: "tpu"):
+      self.assertEqual(platform.variant_default(None), "tpu")
+    self.assertEqual(platform.variant_default(None), "generic")  # CPU here.
+
+  def test_shared_attention_forward_and_backward(self):
+    q, kv = S((1, 256, 8, 128), jnp.bfloat16), S((1, 256, 4, 128), jnp.bfloat16)
+    attention = lambda *a: pallas_kernels.shared_attention(*a, interpret=False)
+    grads = jax.grad(lambda *a: jnp.sum(attention(*a).astype(jnp.float32)), argnums=(0, 1, 2, 3, 4))
+    self.assertEqual(_mosaic_calls(attention, q, kv, kv, kv, kv), 1)
+    self.assertEqual(_mosaic_calls(grads, q, kv, kv, kv, kv), 3)  # fwd, dq, dk/dv.
+
+  @parameterized.parameters("fp8", "mxfp8", "nvfp4")
+  def test_shared_attention_packed_past(self, fmt):
+    q, kv = S((1, 256, 8, 128), jnp.bfloat16), S((1, 256, 4, 128), jnp.bfloat16)
+    past = _pages(fmt, pages=1, page_size=256)
+    attention = lambda q, k, v, kp, vp: pallas_kernels.shared_attention(
+      q, k, v, kp, vp, interpret=False
+    )
+    grads = jax.grad(lambda *a: jnp.sum(attention(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+    self.assertEqual(_mosaic_calls(grads, q, kv, kv, past, past), 2)  # fwd, dq.
+
+  @parameterized.parameters("bf16", "fp8", "mxfp8", "nvfp4")
+  def test_paged_decode(self, fmt):
+    q, kv = S((4, 1, 16, 128), jnp.bfloat16), S((4, 1, 4, 128), jnp.bfloat16)
+    table, lengths = S((4, 2), jnp.int32), S((4,), jnp.int32)
+    decode = lambda *a: pallas_kernels.paged_decode(*a, interpret=False)
+    pages = _pages(fmt)
+    self.assertEqual(_mosaic_calls(decode, q, kv, kv, pages, pages, table, lengths), 1)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,11 @@ The reference never touches pallas_kernels: pages are packed by `looped.kv_quant
 as looped's caches store them), dequantized by `looped.kv_quant.dequantize`, gathered into a
 dense cache and attended with `looped.model.attention.attend` (the model's decode math). The
 kernel reads the packed pages through the page table after NaN was written into every slot that
-no sequence uses, so any unmasked read shows up as NaN.
+no sequence uses, so any unmasked read shows up as NaN. The TPU variant (pages pipelined through
+scalar-prefetched page ids) runs in Pallas' TPU interpreter against the same reference.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -123,7 +126,9 @@ class DequantTileTest(parameterized.TestCase):
 
 
 class PagedDecodeTest(parameterized.TestCase):
-  def _check(self, fmt, page_size, lengths, t, hq, hkv, dtype=jnp.float32, atol=1e-5):
+  def _check(
+    self, fmt, page_size, lengths, t, hq, hkv, dtype=jnp.float32, atol=1e-5, variant="generic"
+  ):
     # float32: outputs reach ~10 (tokens scaled up to 4x), so 1e-5 is a few ulps.
     d = 32
     k_pages, v_pages, table, k_dense, v_dense = _paged_case(fmt, page_size, lengths, hkv, d)
@@ -132,7 +137,8 @@ class PagedDecodeTest(parameterized.TestCase):
     q = jnp.asarray(rng.standard_normal((b, t, hq, d)), dtype)
     k_new, v_new = (jnp.asarray(rng.standard_normal((b, t, hkv, d)), dtype) for _ in range(2))
     lengths = jnp.asarray(lengths, jnp.int32)
-    out = jax.jit(paged_decode)(q, k_new, v_new, k_pages, v_pages, table, lengths)
+    decode = functools.partial(paged_decode, variant=variant)
+    out = jax.jit(decode)(q, k_new, v_new, k_pages, v_pages, table, lengths)
     self.assertFalse(bool(jnp.isnan(out).any()))
     s = k_dense.shape[1]
     past_mask = jnp.broadcast_to((jnp.arange(s)[None, :] < lengths[:, None])[:, None], (b, t, s))
@@ -151,11 +157,21 @@ class PagedDecodeTest(parameterized.TestCase):
     lengths = (0, 1, page_size, 2 * page_size + 5)
     self._check(fmt, page_size, lengths, t=1, hq=4, hkv=2)
 
-  def test_chunk_of_new_tokens_is_causal(self):
-    self._check("nvfp4", 16, (3, 20), t=3, hq=2, hkv=1)
+  @parameterized.parameters("generic", "tpu")
+  def test_chunk_of_new_tokens_is_causal(self, variant):
+    self._check("nvfp4", 16, (3, 20), t=3, hq=2, hkv=1, variant=variant)
 
-  def test_single_head_bfloat16(self):
-    self._check("fp8", 16, (7, 33), t=1, hq=1, hkv=1, dtype=jnp.bfloat16, atol=2e-2)
+  @parameterized.parameters("generic", "tpu")
+  def test_single_head_bfloat16(self, variant):
+    self._check(
+      "fp8", 16, (7, 33), t=1, hq=1, hkv=1, dtype=jnp.bfloat16, atol=2e-2, variant=variant
+    )
+
+  @parameterized.product(fmt=FORMATS, page_size=(16, 64))
+  def test_tpu_variant_every_format_ragged_gqa(self, fmt, page_size):
+    # TPU interpreter: one page per grid step; lengths 0, 1, a page, pages plus a partial one.
+    lengths = (0, 1, page_size, 2 * page_size + 5)
+    self._check(fmt, page_size, lengths, t=1, hq=4, hkv=2, variant="tpu")
 
   def test_rejects_missing_scale(self):
     x = jnp.zeros((2, 16, 1, 32), jnp.float8_e4m3fn)

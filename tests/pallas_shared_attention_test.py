@@ -4,7 +4,9 @@ Forward values and the gradients of all five inputs (q, own k/v, past k/v) are c
 `jax.vjp` of `pallas_kernels.reference.shared_attention`, a dense softmax over
 [past (s < t) ; own (s = t)]; that reference is itself checked against the model's attention
 math (`looped.model.attention.attend` with the masks LoopedLM builds for a Jacobi pass). A past
-packed by `looped.kv_quant` must read as its `kv_quant.dequantize` round trip.
+packed by `looped.kv_quant` must read as its `kv_quant.dequantize` round trip. The TPU variant
+(past / query blocks pipelined along a grid axis) runs in Pallas' TPU interpreter against the
+same references, with blocks that are multiples of 8 as Mosaic tiles them.
 """
 
 import functools
@@ -33,18 +35,25 @@ def _value_and_grads(fn, args, do):
 
 class SharedAttentionTest(parameterized.TestCase):
   @parameterized.named_parameters(
-    # name, B, T, Hq, Hkv, block_q, block_k, causal (past = own K/V)
-    ("mha_t_not_multiple", 2, 13, 2, 2, 8, 4, False),
-    ("gqa2_causal", 1, 13, 4, 2, 4, 8, True),
-    ("gqa4_one_block", 2, 7, 4, 1, 8, 8, False),
-    ("single_head_many_blocks", 1, 16, 1, 1, 4, 4, False),
-    ("gqa2_t1", 2, 1, 2, 1, 8, 8, False),
+    # name, B, T, Hq, Hkv, block_q, block_k, causal (past = own K/V), variant
+    ("mha_t_not_multiple", 2, 13, 2, 2, 8, 4, False, "generic"),
+    ("gqa2_causal", 1, 13, 4, 2, 4, 8, True, "generic"),
+    ("gqa4_one_block", 2, 7, 4, 1, 8, 8, False, "generic"),
+    ("single_head_many_blocks", 1, 16, 1, 1, 4, 4, False, "generic"),
+    ("gqa2_t1", 2, 1, 2, 1, 8, 8, False, "generic"),
+    # TPU: past blocks above the diagonal skipped (q 16 x k 8), query blocks before a past
+    # block skipped in dkv (q 8 x k 16), T 21 padded to 32.
+    ("tpu_gqa2_causal_q16_k8", 1, 21, 4, 2, 16, 8, True, "tpu"),
+    ("tpu_mha_q8_k16", 2, 21, 2, 2, 8, 16, False, "tpu"),
+    ("tpu_gqa4_t1", 1, 1, 4, 1, 8, 8, False, "tpu"),
   )
-  def test_forward_and_gradients_match_reference(self, b, t, hq, hkv, bq, bk, causal):
+  def test_forward_and_gradients_match_reference(self, b, t, hq, hkv, bq, bk, causal, variant):
     q, k, v, kp, vp, do = _inputs(b, t, hq, hkv, 16)
     if causal:
       kp, vp = k, v
-    kernel = lambda *a: shared_attention(*a, block_q=bq, block_k=bk, interpret=True)
+    kernel = lambda *a: shared_attention(
+      *a, block_q=bq, block_k=bk, variant=variant, interpret=True
+    )
     out, grads = _value_and_grads(kernel, (q, k, v, kp, vp), do)
     ref_out, ref_grads = _value_and_grads(reference.shared_attention, (q, k, v, kp, vp), do)
     np.testing.assert_allclose(out, ref_out, atol=2e-6, rtol=0)
@@ -55,8 +64,8 @@ class SharedAttentionTest(parameterized.TestCase):
         self.assertGreater(float(jnp.abs(r).max()), 0.1, name)  # Not vacuous.
       np.testing.assert_allclose(g, r, atol=1e-5, rtol=0, err_msg=name)
 
-  @parameterized.parameters("bf16", "fp8", "mxfp8", "nvfp4")
-  def test_packed_past_is_dequantized_in_kernel(self, fmt):
+  @parameterized.product(fmt=("bf16", "fp8", "mxfp8", "nvfp4"), variant=("generic", "tpu"))
+  def test_packed_past_is_dequantized_in_kernel(self, fmt, variant):
     # The past packed per token by looped.kv_quant; the reference reads its kv_quant round trip.
     q, k, v, kp, vp, do = _inputs(2, 13, 4, 2, 32, seed=4)
     per_token = lambda fn: jax.jit(jax.vmap(jax.vmap(fn)))
@@ -64,8 +73,10 @@ class SharedAttentionTest(parameterized.TestCase):
     kp_read, vp_read = (per_token(kv_quant.dequantize)(x) for x in quantized)
     kp_packed, vp_packed = (PackedKV(x.data, x.scale, x.tensor_scale, fmt) for x in quantized)
 
+    blocks = dict(block_q=8, block_k=4) if variant == "generic" else dict(block_q=8, block_k=8)
+
     def kernel(q, k, v, kp, vp):
-      return shared_attention(q, k, v, kp, vp, block_q=8, block_k=4, interpret=True)
+      return shared_attention(q, k, v, kp, vp, **blocks, variant=variant, interpret=True)
 
     out, grads = _value_and_grads(kernel, (q, k, v, kp_packed, vp_packed), do)
     ref_out, ref_grads = _value_and_grads(

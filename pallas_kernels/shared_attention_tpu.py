@@ -1,0 +1,270 @@
+"""Shared-cache flash attention, TPU variant: past K/V blocks pipelined by Mosaic.
+
+The generic kernels (`shared_attention`) give each program one head's whole past K/V (or its
+whole query side, in the dkv kernel) as a block and loop over it in the kernel: on a TPU that
+is all in VMEM at once. Here the loop is a grid axis instead, last and "arbitrary": BlockSpecs
+bring one past block (or one query block) per grid step, which Mosaic double-buffers, the
+online-softmax state (m, l, acc) or the gradient accumulators live in VMEM scratch across it,
+and the outputs are written on its last step. Same math and masks as the generic kernels,
+same kernel layout ([B, heads, Tp, D], Tp a multiple of both blocks), same packed past.
+
+Causality: past block j holds some s < t of query block i iff j * block_k < i * block_q +
+block_q - 1. Grid steps outside that (above the diagonal) are skipped with `pl.when`, and their
+index maps return the nearest needed block, so Mosaic issues no DMA for them (it skips the copy
+when the block index does not change).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import ops
+
+_dot = ops.dot_f32
+
+
+def _needed(q_start, k_start, block_q: int):
+  """Whether the (query block, past block) pair has some s < t: not above the diagonal."""
+  return k_start < q_start + block_q - 1
+
+
+def _last_past_block(i, block_q: int, block_k: int):
+  """The last past block query block i reads (0 when it reads none)."""
+  return jnp.maximum((i * block_q + block_q - 2) // block_k, 0)
+
+
+def _first_query_block(j, block_q: int, block_k: int, num_q_blocks: int):
+  """The first query block that reads past block j."""
+  return jnp.minimum((j * block_k + 1) // block_q, num_q_blocks - 1)
+
+
+def _params(interpret):
+  semantics = ("parallel", "parallel", "parallel", "arbitrary")
+  return dict(
+    interpret=interpret, compiler_params=pltpu.CompilerParams(dimension_semantics=semantics)
+  )
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels. Grid (b, h, outer block, inner block); refs are one block of rows of one (b, head).
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, *refs, sm_scale, past_fmt, n_leaves):
+  kp_refs, vp_refs = refs[:n_leaves], refs[n_leaves : 2 * n_leaves]
+  o_ref, lse_ref, m_ref, l_ref, acc_ref = refs[2 * n_leaves :]
+  block_q, block_k = q_ref.shape[0], kp_refs[0].shape[0]
+  j = pl.program_id(3)
+  q_start, k_start = pl.program_id(2) * block_q, j * block_k
+
+  @pl.when(j == 0)
+  def _init():  # The diagonal: max q_t . k_t, sum 1, accumulator v_t.
+    q32, k32 = q_ref[...].astype(jnp.float32), k_ref[...].astype(jnp.float32)
+    m_ref[...] = jnp.sum(q32 * k32, axis=1, keepdims=True) * sm_scale
+    l_ref[...] = jnp.ones_like(l_ref)
+    acc_ref[...] = v_ref[...].astype(jnp.float32)
+
+  @pl.when(_needed(q_start, k_start, block_q))
+  def _past_block():
+    q_QxD = q_ref[...]
+    kp_KxD = ops.past_tile(kp_refs, 0, block_k, past_fmt, q_QxD.dtype)
+    vp_KxD = ops.past_tile(vp_refs, 0, block_k, past_fmt, q_QxD.dtype)
+    s_QxK = _dot(q_QxD, kp_KxD, 1, 1) * sm_scale
+    s_QxK = jnp.where(ops.past_mask(q_start, k_start, block_q, block_k), s_QxK, -jnp.inf)
+    m_Qx1 = m_ref[...]
+    m_new = jnp.maximum(m_Qx1, jnp.max(s_QxK, axis=1, keepdims=True))
+    alpha = jnp.exp(m_Qx1 - m_new)
+    p_QxK = jnp.exp(s_QxK - m_new)
+    l_ref[...] = l_ref[...] * alpha + jnp.sum(p_QxK, axis=1, keepdims=True)
+    acc_ref[...] = acc_ref[...] * alpha + _dot(p_QxK.astype(vp_KxD.dtype), vp_KxD)
+    m_ref[...] = m_new
+
+  @pl.when(j == pl.num_programs(3) - 1)
+  def _write():
+    o_ref[...] = (acc_ref[...] / l_ref[...]).astype(o_ref.dtype)
+    lse_ref[...] = m_ref[...] + jnp.log(l_ref[...])
+
+
+def _bwd_dq_kernel(q_ref, k_ref, v_ref, *refs, sm_scale, past_fmt, n_leaves):
+  kp_refs, vp_refs = refs[:n_leaves], refs[n_leaves : 2 * n_leaves]
+  do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref, dq_acc_ref = refs[2 * n_leaves :]
+  block_q, block_k = q_ref.shape[0], kp_refs[0].shape[0]
+  j = pl.program_id(3)
+  q_start, k_start = pl.program_id(2) * block_q, j * block_k
+
+  @pl.when(j == 0)
+  def _init():
+    dq_acc_ref[...] = jnp.zeros_like(dq_acc_ref)
+
+  @pl.when(_needed(q_start, k_start, block_q))
+  def _past_block():
+    q_QxD, do_QxD = q_ref[...], do_ref[...]
+    kp_KxD = ops.past_tile(kp_refs, 0, block_k, past_fmt, q_QxD.dtype)
+    vp_KxD = ops.past_tile(vp_refs, 0, block_k, past_fmt, q_QxD.dtype)
+    s_QxK = _dot(q_QxD, kp_KxD, 1, 1) * sm_scale
+    mask = ops.past_mask(q_start, k_start, block_q, block_k)
+    p_QxK = jnp.where(mask, jnp.exp(s_QxK - lse_ref[...]), 0.0)
+    ds_QxK = p_QxK * (_dot(do_QxD, vp_KxD, 1, 1) - delta_ref[...])
+    dq_acc_ref[...] += _dot(ds_QxK.astype(kp_KxD.dtype), kp_KxD) * sm_scale
+
+  @pl.when(j == pl.num_programs(3) - 1)
+  def _write():  # Diagonal: p_tt and ds_tt = p_tt (dO_t . v_t - delta_t) give dk_t, dv_t.
+    q32, do32 = q_ref[...].astype(jnp.float32), do_ref[...].astype(jnp.float32)
+    k32, v32 = k_ref[...].astype(jnp.float32), v_ref[...].astype(jnp.float32)
+    p_Qx1 = jnp.exp(jnp.sum(q32 * k32, axis=1, keepdims=True) * sm_scale - lse_ref[...])
+    ds_Qx1 = p_Qx1 * (jnp.sum(do32 * v32, axis=1, keepdims=True) - delta_ref[...])
+    dk_ref[...] = (ds_Qx1 * q32 * sm_scale).astype(dk_ref.dtype)
+    dv_ref[...] = (p_Qx1 * do32).astype(dv_ref.dtype)
+    dq_ref[...] = (dq_acc_ref[...] + ds_Qx1 * k32 * sm_scale).astype(dq_ref.dtype)
+
+
+def _bwd_dkv_kernel(
+  q_ref, do_ref, lse_ref, delta_ref, kp_ref, vp_ref, dkp_ref, dvp_ref, dk_acc, dv_acc, *, sm_scale
+):
+  block_q, block_k = q_ref.shape[0], kp_ref.shape[0]
+  i = pl.program_id(3)
+  q_start, k_start = i * block_q, pl.program_id(2) * block_k
+
+  @pl.when(i == 0)
+  def _init():
+    dk_acc[...] = jnp.zeros_like(dk_acc)
+    dv_acc[...] = jnp.zeros_like(dv_acc)
+
+  @pl.when(_needed(q_start, k_start, block_q))
+  def _query_block():
+    q_QxD, do_QxD, kp_KxD = q_ref[...], do_ref[...], kp_ref[...]
+    s_QxK = _dot(q_QxD, kp_KxD, 1, 1) * sm_scale
+    mask = ops.past_mask(q_start, k_start, block_q, block_k)
+    p_QxK = jnp.where(mask, jnp.exp(s_QxK - lse_ref[...]), 0.0)
+    dv_acc[...] += _dot(p_QxK.astype(do_QxD.dtype), do_QxD, 0, 0)
+    ds_QxK = p_QxK * (_dot(do_QxD, vp_ref[...], 1, 1) - delta_ref[...])
+    dk_acc[...] += _dot(ds_QxK.astype(q_QxD.dtype), q_QxD, 0, 0) * sm_scale
+
+  @pl.when(i == pl.num_programs(3) - 1)
+  def _write():
+    dkp_ref[...] = dk_acc[...].astype(dkp_ref.dtype)
+    dvp_ref[...] = dv_acc[...].astype(dvp_ref.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# pallas_calls on [B, H, Tp, D] arrays; a past is given as its kernel-layout leaves.
+
+
+def _spec(block: int, width: int, index_map):
+  return pl.BlockSpec((None, None, block, width), index_map)
+
+
+def _past_specs(leaves, past_fmt, group: int, block_q: int, block_k: int):
+  """Past block j of each leaf for query block i, clamped to the last one it reads."""
+
+  def index_map(head_of, b, h, i, j):
+    return (b, head_of(h), jnp.minimum(j, _last_past_block(i, block_q, block_k)), 0)
+
+  head = functools.partial(index_map, lambda h: h // group)
+  specs = [_spec(block_k, x.shape[-1], head) for x in leaves]
+  if past_fmt == "nvfp4":  # Tensor scale [B, 1, Tp, 1], shared by the heads.
+    specs[2] = _spec(block_k, 1, functools.partial(index_map, lambda h: 0))
+  return specs
+
+
+def _query_side_specs(d: int, group: int, block_q: int):
+  """q, own k, own v (block i of query head h / its KV head) for grid (b, h, i, j)."""
+  q_map = lambda b, h, i, j: (b, h, i, 0)
+  kv_map = lambda b, h, i, j: (b, h // group, i, 0)
+  return [_spec(block_q, d, q_map), _spec(block_q, d, kv_map), _spec(block_q, d, kv_map)], q_map
+
+
+def fwd(q, k, v, kp_leaves, vp_leaves, past_fmt, sm_scale, block_q, block_k, interpret):
+  """Forward: (o [B, H, Tp, D], lse [B, H, Tp, 1])."""
+  b, hq, t, d = q.shape
+  group = hq // k.shape[1]
+  row_specs, q_map = _query_side_specs(d, group, block_q)
+  kernel = functools.partial(
+    _fwd_kernel, sm_scale=sm_scale, past_fmt=past_fmt, n_leaves=len(kp_leaves)
+  )
+  return pl.pallas_call(
+    kernel,
+    grid=(b, hq, t // block_q, t // block_k),
+    in_specs=[
+      *row_specs,
+      *_past_specs(kp_leaves, past_fmt, group, block_q, block_k),
+      *_past_specs(vp_leaves, past_fmt, group, block_q, block_k),
+    ],
+    out_specs=[_spec(block_q, d, q_map), _spec(block_q, 1, q_map)],
+    out_shape=[
+      jax.ShapeDtypeStruct(q.shape, q.dtype),
+      jax.ShapeDtypeStruct((b, hq, t, 1), jnp.float32),
+    ],
+    scratch_shapes=[
+      pltpu.VMEM((block_q, 1), jnp.float32),
+      pltpu.VMEM((block_q, 1), jnp.float32),
+      pltpu.VMEM((block_q, d), jnp.float32),
+    ],
+    name="shared_attention_tpu_fwd",
+    **_params(interpret),
+  )(q, k, v, *kp_leaves, *vp_leaves)
+
+
+def dq(
+  q, k, v, kp_leaves, vp_leaves, past_fmt, do, lse, delta, sm_scale, block_q, block_k, interpret
+):
+  """dq and the own-K/V gradients per query head: (dq, dk_h, dv_h), each [B, H, Tp, D]."""
+  b, hq, t, d = q.shape
+  group = hq // k.shape[1]
+  row_specs, q_map = _query_side_specs(d, group, block_q)
+  kernel = functools.partial(
+    _bwd_dq_kernel, sm_scale=sm_scale, past_fmt=past_fmt, n_leaves=len(kp_leaves)
+  )
+  per_head = lambda x: jax.ShapeDtypeStruct((b, hq, t, d), x.dtype)
+  return pl.pallas_call(
+    kernel,
+    grid=(b, hq, t // block_q, t // block_k),
+    in_specs=[
+      *row_specs,
+      *_past_specs(kp_leaves, past_fmt, group, block_q, block_k),
+      *_past_specs(vp_leaves, past_fmt, group, block_q, block_k),
+      _spec(block_q, d, q_map),
+      _spec(block_q, 1, q_map),
+      _spec(block_q, 1, q_map),
+    ],
+    out_specs=[_spec(block_q, d, q_map)] * 3,
+    out_shape=[per_head(q), per_head(k), per_head(v)],
+    scratch_shapes=[pltpu.VMEM((block_q, d), jnp.float32)],
+    name="shared_attention_tpu_bwd_dq",
+    **_params(interpret),
+  )(q, k, v, *kp_leaves, *vp_leaves, do, lse, delta)
+
+
+def dkv(q, do, lse, delta, kp, vp, sm_scale, block_q, block_k, interpret):
+  """Past-K/V gradients per query head: (dk_past_h, dv_past_h), each [B, H, Tp, D]."""
+  b, hq, t, d = q.shape
+  group = hq // kp.shape[1]
+  num_q_blocks = t // block_q
+
+  def q_map(b, h, j, i):  # Query blocks before the first one that reads block j: that one.
+    return (b, h, jnp.maximum(i, _first_query_block(j, block_q, block_k, num_q_blocks)), 0)
+
+  kv_map = lambda b, h, j, i: (b, h // group, j, 0)
+  out_map = lambda b, h, j, i: (b, h, j, 0)
+  per_head = lambda x: jax.ShapeDtypeStruct((b, hq, t, d), x.dtype)
+  return pl.pallas_call(
+    functools.partial(_bwd_dkv_kernel, sm_scale=sm_scale),
+    grid=(b, hq, t // block_k, num_q_blocks),
+    in_specs=[
+      _spec(block_q, d, q_map),
+      _spec(block_q, d, q_map),
+      _spec(block_q, 1, q_map),
+      _spec(block_q, 1, q_map),
+      _spec(block_k, d, kv_map),
+      _spec(block_k, d, kv_map),
+    ],
+    out_specs=[_spec(block_k, d, out_map)] * 2,
+    out_shape=[per_head(kp), per_head(vp)],
+    scratch_shapes=[pltpu.VMEM((block_k, d), jnp.float32)] * 2,
+    name="shared_attention_tpu_bwd_dkv",
+    **_params(interpret),
+  )(q, do, lse, delta, kp, vp)
