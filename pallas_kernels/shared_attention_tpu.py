@@ -38,9 +38,11 @@ def _last_past_block(i, block_q: int, block_k: int):
   return jnp.maximum((i * block_q + block_q - 2) // block_k, 0)
 
 
-def _first_query_block(j, block_q: int, block_k: int, num_q_blocks: int):
-  """The first query block that reads past block j."""
-  return jnp.minimum((j * block_k + 1) // block_q, num_q_blocks - 1)
+def _dkv_query_block(j, i, block_q: int, block_k: int, num_q_blocks: int):
+  """The query block the dkv kernel fetches at step i for past block j: the steps before the
+  first query block that reads past block j fetch that one."""
+  first = jnp.minimum((j * block_k + 1) // block_q, num_q_blocks - 1)
+  return jnp.maximum(i, first)
 
 
 def _params(interpret):
@@ -245,8 +247,8 @@ def dkv(q, do, lse, delta, kp, vp, sm_scale, block_q, block_k, interpret):
   group = hq // kp.shape[1]
   num_q_blocks = t // block_q
 
-  def q_map(b, h, j, i):  # Query blocks before the first one that reads block j: that one.
-    return (b, h, jnp.maximum(i, _first_query_block(j, block_q, block_k, num_q_blocks)), 0)
+  def q_map(b, h, j, i):
+    return (b, h, _dkv_query_block(j, i, block_q, block_k, num_q_blocks), 0)
 
   kv_map = lambda b, h, j, i: (b, h // group, j, 0)
   out_map = lambda b, h, j, i: (b, h, j, 0)
