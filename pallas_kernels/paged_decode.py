@@ -15,6 +15,10 @@ diagonal every row sees, so the running max is always finite.
 nvfp4 never interleaves nibbles: q and the own K/V are split into even and odd columns outside
 the kernel, logits are q_even . k_low + q_odd . k_high, and the output comes back as even and
 odd columns (the "parts" below; one part for the other formats).
+
+That is the generic kernel (interpret, Triton, Mosaic). On TPU the default is
+`paged_decode_tpu`, which pipelines one page per grid step instead of taking the whole pool as
+a block; both share this wrapper's layout and padding.
 """
 
 from __future__ import annotations

@@ -165,6 +165,8 @@ def paged_decode_tpu(
   b, kv_heads, rows, _ = q_parts[0].shape
   num_pages, page_size = k_pages.data.shape[:2]
   k_leaves, v_leaves = _kernel_leaves(k_pages), _kernel_leaves(v_pages)
+  if page_table.shape[1] == 0:  # The grid needs a page step to initialise and write.
+    page_table = jnp.zeros((b, 1), jnp.int32)
   whole = lambda x: pl.BlockSpec((None, *x.shape[1:]), lambda b, i, *_: (b,) + (0,) * 3)
   row_inputs = [*q_parts, *k_new_parts, *v_new_parts]
   kernel = functools.partial(

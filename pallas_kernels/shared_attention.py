@@ -22,6 +22,10 @@ Per-query-head K/V gradients are summed over the group outside the kernels.
 The past may arrive packed in a KV format (`kv_formats.PackedKV`, per-token layout of
 `looped.kv_quant`): the forward and dq kernels then dequantize each past tile as they load it
 (`ops.past_tile`), and the past, a constant, gets zero cotangents (no dkv kernel).
+
+These are the generic kernels (interpret, Triton, Mosaic), each looping over a whole-T block.
+On TPU the default is `shared_attention_tpu`: the same three kernels with that loop as a grid
+axis, so Mosaic pipelines the blocks through VMEM.
 """
 
 from __future__ import annotations
