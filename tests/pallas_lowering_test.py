@@ -86,6 +86,8 @@ class MosaicLoweringTest(parameterized.TestCase):
     with mock.patch.object(platform, "platform", lambda: "tpu"):
       self.assertEqual(platform.variant_default(None), "tpu")
     self.assertEqual(platform.variant_default(None), "generic")  # CPU here.
+    with self.assertRaisesRegex(ValueError, "Unknown kernel variant"):
+      platform.variant_default("triton")
 
   def test_shared_attention_forward_and_backward(self):
     q, kv = S((1, 256, 8, 128), jnp.bfloat16), S((1, 256, 4, 128), jnp.bfloat16)
