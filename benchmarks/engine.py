@@ -16,7 +16,7 @@ random weights (speed does not depend on them), float32, KV pages of 16 tokens.
    layout in --grid_layouts (unshared: parallel chunks; shared and unshared_fp8: token by token).
    One pass compiles every shape; then --reps passes, each over all shapes of all layouts in a
    fresh random order, so slow drift in the machine's load hits every shape alike; the median
-   per shape is kept.
+   per shape is kept. XLA runs one thread (XLA_FLAGS, unless set), for a run pinned to one core.
 3. Fit of the cost model to the grid, in four forms: what is priced (the scheduler's batch,
    cost_model.py, or the engine's padded step, engine_cost.py) x how compute and memory time
    combine (max or sum). The fit minimises the squared relative error on the fit shapes; a third
@@ -41,6 +41,11 @@ from scipy import optimize
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _REPO)
+# One XLA thread: pinned to one core (taskset), XLA's default thread pool makes large ops wait for
+# threads that share that core (a 1-row step after 150 tokens took 9.0 ms instead of 5.5).
+os.environ.setdefault(
+  "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

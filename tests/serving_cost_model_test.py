@@ -220,9 +220,8 @@ class EngineCostTest(absltest.TestCase):
     raw = make(False, "bf16")  # Raw pages at the weights' precision: parallel chunks.
     self.assertEqual((raw.kv_format, raw.padding.sequential), (None, False))
     self.assertTrue(make(True, "bf16").padding.sequential)
-    self.assertEqual(
-      (make(False, "nvfp4").kv_format, make(False, "fp8").padding.sequential), ("nvfp4", True)
-    )
+    fp8 = make(False, "fp8")  # Packed pages: token by token, as in the engine.
+    self.assertEqual((fp8.kv_format, fp8.padding.sequential), ("fp8", True))
     self.assertFalse(hasattr(raw, "decode_step_time"))  # Prices depend on the widest row.
 
 
