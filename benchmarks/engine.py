@@ -9,8 +9,9 @@ Model: configs/pretrain.py's default (d 128, P/B/C = 1/2/1, R = 4, 4 query / 2 K
 random weights (speed does not depend on them), float32, KV pages of 16 tokens.
 
 1. Throughput (tokens/s over the steps' wall time, each workload run once to compile and then
-   timed): the same requests (a shared 32-token prefix plus 16-48 own tokens, greedy, fixed
-   output length, all arriving at once) batched (max_num_seqs 8) vs one request at a time
+   timed --throughput_reps times: median busy time, per-step median): the same requests (a
+   shared 32-token prefix plus 16-48 own tokens, greedy, fixed output length, all arriving at
+   once) batched (max_num_seqs 8) vs one request at a time
    (max_num_seqs 1), shared vs unshared at the same KV budget.
 2. Step times over a grid of batch shapes (rows x new tokens per row x context per row) for each
    layout in --grid_layouts (unshared: parallel chunks; shared and unshared_fp8: token by token).
@@ -26,7 +27,7 @@ random weights (speed does not depend on them), float32, KV pages of 16 tokens.
    engine computes its padded step.
 4. Replay: the scheduler with the fitted engine pricing on workload 1's requests (the schedule
    does not depend on time, all requests arrive at once, so the steps are the engine's), predicted
-   vs measured busy time and per-step error.
+   vs measured busy time and the median per-step error.
 """
 
 import argparse
@@ -103,10 +104,16 @@ def throughput(model, params, requests, budget, args):
         max_model_len=args.max_model_len,
       )
       engine.generate(requests)  # Compiles every bucket this workload meets.
-      start = time.perf_counter()
-      gens = engine.generate(requests)
-      wall = time.perf_counter() - start
-      s = engine.summary(gens)
+      busy, steps = [], []  # The schedule is the same every time: steps pair up across reps.
+      for _ in range(args.throughput_reps):
+        start = time.perf_counter()
+        gens = engine.generate(requests)
+        wall = time.perf_counter() - start
+        s = engine.summary(gens)
+        busy.append(s["busy_s"])
+        steps.append([e["s"] for e in engine.executor.step_log[-s["num_steps"] :]])
+      s["busy_s"] = float(np.median(busy))
+      s["tokens_per_s"] = s["generated_tokens"] / s["busy_s"]
       rows.append(
         {
           "layout": "shared" if share else "unshared",
@@ -120,7 +127,8 @@ def throughput(model, params, requests, budget, args):
           "preemptions": s["preemptions"],
           "hit_rate": s["hit_rate"],
           "peak_pages": s["peak_pages_in_use"],
-          "step_s": [e["s"] for e in engine.executor.step_log[-s["num_steps"] :]],
+          "busy_s_reps": busy,
+          "step_s": [float(x) for x in np.median(np.asarray(steps), axis=0)],
           "padding": engine.executor.padding,
         }
       )
@@ -363,9 +371,13 @@ def main():
   parser.add_argument("--grid_tokens", type=int, nargs="+", default=[1, 6, 24, 64])
   parser.add_argument("--grid_context", type=int, nargs="+", default=[0, 40, 150])
   parser.add_argument("--reps", type=int, default=7)
+  parser.add_argument("--throughput_reps", type=int, default=5, help="Timed runs (median).")
   parser.add_argument("--skip_throughput", action="store_true")
   parser.add_argument("--out", default="", help="Write the results as JSON here.")
   parser.add_argument("--hardware_out", default="", help="Write the fitted profile (JSON) here.")
+  parser.add_argument(
+    "--refit", default="", help="Refit the grid of this --out JSON (its --grid_layouts rows)."
+  )
   args = parser.parse_args()
 
   config = pretrain.get_config()
@@ -383,8 +395,14 @@ def main():
     f"{os.getloadavg()[0]:.1f}",
     flush=True,
   )
-  print(f"step grid ({', '.join(args.grid_layouts)}):", flush=True)
-  results["grid"] = step_grid(model, params, args)
+  if args.refit:  # No measurement: the grid of an earlier run, restricted to --grid_layouts.
+    with open(args.refit) as f:
+      grid = json.load(f)["grid"]
+    results["grid"] = [r for r in grid if r["layout"] in args.grid_layouts]
+    args.skip_throughput = True
+  else:
+    print(f"step grid ({', '.join(args.grid_layouts)}):", flush=True)
+    results["grid"] = step_grid(model, params, args)
   results["fits"] = fit(model_shape, results["grid"], args)
   print("| priced | combine | fit median | fit max | held-out median | held-out max |")
   print("|---|---|---:|---:|---:|---:|")
