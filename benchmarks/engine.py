@@ -103,6 +103,7 @@ def throughput(model, params, requests, budget, args):
         max_num_seqs=seqs,
         max_model_len=args.max_model_len,
       )
+      assert engine.executor.padding == _padding(args, seqs, share)  # What the replay prices.
       engine.generate(requests)  # Compiles every bucket this workload meets.
       busy, steps = [], []  # The schedule is the same every time: steps pair up across reps.
       for _ in range(args.throughput_reps):
@@ -129,7 +130,6 @@ def throughput(model, params, requests, budget, args):
           "peak_pages": s["peak_pages_in_use"],
           "busy_s_reps": busy,
           "step_s": [float(x) for x in np.median(np.asarray(steps), axis=0)],
-          "padding": engine.executor.padding,
         }
       )
       print(
@@ -207,16 +207,17 @@ def _batch(row):
   return scheduler.StepBatch([None] * b, [row["new_tokens"]] * b, [row["context"]] * b, b)
 
 
-def _engine_pricer(model_shape, hw, layout, args):
-  share, fmt = LAYOUTS[layout]
-  pad = padding.Padding.create(
-    PAGE,
-    powers_of_two(args.max_num_seqs),
-    powers_of_two(args.max_num_batched_tokens),
-    powers_of_two(-(-args.max_model_len // PAGE)),
-    args.max_model_len,
-    sequential=share or fmt is not None,
+def _padding(args, max_num_seqs, sequential):
+  """The Engine's default buckets for these scheduler limits."""
+  config = scheduler.SchedulerConfig(
+    PAGE, args.max_num_batched_tokens, max_num_seqs, args.max_model_len
   )
+  return padding.Padding.engine_default(config, sequential)
+
+
+def _engine_pricer(model_shape, hw, layout, args, max_num_seqs=None):
+  share, fmt = LAYOUTS[layout]
+  pad = _padding(args, max_num_seqs or args.max_num_seqs, share or fmt is not None)
   return engine_cost.EngineCostExecutor(
     model_shape, hw, pad, share_kv=share, kv_format=fmt, weight_format="fp32"
   )
@@ -330,12 +331,7 @@ class _Recorder:
 
 def replay_check(model_shape, hw, requests, run, args):
   """The simulator's scheduler, priced by the fitted engine model, on the measured workload."""
-  share = run["layout"] == "shared"
-  pricer = _Recorder(
-    engine_cost.EngineCostExecutor(
-      model_shape, hw, run["padding"], share_kv=share, kv_format=None, weight_format="fp32"
-    )
-  )
+  pricer = _Recorder(_engine_pricer(model_shape, hw, run["layout"], args, run["max_num_seqs"]))
   sched = scheduler.Scheduler(
     scheduler.SchedulerConfig(
       PAGE, args.max_num_batched_tokens, run["max_num_seqs"], args.max_model_len
@@ -376,7 +372,10 @@ def main():
   parser.add_argument("--out", default="", help="Write the results as JSON here.")
   parser.add_argument("--hardware_out", default="", help="Write the fitted profile (JSON) here.")
   parser.add_argument(
-    "--refit", default="", help="Refit the grid of this --out JSON (its --grid_layouts rows)."
+    "--refit",
+    default="",
+    help="No measurement: refit the grid of this --out JSON (its --grid_layouts rows) and "
+    "replay its throughput runs with the new fit.",
   )
   args = parser.parse_args()
 
@@ -397,8 +396,8 @@ def main():
   )
   if args.refit:  # No measurement: the grid of an earlier run, restricted to --grid_layouts.
     with open(args.refit) as f:
-      grid = json.load(f)["grid"]
-    results["grid"] = [r for r in grid if r["layout"] in args.grid_layouts]
+      earlier = json.load(f)
+    results["grid"] = [r for r in earlier["grid"] if r["layout"] in args.grid_layouts]
     args.skip_throughput = True
   else:
     print(f"step grid ({', '.join(args.grid_layouts)}):", flush=True)
@@ -436,12 +435,14 @@ def main():
     keys = ("peak_flops", "mem_bandwidth", "step_overhead_s", "call_overhead_s")
     with open(args.hardware_out, "w") as f:
       json.dump({k: getattr(hw, k) for k in keys}, f)
+  runs = None
   if not args.skip_throughput:
     print("throughput:", flush=True)
     runs = throughput(model, params, requests, args.budget_bytes, args)
+  elif args.refit and "throughput" in earlier:  # Replays the earlier run's measurements.
+    runs = earlier["throughput"]
+  if runs is not None:
     results["replay"] = [replay_check(model_shape, hw, requests, r, args) for r in runs]
-    for r in runs:
-      del r["padding"]
     results["throughput"] = runs
     print("| layout | max_num_seqs | pages | tokens/s | steps | preemptions | hit rate |")
     print("|---|---:|---:|---:|---:|---:|---:|")
