@@ -1,8 +1,9 @@
 """The scheduler's executor backed by the real model: one jitted step per scheduled batch.
 
 A step takes the scheduler's ragged batch (each sequence computes q_i new tokens after c_i
-cached ones; prefill chunks and decode tokens mixed), pads it to a (rows, tokens) bucket so
-steps do not recompile, gathers each row's pages into a dense cache, runs the model's decode
+cached ones; prefill chunks and decode tokens mixed), pads it to a (rows, tokens, page-table
+width) bucket (looped/serving/padding.py, which the simulator's engine pricing shares) so steps
+do not recompile, gathers each row's pages into a dense cache, runs the model's decode
 path, writes the new K/V back into the pages and samples the next token of every sequence whose
 chunk reaches its last token.
 
