@@ -1,23 +1,33 @@
 r"""Generation engine on this machine: throughput, step times, and the simulator's cost model
 calibrated on them.
 
-  python benchmarks/engine.py --out=/tmp/engine_bench.json
-  python benchmarks/engine.py --requests=8 --reps=3          # quicker
+  taskset -c 1 python benchmarks/engine.py --out=/tmp/engine_bench.json \
+      --hardware_out=/tmp/cpu_hw.json
+  python benchmarks/engine.py --requests=8 --reps=3 --grid_layouts unshared   # quicker
 
 Model: configs/pretrain.py's default (d 128, P/B/C = 1/2/1, R = 4, 4 query / 2 KV heads of 32),
-random weights (speed does not depend on them), float32, raw K/V pages of 16 tokens.
+random weights (speed does not depend on them), float32, KV pages of 16 tokens.
 
 1. Throughput (tokens/s over the steps' wall time, each workload run once to compile and then
-   timed): the same requests (a shared 32-token prefix plus 16-48 own tokens, greedy, fixed
-   output length, all arriving at once) batched (max_num_seqs 8) vs one request at a time
+   timed --throughput_reps times: median busy time, per-step median): the same requests (a
+   shared 32-token prefix plus 16-48 own tokens, greedy, fixed output length, all arriving at
+   once) batched (max_num_seqs 8) vs one request at a time
    (max_num_seqs 1), shared vs unshared at the same KV budget.
-2. Step times of the unshared layout (parallel prefill) over a grid of batch shapes (rows x new
-   tokens per row x context per row), median of --reps runs after a compiling one.
-3. Fit of looped/serving/cost_model.py's roofline (peak FLOP/s, bandwidth, step overhead: the
-   `hardware` fields) to two thirds of the grid; median relative error on the held-out third
-   (a random third, fixed seed).
-   The fitted profile is written with --hardware_out (usable as sim.hardware_json), and the
-   simulator replays workload 1's batched unshared run with it: predicted vs measured busy time.
+2. Step times over a grid of batch shapes (rows x new tokens per row x context per row) for each
+   layout in --grid_layouts (unshared: parallel chunks; shared and unshared_fp8: token by token).
+   One pass compiles every shape; then --reps passes, each over all shapes of all layouts in a
+   fresh random order, so slow drift in the machine's load hits every shape alike; the median
+   per shape is kept. XLA runs one thread (XLA_FLAGS, unless set), for a run pinned to one core.
+3. Fit of the cost model to the grid, in four forms: what is priced (the scheduler's batch,
+   cost_model.py, or the engine's padded step, engine_cost.py) x how compute and memory time
+   combine (max or sum). The fit minimises the squared relative error on the fit shapes; a third
+   of each layout's grid, interleaved (index sum of rows, tokens, context = 1 mod 3, so every
+   value and no corner is held out), is held out. The profile written with --hardware_out (and
+   the replay) is the engine/sum form, chosen before measuring: on a CPU the terms add, and the
+   engine computes its padded step.
+4. Replay: the scheduler with the fitted engine pricing on workload 1's requests (the schedule
+   does not depend on time, all requests arrive at once, so the steps are the engine's), predicted
+   vs measured busy time and the median per-step error.
 """
 
 import argparse
@@ -28,9 +38,15 @@ import sys
 import time
 
 import numpy as np
+from scipy import optimize
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _REPO)
+# One XLA thread: pinned to one core (taskset), XLA's default thread pool makes large ops wait for
+# threads that share that core (a 1-row step after 150 tokens took 9.0 ms instead of 5.5).
+os.environ.setdefault(
+  "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -44,9 +60,21 @@ from looped.engine.sampling import SamplingParams  # noqa: E402
 from looped.model import config as model_lib  # noqa: E402
 from looped.model import init_params  # noqa: E402
 from looped.model.looped_lm import LoopedLM  # noqa: E402
-from looped.serving import cost_model, hardware, pages, replay, scheduler, shape  # noqa: E402
+from looped.serving import (  # noqa: E402
+  cost_model,
+  engine_cost,
+  hardware,
+  padding,
+  pages,
+  replay,
+  scheduler,
+  shape,
+)
 
 PAGE = 16
+LAYOUTS = {"unshared": (False, None), "shared": (True, None), "unshared_fp8": (False, "fp8")}
+FORMS = (("batch", "max"), ("batch", "sum"), ("engine", "max"), ("engine", "sum"))
+CHOSEN = ("engine", "sum")
 
 
 def _requests(n, new_tokens, seed=0):
@@ -75,11 +103,18 @@ def throughput(model, params, requests, budget, args):
         max_num_seqs=seqs,
         max_model_len=args.max_model_len,
       )
+      assert engine.executor.padding == _padding(args, seqs, share)  # What the replay prices.
       engine.generate(requests)  # Compiles every bucket this workload meets.
-      start = time.perf_counter()
-      gens = engine.generate(requests)
-      wall = time.perf_counter() - start
-      s = engine.summary(gens)
+      busy, steps = [], []  # The schedule is the same every time: steps pair up across reps.
+      for _ in range(args.throughput_reps):
+        start = time.perf_counter()
+        gens = engine.generate(requests)
+        wall = time.perf_counter() - start
+        s = engine.summary(gens)
+        busy.append(s["busy_s"])
+        steps.append([e["s"] for e in engine.executor.step_log[-s["num_steps"] :]])
+      s["busy_s"] = float(np.median(busy))
+      s["tokens_per_s"] = s["generated_tokens"] / s["busy_s"]
       rows.append(
         {
           "layout": "shared" if share else "unshared",
@@ -93,6 +128,8 @@ def throughput(model, params, requests, budget, args):
           "preemptions": s["preemptions"],
           "hit_rate": s["hit_rate"],
           "peak_pages": s["peak_pages_in_use"],
+          "busy_s_reps": busy,
+          "step_s": [float(x) for x in np.median(np.asarray(steps), axis=0)],
         }
       )
       print(
@@ -103,117 +140,218 @@ def throughput(model, params, requests, budget, args):
   return rows
 
 
+def _grid_shapes(args):
+  """(rows, new tokens, context, held out) for every grid point."""
+  out = []
+  for i, b in enumerate(args.grid_rows):
+    for j, q in enumerate(args.grid_tokens):
+      for k, c in enumerate(args.grid_context):
+        if c + q <= args.max_model_len:
+          out.append((b, q, c, (i + j + k) % 3 == 1))
+  return out
+
+
 def step_grid(model, params, args):
-  cfg = model.cfg
-  executor = ModelExecutor(
-    model,
-    params,
-    num_pages=256,
-    page_size=PAGE,
-    share_kv=False,
-    kv_format=None,
-    max_model_len=args.max_model_len,
-    row_buckets=powers_of_two(args.max_num_seqs),
-    token_buckets=powers_of_two(args.max_num_batched_tokens),
-    column_buckets=powers_of_two(-(-args.max_model_len // PAGE)),
-  )
+  """Median step time per (layout, shape), repetitions interleaved in a random order."""
+  items = []
   rng = np.random.default_rng(1)
-  rows = []
   rid = 0
-  for b in args.grid_rows:
-    for q in args.grid_tokens:
-      for c in args.grid_context:
-        if b * q > args.max_num_batched_tokens * args.max_num_seqs or c + q > args.max_model_len:
-          continue
-        seqs = []
-        for i in range(b):
-          tokens = tuple(int(t) for t in rng.integers(0, 256, c + q))
-          request = GenRequest(rid, tokens, SamplingParams(max_new_tokens=1))
-          rid += 1
-          executor.add(request)
-          seq = scheduler.Sequence(request, 0.0, num_tokens=c + q, num_computed=c)
-          seq.pages = list(range(i * 16, i * 16 + -(-(c + q) // PAGE)))
-          seqs.append(seq)
-        batch = scheduler.StepBatch(seqs, [q] * b, [c] * b, b)
-        times = [executor.execute(batch) for _ in range(args.reps + 1)][1:]
-        rows.append({"rows": b, "new_tokens": q, "context": c, "s": float(np.median(times))})
-        print(f"  rows {b} x new {q:3d} after {c:3d}: {rows[-1]['s'] * 1e3:8.2f} ms", flush=True)
-  del cfg
+  for layout in args.grid_layouts:
+    share, fmt = LAYOUTS[layout]
+    executor = ModelExecutor(
+      model,
+      params,
+      num_pages=8 * 16,
+      page_size=PAGE,
+      share_kv=share,
+      kv_format=fmt,
+      max_model_len=args.max_model_len,
+      row_buckets=powers_of_two(args.max_num_seqs),
+      token_buckets=powers_of_two(args.max_num_batched_tokens),
+      column_buckets=powers_of_two(-(-args.max_model_len // PAGE)),
+    )
+    for b, q, c, held in _grid_shapes(args):
+      seqs = []
+      for i in range(b):
+        tokens = tuple(int(t) for t in rng.integers(0, 256, c + q))
+        request = GenRequest(rid, tokens, SamplingParams(max_new_tokens=1))
+        rid += 1
+        executor.add(request)
+        seq = scheduler.Sequence(request, 0.0, num_tokens=c + q, num_computed=c)
+        seq.pages = list(range(i * 16, i * 16 + -(-(c + q) // PAGE)))
+        seqs.append(seq)
+      batch = scheduler.StepBatch(seqs, [q] * b, [c] * b, b)
+      row = {"layout": layout, "rows": b, "new_tokens": q, "context": c, "held_out": held}
+      items.append((row, executor, batch, []))
+  start = time.perf_counter()
+  for _, executor, batch, _ in items:  # Compiles every bucket.
+    executor.execute(batch)
+  print(f"  compiled {len(items)} shapes in {time.perf_counter() - start:.0f} s", flush=True)
+  for rep in range(args.reps):
+    start = time.perf_counter()
+    for k in rng.permutation(len(items)):
+      _, executor, batch, times = items[k]
+      times.append(executor.execute(batch))
+    print(f"  pass {rep + 1}/{args.reps}: {time.perf_counter() - start:.1f} s", flush=True)
+  rows = []
+  for row, _, _, times in items:
+    row["s"] = float(np.median(times))
+    row["spread"] = float((np.max(times) - np.min(times)) / row["s"])
+    row["times_s"] = [float(t) for t in times]
+    rows.append(row)
   return rows
 
 
-def _terms(model_shape, rows):
-  """FLOPs and bytes the cost model counts for each measured batch (unit hardware)."""
-  flops_hw = hardware.Hardware("f", 1.0, 1e300, 1.0, 0.0, "")
-  bytes_hw = hardware.Hardware("b", 1e300, 1.0, 1.0, 0.0, "")
+def _batch(row):
+  b = row["rows"]
+  return scheduler.StepBatch([None] * b, [row["new_tokens"]] * b, [row["context"]] * b, b)
+
+
+def _padding(args, max_num_seqs, sequential):
+  """The Engine's default buckets for these scheduler limits."""
+  config = scheduler.SchedulerConfig(
+    PAGE, args.max_num_batched_tokens, max_num_seqs, args.max_model_len
+  )
+  return padding.Padding.engine_default(config, sequential)
+
+
+def _engine_pricer(model_shape, hw, layout, args, max_num_seqs=None):
+  share, fmt = LAYOUTS[layout]
+  pad = _padding(args, max_num_seqs or args.max_num_seqs, share or fmt is not None)
+  return engine_cost.EngineCostExecutor(
+    model_shape, hw, pad, share_kv=share, kv_format=fmt, weight_format="fp32"
+  )
+
+
+def features(model_shape, rows, pricing, args):
+  """[1, model calls, FLOPs, bytes] per measured step, as the given pricing counts them."""
+  unit = hardware.Hardware("unit", 1.0, 1.0, 1.0, 0.0, "")
   out = []
   for r in rows:
-    fake = [None] * r["rows"]
-    batch = scheduler.StepBatch(
-      fake, [r["new_tokens"]] * r["rows"], [r["context"]] * r["rows"], r["rows"]
-    )
-    terms = []
-    for hw in (flops_hw, bytes_hw):
+    share, fmt = LAYOUTS[r["layout"]]
+    if pricing == "batch":
       ex = cost_model.CostModelExecutor(
-        model_shape, hw, share_kv=False, kv_format="bf16", weight_format="fp32"
+        model_shape, unit, share_kv=share, kv_format=fmt or "bf16", weight_format="fp32"
       )
-      terms.append(ex.execute(batch))
-    out.append(terms)
+      flops, moved = ex.terms(_batch(r))
+      calls = 0  # The batch roofline has no per-call term.
+    else:
+      flops, moved, calls = _engine_pricer(model_shape, unit, r["layout"], args).terms(_batch(r))
+    out.append([1.0, calls, flops, moved])
   return np.asarray(out)
 
 
-def fit(model_shape, rows):
-  """Grid search in log space for (peak FLOP/s, bandwidth, overhead), least squared log error
-  on the training shapes; returns the profile and train/held-out errors."""
-  terms = _terms(model_shape, rows)
-  measured = np.asarray([r["s"] for r in rows])
-  # A random third (fixed seed) is held out, so every rows/tokens/context value is in both sets.
-  held = np.zeros(len(rows), bool)
-  held[np.random.default_rng(0).permutation(len(rows))[: len(rows) // 3]] = True
-  train = ~held
-  peaks = np.logspace(8, 13, 61)
-  bws = np.logspace(8, 12, 49)
-  overheads = np.concatenate([[0.0], np.logspace(-5, -1, 41)])
-  f, by = terms[:, 0], terms[:, 1]
-  best = (np.inf, None)
-  for ov in overheads:
-    pred = (
-      np.maximum(f[None, None, :] / peaks[:, None, None], by[None, None, :] / bws[None, :, None])
-      + ov
-    )
-    err = np.sum(np.log(pred[..., train] / measured[train]) ** 2, axis=-1)
-    i, j = np.unravel_index(np.argmin(err), err.shape)
-    if err[i, j] < best[0]:
-      best = (err[i, j], (peaks[i], bws[j], ov))
-  peak, bw, ov = best[1]
-  pred = np.maximum(f / peak, by / bw) + ov
-  rel = np.abs(pred - measured) / measured
-  hw = hardware.Hardware(
-    "cpu_fitted", float(peak), float(bw), 0.0, float(ov), "fitted by benchmarks/engine.py"
+def _nnls_rel(x, y):
+  """Non-negative coefficients minimising sum(((x @ c) - y) / y)^2."""
+  coef, _ = optimize.nnls(x / y[:, None], np.ones_like(y))
+  return coef
+
+
+def fit_form(x, y, combine):
+  """Coefficients (step overhead, call overhead, 1/peak, 1/bandwidth), least relative error."""
+  if combine == "sum":
+    return _nnls_rel(x, y)
+  best = (np.inf, None)  # max: grid over (peak, bandwidth), overheads by NNLS on the rest.
+  for inv_f in 1.0 / np.logspace(8, 13, 101):
+    for inv_b in 1.0 / np.logspace(8, 12, 81):
+      roof = np.maximum(x[:, 2] * inv_f, x[:, 3] * inv_b)
+      rest = y - roof
+      over, _ = optimize.nnls(x[:, :2] / y[:, None], rest / y)
+      err = np.sum(((x[:, :2] @ over + roof) - y) ** 2 / y**2)
+      if err < best[0]:
+        best = (err, np.concatenate([over, [inv_f, inv_b]]))
+  return best[1]
+
+
+def predict(x, coef, combine):
+  compute, memory = x[:, 2] * coef[2], x[:, 3] * coef[3]
+  roof = compute + memory if combine == "sum" else np.maximum(compute, memory)
+  return coef[0] + x[:, 1] * coef[1] + roof
+
+
+def _errors(rel, mask):
+  return {"median": float(np.median(rel[mask])), "max": float(np.max(rel[mask]))}
+
+
+def fit(model_shape, rows, args):
+  """Every form fitted on the fit shapes; errors on fit and held-out shapes, per layout too."""
+  y = np.asarray([r["s"] for r in rows])
+  held = np.asarray([r["held_out"] for r in rows])
+  layouts = np.asarray([r["layout"] for r in rows])
+  out = {}
+  for pricing, combine in FORMS:
+    x = features(model_shape, rows, pricing, args)
+    coef = fit_form(x[~held], y[~held], combine)
+    pred = predict(x, coef, combine)
+    rel = np.abs(pred - y) / y
+    name = f"{pricing}/{combine}"
+    out[name] = {
+      "step_overhead_s": float(coef[0]),
+      "call_overhead_s": float(coef[1]),
+      "peak_flops": 1 / max(float(coef[2]), 1e-30),  # 1e30: the term was fitted to zero.
+      "mem_bandwidth": 1 / max(float(coef[3]), 1e-30),
+      "fit": _errors(rel, ~held),
+      "held_out": _errors(rel, held),
+      "per_layout": {
+        lay: {
+          "fit": _errors(rel, ~held & (layouts == lay)),
+          "held_out": _errors(rel, held & (layouts == lay)),
+        }
+        for lay in args.grid_layouts
+      },
+    }
+    if (pricing, combine) == CHOSEN:
+      for r, p in zip(rows, pred):
+        r["predicted_s"] = float(p)
+  return out
+
+
+def fitted_profile(form):
+  return dataclasses.replace(
+    hardware.PROFILES["cpu_2core"],
+    name="cpu_fitted",
+    peak_flops=form["peak_flops"],
+    mem_bandwidth=form["mem_bandwidth"],
+    step_overhead_s=form["step_overhead_s"],
+    call_overhead_s=form["call_overhead_s"],
+    combine="sum",
+    pricing="engine",
+    source="fitted by benchmarks/engine.py",
   )
-  for r, p, h in zip(rows, pred, held):
-    r["predicted_s"] = float(p)
-    r["held_out"] = bool(h)
-  return hw, float(np.median(rel[train])), float(np.median(rel[held]))
 
 
-def replay_check(model, model_shape, hw, requests, budget, args, measured_busy):
-  num_pages = pages_for_budget(model, budget, PAGE, False, None)
+class _Recorder:
+  def __init__(self, inner):
+    self.inner, self.times = inner, []
+
+  def execute(self, batch):
+    self.times.append(self.inner.execute(batch))
+    return self.times[-1]
+
+
+def replay_check(model_shape, hw, requests, run, args):
+  """The simulator's scheduler, priced by the fitted engine model, on the measured workload."""
+  pricer = _Recorder(_engine_pricer(model_shape, hw, run["layout"], args, run["max_num_seqs"]))
   sched = scheduler.Scheduler(
     scheduler.SchedulerConfig(
-      PAGE, args.max_num_batched_tokens, args.max_num_seqs, args.max_model_len
+      PAGE, args.max_num_batched_tokens, run["max_num_seqs"], args.max_model_len
     ),
-    pages.PagePool(num_pages),
-    cost_model.CostModelExecutor(
-      model_shape, hw, share_kv=False, kv_format="bf16", weight_format="fp32"
-    ),
+    pages.PagePool(run["num_pages"]),
+    pricer,
   )
   replay.replay(requests, sched)
-  return {
+  out = {
+    "layout": run["layout"],
+    "max_num_seqs": run["max_num_seqs"],
     "predicted_busy_s": sched.stats.busy_s,
-    "measured_busy_s": measured_busy,
+    "measured_busy_s": run["busy_s"],
     "steps": sched.stats.num_steps,
+    "measured_steps": run["steps"],
   }
+  if len(pricer.times) == len(run["step_s"]):  # Same schedule: compare step by step.
+    pred, meas = np.asarray(pricer.times), np.asarray(run["step_s"])
+    out["median_step_rel_err"] = float(np.median(np.abs(pred - meas) / meas))
+  return out
 
 
 def main():
@@ -224,13 +362,21 @@ def main():
   parser.add_argument("--max_num_seqs", type=int, default=8)
   parser.add_argument("--max_num_batched_tokens", type=int, default=64)
   parser.add_argument("--max_model_len", type=int, default=256)
-  parser.add_argument("--grid_rows", type=int, nargs="+", default=[1, 2, 4, 8])
-  parser.add_argument("--grid_tokens", type=int, nargs="+", default=[1, 8, 32, 64])
-  parser.add_argument("--grid_context", type=int, nargs="+", default=[0, 48, 176])
-  parser.add_argument("--reps", type=int, default=5)
+  parser.add_argument("--grid_layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+  parser.add_argument("--grid_rows", type=int, nargs="+", default=[1, 3, 5, 8])
+  parser.add_argument("--grid_tokens", type=int, nargs="+", default=[1, 6, 24, 64])
+  parser.add_argument("--grid_context", type=int, nargs="+", default=[0, 40, 150])
+  parser.add_argument("--reps", type=int, default=7)
+  parser.add_argument("--throughput_reps", type=int, default=5, help="Timed runs (median).")
   parser.add_argument("--skip_throughput", action="store_true")
   parser.add_argument("--out", default="", help="Write the results as JSON here.")
   parser.add_argument("--hardware_out", default="", help="Write the fitted profile (JSON) here.")
+  parser.add_argument(
+    "--refit",
+    default="",
+    help="No measurement: refit the grid of this --out JSON (its --grid_layouts rows) and "
+    "replay its throughput runs with the new fit.",
+  )
   args = parser.parse_args()
 
   config = pretrain.get_config()
@@ -244,58 +390,78 @@ def main():
   print(
     f"device {results['device']}; KV bytes/token shared "
     f"{paged_cache.bytes_per_token(cfg, True, None):.0f}, unshared "
-    f"{paged_cache.bytes_per_token(cfg, False, None):.0f}",
+    f"{paged_cache.bytes_per_token(cfg, False, None):.0f}; load average "
+    f"{os.getloadavg()[0]:.1f}",
     flush=True,
   )
-  if not args.skip_throughput:
-    print("throughput:", flush=True)
-    results["throughput"] = throughput(model, params, requests, args.budget_bytes, args)
-  print("step grid (unshared, parallel prefill):", flush=True)
-  results["grid"] = step_grid(model, params, args)
-  hw, train_err, held_err = fit(model_shape, results["grid"])
-  results["fit"] = {
-    "hardware": dataclasses.asdict(hw),
-    "median_rel_err_train": train_err,
-    "median_rel_err_held_out": held_err,
-  }
+  if args.refit:  # No measurement: the grid of an earlier run, restricted to --grid_layouts.
+    with open(args.refit) as f:
+      earlier = json.load(f)
+    results["grid"] = [r for r in earlier["grid"] if r["layout"] in args.grid_layouts]
+    args.skip_throughput = True
+  else:
+    print(f"step grid ({', '.join(args.grid_layouts)}):", flush=True)
+    results["grid"] = step_grid(model, params, args)
+  results["fits"] = fit(model_shape, results["grid"], args)
+  print("| priced | combine | fit median | fit max | held-out median | held-out max |")
+  print("|---|---|---:|---:|---:|---:|")
+  for name, f in results["fits"].items():
+    print(
+      f"| {name.replace('/', ' | ')} | {f['fit']['median']:.1%} | {f['fit']['max']:.1%} | "
+      f"{f['held_out']['median']:.1%} | {f['held_out']['max']:.1%} |"
+    )
+  chosen = results["fits"]["/".join(CHOSEN)]
+  hw = fitted_profile(chosen)
   print(
-    f"fit: peak {hw.peak_flops:.3g} FLOP/s, bandwidth {hw.mem_bandwidth:.3g} B/s, "
-    f"overhead {hw.step_overhead_s * 1e3:.2f} ms; median |rel err| train {train_err:.1%}, "
-    f"held-out {held_err:.1%}",
+    f"engine/sum: step overhead {hw.step_overhead_s * 1e3:.2f} ms, per call "
+    f"{hw.call_overhead_s * 1e3:.3f} ms, peak {hw.peak_flops:.3g} FLOP/s, bandwidth "
+    f"{hw.mem_bandwidth:.3g} B/s",
     flush=True,
   )
-  print("| rows | new tokens | context | measured ms | predicted ms | held out |")
-  print("|---:|---:|---:|---:|---:|---|")
+  for lay, e in chosen["per_layout"].items():
+    print(
+      f"  {lay}: fit median {e['fit']['median']:.1%} (max {e['fit']['max']:.1%}), held-out "
+      f"median {e['held_out']['median']:.1%} (max {e['held_out']['max']:.1%})"
+    )
+  print("| layout | rows | new tokens | context | measured ms | predicted ms | spread | held out |")
+  print("|---|---:|---:|---:|---:|---:|---:|---|")
   for r in results["grid"]:
     print(
-      f"| {r['rows']} | {r['new_tokens']} | {r['context']} | {r['s'] * 1e3:.2f} | "
-      f"{r['predicted_s'] * 1e3:.2f} | {'yes' if r['held_out'] else ''} |"
+      f"| {r['layout']} | {r['rows']} | {r['new_tokens']} | {r['context']} | "
+      f"{r['s'] * 1e3:.2f} | {r['predicted_s'] * 1e3:.2f} | {r['spread']:.0%} | "
+      f"{'yes' if r['held_out'] else ''} |"
     )
-  if "throughput" in results:
-    batched = next(
-      r
-      for r in results["throughput"]
-      if r["layout"] == "unshared" and r["max_num_seqs"] == args.max_num_seqs
-    )
-    results["replay"] = replay_check(
-      model, model_shape, hw, requests, args.budget_bytes, args, batched["busy_s"]
-    )
-    print(
-      f"replay of the batched unshared run with the fitted model: predicted "
-      f"{results['replay']['predicted_busy_s']:.2f} s, measured "
-      f"{results['replay']['measured_busy_s']:.2f} s",
-      flush=True,
-    )
+  if args.hardware_out:
+    keys = ("peak_flops", "mem_bandwidth", "step_overhead_s", "call_overhead_s")
+    with open(args.hardware_out, "w") as f:
+      json.dump({k: getattr(hw, k) for k in keys}, f)
+  runs = None
+  if not args.skip_throughput:
+    print("throughput:", flush=True)
+    runs = throughput(model, params, requests, args.budget_bytes, args)
+  elif args.refit and "throughput" in earlier:  # Replays the earlier run's measurements.
+    runs = earlier["throughput"]
+  if runs is not None:
+    results["replay"] = [replay_check(model_shape, hw, requests, r, args) for r in runs]
+    results["throughput"] = runs
     print("| layout | max_num_seqs | pages | tokens/s | steps | preemptions | hit rate |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    for r in results["throughput"]:
+    for r in runs:
       print(
         f"| {r['layout']} | {r['max_num_seqs']} | {r['num_pages']} | "
         f"{r['tokens_per_s']:.1f} | {r['steps']} | {r['preemptions']} | {r['hit_rate']:.2f} |"
       )
-  if args.hardware_out:
-    with open(args.hardware_out, "w") as f:
-      json.dump({k: getattr(hw, k) for k in ("peak_flops", "mem_bandwidth", "step_overhead_s")}, f)
+    print("| replay | max_num_seqs | predicted busy s | measured busy s | error | step median |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in results["replay"]:
+      err = r["predicted_busy_s"] / r["measured_busy_s"] - 1
+      step = r.get("median_step_rel_err")
+      print(
+        f"| {r['layout']} | {r['max_num_seqs']} | {r['predicted_busy_s']:.3f} | "
+        f"{r['measured_busy_s']:.3f} | {err:+.0%} | "
+        f"{'n/a' if step is None else f'{step:.0%}'} |"
+      )
+  results["load_average_end"] = os.getloadavg()[0]
   if args.out:
     with open(args.out, "w") as f:
       json.dump(results, f, indent=1)

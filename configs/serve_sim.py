@@ -58,7 +58,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.sim.page_size = 16  # Tokens per KV page (vLLM's default block size).
   c.sim.max_num_batched_tokens = 8192  # Per-step token budget (decodes + prefill chunks).
   c.sim.max_num_seqs = 256  # Cap on running requests.
-  c.sim.hardware = "h200"  # 'h200' (measured), 'h200_spec', 'h100', 'h100_spec', 'cpu_2core'.
+  # 'h200' (measured), 'h200_spec', 'h100', 'h100_spec', or 'cpu_2core' (prices looped/engine's
+  # padded CPU step; there 'bf16' stands for the engine's raw pages, other formats for packed ones).
+  c.sim.hardware = "h200"
   c.sim.hardware_json = ""  # JSON of measured values overriding the profile ('' = none).
   c.sim.weight_format = "bf16"  # Weight storage read each step: 'bf16', 'fp8', 'fp32'.
   c.sim.check_invariants = False  # Verify pool and block tables after every step (slow).

@@ -16,7 +16,7 @@ from looped.model import init_params
 from looped.model.kv_cache import init_cache
 from looped.model.looped_lm import LoopedLM
 from looped.model.sharing import decode_forward
-from looped.serving import cost_model, hardware, pages, replay, scheduler, shape
+from looped.serving import cost_model, hardware, padding, pages, replay, scheduler, shape
 from looped.testing import TINY_MODEL
 
 # head_dim 32 so that every KV format (mxfp8 blocks of 32) can store the cache.
@@ -194,6 +194,11 @@ class PagedCacheTest(absltest.TestCase):
     self.assertEqual(paged_cache.bytes_per_token(CFG, True, "bf16"), 4 * values * 2)
     # fp8: one byte per value plus a float32 scale per head vector.
     self.assertEqual(paged_cache.bytes_per_token(CFG, False, "fp8"), 8 * 2 * (32 + 4))
+
+  def test_executor_pads_as_the_simulator_prices(self):
+    engine = Engine(LoopedLM(CFG), None, share_kv=False, kv_format="fp8", num_pages=4, page_size=4)
+    expected = padding.Padding.engine_default(engine.config, sequential=True)
+    self.assertEqual(engine.executor.padding, expected)
 
   def test_kda_is_refused(self):
     cfg = dataclasses.replace(CFG, core_mixers=("kda",))

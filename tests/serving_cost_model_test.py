@@ -1,5 +1,7 @@
-"""Model shape, KV bytes per format and layout, roofline step times, hardware profiles."""
+"""Model shape, KV bytes per format and layout, roofline step times, hardware profiles, and the
+engine-aware pricing (padded buckets, token-by-token calls) of the CPU profile."""
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -7,7 +9,7 @@ import tempfile
 from absl.testing import absltest
 
 from configs import serve_sim
-from looped.serving import cost_model, hardware, scheduler, shape
+from looped.serving import cost_model, engine_cost, hardware, padding, scheduler, shape
 
 
 def _paper_shape():
@@ -68,6 +70,161 @@ class CostModelTest(absltest.TestCase):
     self.assertEqual(ex.execute(batch), ex.decode_step_time(3, 72_010))
 
 
+# Step prices of the accelerator profiles before the engine pricing existed (commit e8febb4):
+# (profile, share_kv, kv_format, weight_format) -> three mixed batches, then a decode run.
+_BATCHES = (
+  ([1, 1, 1], [10, 2000, 70000], 3),
+  ([4096, 1], [1000, 5000], 1),
+  ([512] * 3 + [1] * 5, [0, 16, 4096, 100, 200, 300, 400, 131000], 6),
+)
+_LEGACY = {
+  ("h200", True, "bf16", "bf16"): (
+    0.004703595579534883,
+    0.02965405172204557,
+    0.010492205495412656,
+    0.006663853544186046,
+  ),
+  ("h200", False, "nvfp4", "fp8"): (
+    0.0022516178158139533,
+    0.02965405172204557,
+    0.010492205495412656,
+    0.002802970373953488,
+  ),
+  ("h200_spec", True, "bf16", "bf16"): (
+    0.004317804373333333,
+    0.023888474075243683,
+    0.008582247059025279,
+    0.0060738688,
+  ),
+  ("h100", False, "nvfp4", "fp8"): (
+    0.0027933628405692468,
+    0.02965405172204557,
+    0.010492205495412656,
+    0.003583360535813953,
+  ),
+  ("h100_spec", True, "bf16", "bf16"): (
+    0.00575386895283582,
+    0.023888474075243683,
+    0.00891150102925373,
+    0.008270020967164178,
+  ),
+}
+
+
+class LegacyPricingTest(absltest.TestCase):
+  def test_accelerator_profiles_price_exactly_as_before(self):
+    config = scheduler.SchedulerConfig(16, 8192, 256, 131072)
+    for (name, share, fmt, wf), expected in _LEGACY.items():
+      hw = hardware.load(name)
+      self.assertEqual((hw.combine, hw.pricing, hw.call_overhead_s), ("max", "batch", 0.0))
+      ex = engine_cost.executor_for(
+        _paper_shape(), hw, config, share_kv=share, kv_format=fmt, weight_format=wf
+      )
+      self.assertIsInstance(ex, cost_model.CostModelExecutor)
+      got = [ex.execute(scheduler.StepBatch([None] * len(q), q, c, n)) for q, c, n in _BATCHES]
+      self.assertEqual((*got, ex.decode_step_time(7, 123456)), expected, name)
+
+  def test_sum_adds_compute_and_memory(self):
+    hw = hardware.Hardware("t", 1e15, 1e12, 1e9, 0.002, "test", combine="sum")
+    ex = cost_model.CostModelExecutor(_paper_shape(), hw, share_kv=True, kv_format="bf16")
+    flops = 2 * 80 * _paper_shape().params_per_layer + 4 * 12 * 128 * 80 * 1 + 2 * 32768 * 1536
+    weights = 2 * (80 * _paper_shape().params_per_layer + 32768 * 1536)
+    moved = weights + 24 * 2048
+    self.assertAlmostEqual(ex.decode_step_time(1, 0), flops / 1e15 + moved / 1e12 + 0.002)
+
+
+def _tiny_shape():
+  # d 4, 2 query heads and 1 KV head of 4, SwiGLU 8, vocabulary 10, P/B/C 1/1/1, R 2.
+  # Per layer: q, o 4*8 each, k, v 4*4 each, MLP 3*4*8: 64 + 32 + 96 = 192 parameters.
+  # Layer executions L = 1 + 2 + 1 = 4; cached layers 4 unshared, 3 shared.
+  return shape.ModelShape(10, 4, 2, 1, 4, 8, "swiglu", 1, 1, 1, 2, True)
+
+
+# Pages of 4 tokens, rows (1, 2, 4), tokens (1, 2, 4, 8), page-table widths (1, 2, 4) capped by
+# ceil((max_model_len 16 + 8) / 4) = 6 columns.
+_PAD = dict(page_size=4, row_buckets=(1, 2, 4), token_buckets=(1, 2, 4, 8))
+
+
+def _padding(sequential):
+  return padding.Padding.create(
+    **_PAD, column_buckets=(1, 2, 4), max_model_len=16, sequential=sequential
+  )
+
+
+class PaddingTest(absltest.TestCase):
+  def test_buckets_by_hand(self):
+    self.assertEqual(_padding(False).column_buckets, (1, 2, 4, 6))
+    # 3 rows -> 4; longest chunk 3 -> 4 tokens; reach 9 + 4 = 13 slots -> 4 pages -> 4 columns.
+    p = _padding(False).shape([3, 1, 1], [5, 0, 9])
+    self.assertEqual((p.rows, p.tokens, p.columns, p.calls), (4, 4, 4, 1))
+    self.assertEqual(_padding(True).shape([3, 1, 1], [5, 0, 9]).calls, 3)  # Longest chunk.
+    # 8 tokens after 14: 22 slots -> 6 pages, the cap.
+    self.assertEqual(_padding(True).shape([8], [14]), padding.StepShape(1, 8, 6, 8))
+
+  def test_engine_default_needs_max_model_len(self):
+    config = scheduler.SchedulerConfig(16, 64, 8, 256)
+    p = padding.Padding.engine_default(config, sequential=True)
+    self.assertEqual((p.row_buckets, p.token_buckets), ((1, 2, 4, 8), (1, 2, 4, 8, 16, 32, 64)))
+    self.assertEqual(p.column_buckets, (1, 2, 4, 8, 16, 20))  # ceil((256 + 64) / 16) = 20.
+    with self.assertRaisesRegex(ValueError, "max_model_len"):
+      padding.Padding.engine_default(scheduler.SchedulerConfig(16, 64, 8), sequential=True)
+
+
+class EngineCostTest(absltest.TestCase):
+  """FLOPs and bytes of the padded step, derived by hand for the tiny shape (fp32)."""
+
+  hw = hardware.Hardware(
+    "t", 1e6, 1e5, 1.0, 0.5, "test", combine="sum", pricing="engine", call_overhead_s=0.25
+  )
+  batch = scheduler.StepBatch([None] * 3, [3, 1, 1], [5, 0, 9], num_sampled=2)
+
+  def test_parallel_unshared_raw(self):
+    ex = engine_cost.EngineCostExecutor(
+      _tiny_shape(), self.hw, _padding(False), share_kv=False, kv_format=None
+    )
+    # Padded: 4 rows x 4 tokens over 16 slots, one call. Per position: linear 2*4*192 = 1536,
+    # LM head 2*10*4 = 80, attention 4*2*4*4*(16 + 4) = 2560; 16 positions.
+    flops = 16 * (1536 + 80 + 2560)
+    # Weights 4*(4*192 + 40) = 3232; K/V read 4 layers * 4 rows * 20 slots * 32 B = 10240;
+    # scores 2*4 B * 4 layers * 2 heads * 16 positions * 20 slots = 20480; gather of 4 cached
+    # layers * 32 B * 4 rows * 16 slots, read and written: 16384.
+    moved = 3232 + 10240 + 20480 + 16384
+    self.assertEqual(ex.terms(self.batch), (flops, moved, 1))
+    self.assertAlmostEqual(ex.execute(self.batch), 0.5 + 0.25 + flops / 1e6 + moved / 1e5)
+
+  def test_sequential_shared_fp8(self):
+    ex = engine_cost.EngineCostExecutor(
+      _tiny_shape(), self.hw, _padding(True), share_kv=True, kv_format="fp8"
+    )
+    # 3 calls (longest chunk) of 4 rows x 1 token over 16 + 1 slots.
+    flops = 3 * 4 * (1536 + 80 + 4 * 2 * 4 * 4 * 17)
+    # fp8 page: 4 values of K and V at 1 B plus a 4 B scale each: 16 B per token and layer.
+    per_call = (
+      3232  # weights
+      + 4 * 4 * 17 * 32  # K/V at fp32, every layer execution
+      + 4 * 4 * 16 * (16 + 32)  # packed past read, dequantized copy written
+      + 8 * 4 * 2 * 4 * 1 * 17  # float32 scores, written and read
+    )
+    moved = 3 * per_call + 2 * 3 * 16 * 4 * 16  # Gather: 3 cached layers when shared.
+    self.assertEqual(ex.terms(self.batch), (flops, moved, 3))
+    self.assertAlmostEqual(ex.execute(self.batch), 0.5 + 3 * 0.25 + flops / 1e6 + moved / 1e5)
+    roof = dataclasses.replace(self.hw, combine="max")
+    ex.hardware = roof
+    self.assertAlmostEqual(ex.execute(self.batch), 0.5 + 3 * 0.25 + max(flops / 1e6, moved / 1e5))
+
+  def test_simulator_maps_formats_to_the_engine(self):
+    config = scheduler.SchedulerConfig(4, 8, 4, 16)
+    make = lambda share, fmt: engine_cost.executor_for(
+      _tiny_shape(), self.hw, config, share_kv=share, kv_format=fmt, weight_format="fp32"
+    )
+    raw = make(False, "bf16")  # Raw pages at the weights' precision: parallel chunks.
+    self.assertEqual((raw.kv_format, raw.padding.sequential), (None, False))
+    self.assertTrue(make(True, "bf16").padding.sequential)
+    fp8 = make(False, "fp8")  # Packed pages: token by token, as in the engine.
+    self.assertEqual((fp8.kv_format, fp8.padding.sequential), ("fp8", True))
+    self.assertFalse(hasattr(raw, "decode_step_time"))  # Prices depend on the widest row.
+
+
 class HardwareTest(absltest.TestCase):
   def test_profiles(self):
     h200 = hardware.load("h200")
@@ -88,6 +245,16 @@ class HardwareTest(absltest.TestCase):
       json.dump({"bandwidth": 1}, f)
     with self.assertRaisesRegex(ValueError, "unknown keys \\['bandwidth'\\]"):
       hardware.load("h200", path)
+    with open(path, "w") as f:
+      json.dump({"call_overhead_s": 0, "step_overhead_s": 1e-3}, f)
+    hw = hardware.load("cpu_2core", path)
+    self.assertEqual(
+      (hw.call_overhead_s, hw.pricing), (0.0, hardware.PROFILES["cpu_2core"].pricing)
+    )
+
+  def test_combine_and_pricing_are_checked(self):
+    with self.assertRaisesRegex(ValueError, "combine = 'add'"):
+      hardware.Hardware("x", 1.0, 1.0, 1.0, 0.0, "", combine="add")
 
 
 if __name__ == "__main__":

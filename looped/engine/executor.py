@@ -1,8 +1,9 @@
 """The scheduler's executor backed by the real model: one jitted step per scheduled batch.
 
 A step takes the scheduler's ragged batch (each sequence computes q_i new tokens after c_i
-cached ones; prefill chunks and decode tokens mixed), pads it to a (rows, tokens) bucket so
-steps do not recompile, gathers each row's pages into a dense cache, runs the model's decode
+cached ones; prefill chunks and decode tokens mixed), pads it to a (rows, tokens, page-table
+width) bucket (looped/serving/padding.py, which the simulator's engine pricing shares) so steps
+do not recompile, gathers each row's pages into a dense cache, runs the model's decode
 path, writes the new K/V back into the pages and samples the next token of every sequence whose
 chunk reaches its last token.
 
@@ -32,23 +33,7 @@ from looped.engine import paged_cache, sampling
 from looped.engine.requests import GenRequest
 from looped.model.looped_lm import LoopedLM
 from looped.serving import scheduler as scheduler_lib
-
-
-def bucket(n: int, sizes: tuple[int, ...]) -> int:
-  """Smallest size >= n."""
-  for s in sizes:
-    if s >= n:
-      return s
-  raise ValueError(f"{n} exceeds the largest bucket {sizes[-1]}.")
-
-
-def powers_of_two(limit: int) -> tuple[int, ...]:
-  """1, 2, 4, ... up to limit (limit itself included)."""
-  sizes, s = [], 1
-  while s < limit:
-    sizes.append(s)
-    s *= 2
-  return tuple(sizes) + (limit,)
+from looped.serving.padding import Padding, bucket, powers_of_two  # noqa: F401 (re-exported)
 
 
 @dataclasses.dataclass
@@ -136,14 +121,13 @@ class ModelExecutor:
     self.page_size = page_size
     self.share_kv = share_kv
     self.kv_format = kv_format
-    self.row_buckets = row_buckets
-    self.token_buckets = token_buckets
     self.scratch_page = num_pages
-    max_columns = -(-(max_model_len + token_buckets[-1]) // page_size)
-    # Page-table widths: the dense cache a step attends over is columns * page_size slots.
-    self.column_buckets = tuple(c for c in column_buckets or () if c < max_columns) + (max_columns,)
     self.pages = paged_cache.init_pages(model.cfg, num_pages, page_size, share_kv, kv_format)
     self.sequential = (share_kv or kv_format is not None) if sequential is None else sequential
+    # Page-table widths: the dense cache a step attends over is columns * page_size slots.
+    self.padding = Padding.create(
+      page_size, row_buckets, token_buckets, column_buckets, max_model_len, self.sequential
+    )
     self.clock = clock
     self.record_logits = record_logits
     self.decode = decode or (lambda ids: "")
@@ -160,11 +144,9 @@ class ModelExecutor:
 
   def execute(self, batch: scheduler_lib.StepBatch) -> float:
     n = len(batch.seqs)
-    q_max = max(batch.num_new_tokens)
-    b, q = bucket(n, self.row_buckets), bucket(q_max, self.token_buckets)
+    padded = self.padding.shape(batch.num_new_tokens, batch.num_context_tokens)
+    b, q, columns = padded.rows, padded.tokens, padded.columns
     tokens = np.zeros((b, q), np.int32)
-    reach = max(c + q for c in batch.num_context_tokens)  # Slots the step writes up to.
-    columns = bucket(-(-reach // self.page_size), self.column_buckets)
     table = np.full((b, columns), self.scratch_page, np.int32)
     context = np.zeros((b,), np.int32)
     num_new = np.zeros((b,), np.int32)

@@ -9,7 +9,8 @@ layer executions per token (the core block runs R times), N parameters per layer
   bytes = w * (L * N + V * d)                            weights, read once per layer execution
         + L * kv_tok * sum(c_i)                          context K/V read by every execution
         + L_kv * kv_tok * sum(q_i)                       new K/V written
-  time  = max(FLOPs / peak, bytes / bandwidth) + overhead
+  time  = max(FLOPs / peak, bytes / bandwidth) + overhead      (hardware.combine 'max')
+        = FLOPs / peak + bytes / bandwidth + overhead           (hardware.combine 'sum')
 
 kv_tok = num_kv_heads * head_dim * 2 * bytes_per_value(format) is one token's K and V in one
 layer, and L_kv the cached layers: P + B + C shared, P + R*B + C unshared. Sharing changes what is
@@ -17,6 +18,9 @@ layer, and L_kv the cached layers: P + B + C shared, P + R*B + C unshared. Shari
 recurrences still attends over the whole context, reading the one shared copy R times, since the
 recurrences run one after another. Activations, norms, the injection and the embedding lookup are
 left out (each is under ~1% of a step's bytes or FLOPs at the paper's size).
+
+This prices the batch an ideal engine computes. `engine_cost.executor_for` picks its pricing
+instead for a profile with pricing 'engine' (what looped/engine really computes on its hardware).
 """
 
 from __future__ import annotations
@@ -54,9 +58,12 @@ class CostModelExecutor:
     self._inv_flops = 1.0 / hardware.peak_flops
     self._inv_bw = 1.0 / hardware.mem_bandwidth
     self._overhead = hardware.step_overhead_s
+    self._add = hardware.combine == "sum"
 
-  def step_time(self, tokens: int, sampled: int, attention_pairs: int, context: int) -> float:
-    """Roofline time of a step from its totals (see the module docstring)."""
+  def step_terms(
+    self, tokens: int, sampled: int, attention_pairs: int, context: int
+  ) -> tuple[float, float]:
+    """FLOPs and bytes of a step from its totals (see the module docstring)."""
     flops = (
       self._flops_per_token * tokens
       + self._flops_per_pair * attention_pairs
@@ -65,7 +72,23 @@ class CostModelExecutor:
     moved = (
       self._weight_bytes + self._read_per_context_token * context + self._write_per_token * tokens
     )
+    return flops, moved
+
+  def step_time(self, tokens: int, sampled: int, attention_pairs: int, context: int) -> float:
+    """Time of a step from its totals (see the module docstring)."""
+    flops, moved = self.step_terms(tokens, sampled, attention_pairs, context)
+    if self._add:
+      return flops * self._inv_flops + moved * self._inv_bw + self._overhead
     return max(flops * self._inv_flops, moved * self._inv_bw) + self._overhead
+
+  def terms(self, batch: scheduler_lib.StepBatch) -> tuple[float, float]:
+    """The batch's FLOPs and bytes."""
+    pairs = sum(
+      q * c + q * (q + 1) // 2 for q, c in zip(batch.num_new_tokens, batch.num_context_tokens)
+    )
+    return self.step_terms(
+      sum(batch.num_new_tokens), batch.num_sampled, pairs, sum(batch.num_context_tokens)
+    )
 
   def execute(self, batch: scheduler_lib.StepBatch) -> float:
     pairs = sum(

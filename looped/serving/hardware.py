@@ -16,6 +16,8 @@ import math
 
 _H200_FLOPS_RATIO = 790e12 / 989e12
 _H200_BW_RATIO = 4.3e12 / 4.8e12
+COMBINE = ("max", "sum")
+PRICING = ("batch", "engine")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +28,21 @@ class Hardware:
   memory_bytes: float  # HBM capacity (the largest sensible KV budget plus weights).
   step_overhead_s: float  # Fixed cost per engine step (scheduling, launches), seconds.
   source: str  # Where the numbers come from.
+  # How compute and memory time combine: 'max' (roofline: they overlap, as on an accelerator) or
+  # 'sum' (they add: a CPU core runs XLA's ops one after another).
+  combine: str = "max"
+  # What is priced: 'batch' (the scheduler's batch, as an ideal engine computes it) or 'engine'
+  # (what looped/engine's executor computes: padded buckets, dense slots, token-by-token calls;
+  # looped/serving/engine_cost.py).
+  pricing: str = "batch"
+  call_overhead_s: float = 0.0  # 'engine' pricing: fixed cost per model call (micro-step).
+
+  def __post_init__(self):
+    if self.combine not in COMBINE or self.pricing not in PRICING:
+      raise ValueError(
+        f"{self.name}: combine = {self.combine!r} (allowed {COMBINE}), pricing = "
+        f"{self.pricing!r} (allowed {PRICING})."
+      )
 
 
 _OVERHEAD_S = 1e-3  # An engine step with CUDA graphs: host scheduling + launch, ~1 ms.
@@ -44,21 +61,32 @@ PROFILES = {
     "H100 SXM datasheet derated by the H200 measured/spec ratios (estimate)",
   ),
   "h100_spec": Hardware("h100_spec", 989e12, 3.35e12, 80e9, _OVERHEAD_S, "datasheet (SXM)"),
-  # The engine's CPU steps (fp32, dense gather from pages), fitted by benchmarks/engine.py on a
-  # loaded 2-core machine: 31% median error on held-out shapes (README "Generation engine").
+  # looped/engine's CPU steps (fp32, raw pages, one XLA thread pinned to one core of this 2-core
+  # machine), priced as the engine pads them, terms added. Fitted by benchmarks/engine.py on 64
+  # of 96 step shapes (unshared and shared); 18.9% median error on the 32 held out (README
+  # "Generation engine", cost-model calibration). Formats' dequantization is not priced.
   "cpu_2core": Hardware(
-    "cpu_2core", 5.62e10, 8.25e10, 128e9, 2.51e-3, "fitted by benchmarks/engine.py (loaded CPU)"
+    "cpu_2core",
+    4.21e10,
+    9.50e9,
+    128e9,
+    1.39e-3,
+    "fitted by benchmarks/engine.py on 2026-12-02 (one pinned core, loaded machine)",
+    combine="sum",
+    pricing="engine",
+    call_overhead_s=0.0,
   ),
 }
 
-_OVERRIDABLE = ("peak_flops", "mem_bandwidth", "memory_bytes", "step_overhead_s")
+_OVERRIDABLE = ("peak_flops", "mem_bandwidth", "memory_bytes", "step_overhead_s", "call_overhead_s")
 
 
 def load(name: str, override_json: str = "") -> Hardware:
   """Returns a named profile, with fields replaced by those in a JSON file if one is given.
 
   The JSON is an object with any of peak_flops, mem_bandwidth, memory_bytes, step_overhead_s
-  (positive numbers), e.g. {"peak_flops": 7.5e14, "mem_bandwidth": 4.1e12}.
+  (positive numbers) and call_overhead_s (>= 0), e.g. {"peak_flops": 7.5e14,
+  "mem_bandwidth": 4.1e12}. The profile's combine and pricing are kept.
   """
   if name not in PROFILES:
     raise ValueError(f"Unknown hardware {name!r}; allowed: {', '.join(PROFILES)}.")
@@ -73,13 +101,15 @@ def load(name: str, override_json: str = "") -> Hardware:
   if unknown:
     raise ValueError(f"{override_json}: unknown keys {unknown}; allowed: {list(_OVERRIDABLE)}.")
   for key, value in values.items():
+    zero_ok = key == "call_overhead_s"  # A profile may have no per-call cost.
     if (
       isinstance(value, bool)
       or not isinstance(value, (int, float))
       or not math.isfinite(value)
-      or not value > 0
+      or not (value >= 0 if zero_ok else value > 0)
     ):
-      raise ValueError(f"{override_json}: {key} = {value!r} must be a positive finite number.")
+      kind = "non-negative" if zero_ok else "positive"
+      raise ValueError(f"{override_json}: {key} = {value!r} must be a {kind} finite number.")
   return dataclasses.replace(
     hw, **{k: float(v) for k, v in values.items()}, source=f"{hw.source}; {override_json}"
   )

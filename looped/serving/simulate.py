@@ -20,7 +20,7 @@ from absl import logging
 
 from looped import config_checks as checks
 from looped import kv_quant
-from looped.serving import cost_model, hardware, metrics, replay, report, traces
+from looped.serving import cost_model, engine_cost, hardware, metrics, replay, report, traces
 from looped.serving import pages as pages_lib
 from looped.serving import scheduler as scheduler_lib
 from looped.serving import shape as shape_lib
@@ -183,8 +183,8 @@ def simulate_one(
   page_bytes = config.page_size * shape.kv_bytes_per_token(share_kv, kv_format)
   num_pages = None if budget is None else int(budget // page_bytes)
   pool = pages_lib.PagePool(num_pages, debug=check_invariants)
-  executor = cost_model.CostModelExecutor(
-    shape, hw, share_kv=share_kv, kv_format=kv_format, weight_format=weight_format
+  executor = engine_cost.executor_for(
+    shape, hw, config, share_kv=share_kv, kv_format=kv_format, weight_format=weight_format
   )
   sched = scheduler_lib.Scheduler(config, pool, executor, check_invariants=check_invariants)
   bar = Progress(len(requests), label)
