@@ -134,10 +134,7 @@ class ModelExecutor:
     self.on_token = on_token
     self.states: dict[int, RequestState] = {}
     self.step_log: list[dict] = []  # Per step: rows, tokens, bucket, wall seconds.
-    self._step = jax.jit(
-      functools.partial(_step_fn, model, share_kv, kv_format, self.sequential, record_logits),
-      donate_argnums=(1,),
-    )
+    self._step = compiled_step(model.cfg, share_kv, kv_format, self.sequential, record_logits)
 
   def add(self, request: GenRequest) -> None:
     self.states[request.request_id] = RequestState(request, list(request.prompt_tokens))
