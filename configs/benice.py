@@ -93,6 +93,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.eval.decode_batches = 0  # First N eval batches also measured by exact decode (0: all).
   c.eval.decode_rows = 0  # Rows per exact-decode call (a multiple of the eval batch; 0: all).
   c.eval.kv_formats = ("bf16", "fp8", "mxfp8", "nvfp4")  # Cache formats also evaluated.
+  c.eval.samples = 2  # Eval rows each model continues greedily in the report (0: none).
+  c.eval.sample_prompt_tokens = 48  # Prompt: the first tokens of each of those rows.
+  c.eval.sample_new_tokens = 48  # Greedy tokens generated, unshared and with the shared cache.
 
   c.pipeline = ml_collections.ConfigDict()  # Reuse of finished stages from other runs.
   c.pipeline.pretrain_workdir = ""  # Finished pretraining run to start from ('' = train one).
@@ -111,6 +114,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.eval.jacobi_passes = (1, 2)
     c.eval.decode_batches = 1
     c.eval.kv_formats = ("nvfp4",)
+    c.eval.samples = 1
+    c.eval.sample_prompt_tokens = 8
+    c.eval.sample_new_tokens = 8
   if "fixed" in args:  # Chosen by experiments/gap_sweep.sh (README "Where sharing breaks").
     c.model.injection = "linear"
     c.model.num_prelude_layers = 0

@@ -25,6 +25,8 @@ BAD_VALUES = [
   ("benice.kv_passes", -1, ">= 0"),
   ("eval.jacobi_passes", (0, 4), "tuple of integers >= 1"),
   ("eval.decode_batches", 3, "<= 2"),
+  ("eval.samples", -1, ">= 0"),
+  ("eval.sample_new_tokens", 10_000, "must fit model.max_seq_len"),
   ("pipeline.pretrain_workdir", "/nonexistent/run", "pretrain run directory"),
   ("program", "train", "'benice'"),
 ]
@@ -132,6 +134,12 @@ class PipelineTest(testing.TempDirTestCase):
       self.assertEqual(list(m["kv_formats"]), list(config.eval.kv_formats))
       nvfp4 = m["kv_formats"]["nvfp4"]
       self.assertLess(nvfp4["kv_bytes_per_token"]["shared"], m["kv_bytes_per_token"]["shared"])
+      # Greedy samples (tests/benice_samples_test.py checks their tokens), both layouts.
+      self.assertLen(m["samples"], config.eval.samples)
+      for row in m["samples"]:
+        self.assertLen(row["unshared_tokens"], config.eval.sample_new_tokens)
+        self.assertLen(row["shared_tokens"], config.eval.sample_new_tokens)
+    self.assertIn("Greedy samples (generation engine), unshared vs shared cache:", printed)
     # Both post-training arms ran the configured steps from the pretrained checkpoint.
     self.assertEqual(
       {s: v["step"] for s, v in report["stages"].items()},

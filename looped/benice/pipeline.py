@@ -27,7 +27,8 @@ from looped import config_checks as cc
 from looped import data as data_lib
 from looped import kv_quant, sharding
 from looped import model as model_lib
-from looped.benice import evaluation, objectives, report, stages
+from looped.benice import evaluation, objectives, report, samples, stages
+from looped.data import tokenizers
 from looped.model.looped_lm import LoopedLM
 from looped.train import checkpointing, trainer
 from looped.train import objectives as train_objectives
@@ -88,6 +89,18 @@ def validate(config) -> None:
       rows,
       f"must be 0 or a multiple of data.eval_batch_size = {batch} that divides the decode "
       f"subset's {decode_batches * batch} rows",
+    )
+  cc.integer(config, "eval.samples", min_value=0, max_value=num_eval_batches * batch)
+  prompt = cc.integer(
+    config, "eval.sample_prompt_tokens", min_value=1, max_value=config.data.seq_len
+  )
+  new = cc.integer(config, "eval.sample_new_tokens", min_value=1)
+  if prompt + new > config.model.max_seq_len:
+    cc.fail(
+      "eval.sample_new_tokens",
+      new,
+      f"with eval.sample_prompt_tokens = {prompt} must fit model.max_seq_len = "
+      f"{config.model.max_seq_len}",
     )
   for name, stage in (("pretrain_workdir", "pretrain"), ("finetune_workdir", "finetune")):
     path = cc.string(config, "pipeline." + name, allow_empty=True)
@@ -179,6 +192,14 @@ def _evaluate(config, workdir: str, model: LoopedLM, abstract, stage_dirs: dict)
       fmt: evaluate(evaluation.make_stats_fns(model.cfg, fmt), model.cfg, kv_format=fmt)
       for fmt in config.eval.kv_formats
     }
+    if config.eval.samples and samples.supported(model):
+      metrics["samples"] = samples.generate(
+        model,
+        params,
+        samples.prompts(eval_batches, config.eval.samples, config.eval.sample_prompt_tokens),
+        config.eval.sample_new_tokens,
+        tokenizers.get(config.data).decode,
+      )
     logging.info("Evaluation %s: %.1f s, %s", name, time.time() - start, report.summary(metrics))
     if jax.process_index() == 0:
       os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from looped.benice import plots, stages
+from looped.benice import plots, samples, stages
 from looped.train.metrics_writer import read_metrics
 
 
@@ -91,6 +91,8 @@ def markdown(report: dict) -> str:
   )
   if any(m.get("kv_formats") for m in models.values()):
     lines += ["", kv_formats_markdown(models)]
+  if any(m.get("samples") for m in models.values()):
+    lines += ["", samples.markdown(models)]
   return "\n".join(lines)
 
 
