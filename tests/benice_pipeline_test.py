@@ -8,6 +8,7 @@ import os
 import shutil
 from unittest import mock
 
+import jax
 from absl.testing import absltest, parameterized
 
 from configs import benice as benice_config
@@ -140,6 +141,7 @@ class PipelineTest(testing.TempDirTestCase):
         self.assertLen(row["unshared_tokens"], config.eval.sample_new_tokens)
         self.assertLen(row["shared_tokens"], config.eval.sample_new_tokens)
     self.assertIn("Greedy samples (generation engine), unshared vs shared cache:", printed)
+    self.assertEqual(report["settings"]["versions"]["jax"], jax.__version__)
     # Both post-training arms ran the configured steps from the pretrained checkpoint.
     self.assertEqual(
       {s: v["step"] for s, v in report["stages"].items()},

@@ -172,6 +172,9 @@ class BeNiceOnMeshTest(absltest.TestCase):
     self.assertGreaterEqual(len(perplexities), 6)  # unshared + shared, for every model.
     for path, value in perplexities:
       np.testing.assert_allclose(_at(got, path), value, rtol=1e-4, err_msg=str(path))
+    # The report's greedy samples run the engine on the mesh: the same tokens.
+    for name, m in ref["models"].items():
+      self.assertEqual(got["models"][name]["samples"], m["samples"], name)
 
 
 def _perplexities(node, path=()):

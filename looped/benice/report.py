@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
+import platform
 
 from looped.benice import plots, samples, stages
 from looped.train.metrics_writer import read_metrics
@@ -27,8 +29,21 @@ def build(config, results: dict, stage_dirs: dict) -> dict:
       "post_depth": config.post.depth.to_dict(),
       "benice": config.benice.to_dict(),
       "eval": json.loads(json.dumps(config.eval.to_dict())),
+      "versions": versions(),
     },
   }
+
+
+def versions() -> dict:
+  """Python and the numerics-relevant packages: reruns in another environment can differ in the
+  last digits (XLA's fusion and reduction order change between releases)."""
+  out = {"python": platform.python_version()}
+  for name in ("jax", "jaxlib", "flax", "optax", "numpy", "orbax-checkpoint", "grain"):
+    try:
+      out[name] = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      out[name] = None
+  return out
 
 
 def _floats(values, fmt="{:.3f}") -> str:
