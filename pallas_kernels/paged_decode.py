@@ -195,34 +195,20 @@ def paged_decode(
   q_parts = _split_parts(q, n_parts)
   k_new_parts = _split_parts(own(k_new_BxTxKxD), n_parts)
   v_new_parts = _split_parts(own(v_new_BxTxKxD), n_parts)
-  if variant == "tpu":
-    out_parts = paged_decode_tpu.paged_decode_tpu(
-      q_parts,
-      k_new_parts,
-      v_new_parts,
-      k_pages,
-      v_pages,
-      page_table_BxP.astype(jnp.int32),
-      lengths_B.astype(jnp.int32),
-      group=group,
-      num_new=t,
-      sm_scale=sm_scale,
-      interpret=interpret,
-    )
-  else:
-    out_parts = _generic(
-      q_parts,
-      k_new_parts,
-      v_new_parts,
-      k_pages,
-      v_pages,
-      page_table_BxP,
-      lengths_B,
-      group=group,
-      num_new=t,
-      sm_scale=sm_scale,
-      interpret=interpret,
-    )
+  impl = paged_decode_tpu.paged_decode_tpu if variant == "tpu" else _generic
+  out_parts = impl(
+    q_parts,
+    k_new_parts,
+    v_new_parts,
+    k_pages,
+    v_pages,
+    page_table_BxP.astype(jnp.int32),
+    lengths_B.astype(jnp.int32),
+    group=group,
+    num_new=t,
+    sm_scale=sm_scale,
+    interpret=interpret,
+  )
   out = out_parts[0] if n_parts == 1 else jnp.stack(out_parts, axis=-1).reshape(*q.shape)
   out = out[:, :, :rows].reshape(b, kv_heads, t, group, d).transpose(0, 2, 1, 3, 4)
   return out.reshape(b, t, n, d)
