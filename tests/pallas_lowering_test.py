@@ -52,13 +52,17 @@ def _pages(fmt, pages=8, page_size=64, heads=4, d=128):
   return PackedKV(S((*lead, d // 2), jnp.uint8), scale, S(lead[:2], jnp.float32), fmt=fmt)
 
 
-class TritonLoweringTest(parameterized.TestCase):
+class _LoweringCases(parameterized.TestCase):
+  """Every kernel lowered for one target; `calls(fn, *args)` counts its custom calls."""
+
+  calls = None
+
   def test_shared_attention_forward_and_backward(self):
     q, kv = S((1, 256, 8, 128), jnp.bfloat16), S((1, 256, 4, 128), jnp.bfloat16)
     attention = lambda *a: pallas_kernels.shared_attention(*a, interpret=False)
     grads = jax.grad(lambda *a: jnp.sum(attention(*a).astype(jnp.float32)), argnums=(0, 1, 2, 3, 4))
-    self.assertEqual(_triton_calls(attention, q, kv, kv, kv, kv), 1)
-    self.assertEqual(_triton_calls(grads, q, kv, kv, kv, kv), 3)  # fwd, dq, dk/dv.
+    self.assertEqual(type(self).calls(attention, q, kv, kv, kv, kv), 1)
+    self.assertEqual(type(self).calls(grads, q, kv, kv, kv, kv), 3)  # fwd, dq, dk/dv.
 
   @parameterized.parameters("fp8", "mxfp8", "nvfp4")
   def test_shared_attention_packed_past(self, fmt):
@@ -68,7 +72,7 @@ class TritonLoweringTest(parameterized.TestCase):
       q, k, v, kp, vp, interpret=False
     )
     grads = jax.grad(lambda *a: jnp.sum(attention(*a).astype(jnp.float32)), argnums=(0, 1, 2))
-    self.assertEqual(_triton_calls(grads, q, kv, kv, past, past), 2)  # fwd, dq (no past grad).
+    self.assertEqual(type(self).calls(grads, q, kv, kv, past, past), 2)  # fwd, dq (no past grad).
 
   @parameterized.parameters("bf16", "fp8", "mxfp8", "nvfp4")
   def test_paged_decode(self, fmt):
@@ -76,11 +80,17 @@ class TritonLoweringTest(parameterized.TestCase):
     table, lengths = S((4, 2), jnp.int32), S((4,), jnp.int32)
     decode = lambda *a: pallas_kernels.paged_decode(*a, interpret=False)
     pages = _pages(fmt)
-    self.assertEqual(_triton_calls(decode, q, kv, kv, pages, pages, table, lengths), 1)
+    self.assertEqual(type(self).calls(decode, q, kv, kv, pages, pages, table, lengths), 1)
 
 
-class MosaicLoweringTest(parameterized.TestCase):
+class TritonLoweringTest(_LoweringCases):
+  calls = staticmethod(_triton_calls)
+
+
+class MosaicLoweringTest(_LoweringCases):
   """The TPU variants (the default on TPU) through Pallas -> Mosaic for a TPU target."""
+
+  calls = staticmethod(_mosaic_calls)
 
   def test_tpu_is_the_default_variant_on_tpu(self):
     with mock.patch.object(platform, "platform", lambda: "tpu"):
@@ -89,31 +99,8 @@ class MosaicLoweringTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "Unknown kernel variant"):
       platform.variant_default("triton")
 
-  def test_shared_attention_forward_and_backward(self):
-    q, kv = S((1, 256, 8, 128), jnp.bfloat16), S((1, 256, 4, 128), jnp.bfloat16)
-    attention = lambda *a: pallas_kernels.shared_attention(*a, interpret=False)
-    grads = jax.grad(lambda *a: jnp.sum(attention(*a).astype(jnp.float32)), argnums=(0, 1, 2, 3, 4))
-    self.assertEqual(_mosaic_calls(attention, q, kv, kv, kv, kv), 1)
-    self.assertEqual(_mosaic_calls(grads, q, kv, kv, kv, kv), 3)  # fwd, dq, dk/dv.
 
-  @parameterized.parameters("fp8", "mxfp8", "nvfp4")
-  def test_shared_attention_packed_past(self, fmt):
-    q, kv = S((1, 256, 8, 128), jnp.bfloat16), S((1, 256, 4, 128), jnp.bfloat16)
-    past = _pages(fmt, pages=1, page_size=256)
-    attention = lambda q, k, v, kp, vp: pallas_kernels.shared_attention(
-      q, k, v, kp, vp, interpret=False
-    )
-    grads = jax.grad(lambda *a: jnp.sum(attention(*a).astype(jnp.float32)), argnums=(0, 1, 2))
-    self.assertEqual(_mosaic_calls(grads, q, kv, kv, past, past), 2)  # fwd, dq.
-
-  @parameterized.parameters("bf16", "fp8", "mxfp8", "nvfp4")
-  def test_paged_decode(self, fmt):
-    q, kv = S((4, 1, 16, 128), jnp.bfloat16), S((4, 1, 4, 128), jnp.bfloat16)
-    table, lengths = S((4, 2), jnp.int32), S((4,), jnp.int32)
-    decode = lambda *a: pallas_kernels.paged_decode(*a, interpret=False)
-    pages = _pages(fmt)
-    self.assertEqual(_mosaic_calls(decode, q, kv, kv, pages, pages, table, lengths), 1)
-
+del _LoweringCases  # Only its subclasses run (unittest would collect the base too).
 
 if __name__ == "__main__":
   absltest.main()
