@@ -10,7 +10,9 @@ Args (comma-separated): `smoke` (tiny, runs in about a minute on a CPU, for test
 (the regime where sharing breaks, README "Where sharing breaks": fixed-depth pretraining of a
 non-contracting loop, linear injection and no prelude/coda layers, so the core's attention does
 all the sequence mixing; its BeNice! reads the K/V after 3 Jacobi passes),
-`zero_shot` (pretraining and its zero-shot shareability evaluation only, no KV formats), and
+`zero_shot` (pretraining and its zero-shot shareability evaluation only, no KV formats),
+`composition` (the composition table's scale: 300 pretraining and 100 post-training steps, exact
+decode on 32 rows, bf16 / fp8 / nvfp4 caches), and
 at most one mixer: `gqa` (the default), `mla`, `kda` (every layer that mixer) or `hybrid` (KDA
 and MLA 3:1 over the distinct layers: prelude KDA, core KDA + MLA, coda KDA; README "Mixers").
 
@@ -39,6 +41,7 @@ VARIANTS = {
   "smoke": "tiny, the whole pipeline in about a minute on a CPU (tests)",
   "fixed": "the regime where sharing breaks: fixed depth, linear injection, no prelude/coda",
   "zero_shot": "pretraining and its zero-shot shareability evaluation only",
+  "composition": "the composition table's smaller scale (README \"Mixers\"): 300 + 100 steps",
   "gqa": "every layer grouped-query attention (the default)",
   "mla": "every layer multi-head latent attention (cached: latent + RoPE key)",
   "kda": "every layer Kimi delta attention (cached: a state per sequence)",
@@ -53,7 +56,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     raise ValueError(f"config variants name several mixers {sorted(mixer)}; pick one.")
 
   # seed, model, data, depth and train of stage 1, with `smoke`/`fixed` applied as there.
-  c = pretrain.get_config(",".join(sorted(args - {"zero_shot"} - set(MIXERS))))
+  c = pretrain.get_config(",".join(sorted(args - {"zero_shot", "composition"} - set(MIXERS))))
   if mixer:
     m = c.model
     m.prelude_mixers, m.core_mixers, m.coda_mixers = MIXERS[mixer.pop()]
@@ -122,6 +125,17 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.model.num_prelude_layers = 0
     c.model.num_coda_layers = 0
     c.benice.kv_passes = 3  # Recommended where there is a gap (README Results (c)).
+  if "composition" in args:  # 16 pipelines x 2 seeds on 2 CPU cores (experiments/composition.sh).
+    c.train.num_steps = 300
+    c.train.eval_every = 150
+    c.train.checkpoint_every = 150
+    c.post.train.num_steps = 100
+    c.post.train.warmup_steps = 10
+    c.post.train.eval_every = 50
+    c.post.train.checkpoint_every = 50
+    c.eval.decode_batches = 2  # Exact decode on the first 32 rows; Jacobi passes on all 128.
+    c.eval.kv_formats = ("bf16", "fp8", "nvfp4")
+    c.eval.samples = 0
   if "zero_shot" in args:  # Pretraining and its zero-shot evaluation only (sweeps).
     c.pipeline.models = ("zero_shot",)
     c.eval.kv_formats = ()

@@ -53,7 +53,8 @@ def model_config() -> ml_collections.ConfigDict:
   m.mla_q_rank = 0  # MLA: low-rank query width (0 = full-rank query projection).
   m.mla_rope_dim = 32  # MLA: decoupled RoPE key/query width (even; shared by the heads).
   m.kda_conv_size = 4  # KDA: short causal conv width on q, k, v.
-  m.kda_chunk_size = 64  # KDA: chunk length of the chunkwise-parallel (training) form.
+  m.kda_chunk_size = 16  # KDA: chunk length of the chunkwise-parallel (training) form (16: 3x
+  # faster training steps than 64 on CPU, same math; README "Mixers").
   return m
 
 

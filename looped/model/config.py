@@ -57,7 +57,7 @@ class ModelConfig:
   mla_q_rank: int = 0
   mla_rope_dim: int = 32
   kda_conv_size: int = 4
-  kda_chunk_size: int = 64
+  kda_chunk_size: int = 16
 
   def mixers(self, stage: str) -> tuple[str, ...]:
     """The mixer of each layer of a stage: its pattern repeated over the stage's layers."""
