@@ -76,6 +76,27 @@ def rows(paths: list[str], models: tuple[str, ...] = ()) -> list[dict]:
 _pct = report.pct
 
 
+def stat(values, fmt) -> str:
+  """'mean (spread)' over seeds (max - min), or the one value; None entries are skipped."""
+  values = [v for v in values if v is not None]
+  if not values:
+    return "-"
+  mean, spread = float(np.mean(values)), float(np.ptp(values))
+  return f"{fmt(mean)} ({fmt(spread).lstrip('+')})" if len(values) > 1 else fmt(mean)
+
+
+def gap_stat(gaps, cis) -> str:
+  """One seed: '+1.2% [+0.8, +1.6]'; several: '+1.2% (0.4%) ±0.5', mean (spread) and the
+  widest 95% half-width among the seeds, in points."""
+  pairs = [(g, ci) for g, ci in zip(gaps, cis) if g is not None]
+  if not pairs:
+    return "-"
+  if len(pairs) == 1:
+    return report.gap_with_ci(*pairs[0])
+  half = max((ci[1] - ci[0]) / 2 for _, ci in pairs)
+  return f"{stat([g for g, _ in pairs], _pct)} ±{100 * half:.1f}"
+
+
 def table(paths: list[str], models: tuple[str, ...] = ()) -> str:
   """Per-run rows, then per-group means with the spread (max - min over seeds) in brackets."""
   rs = rows(paths, models)
@@ -112,24 +133,6 @@ def table(paths: list[str], models: tuple[str, ...] = ()) -> str:
     "ppl shared exact (subset) | gap exact | " + " | ".join(f"gap J{n}" for n in passes) + " |",
     "|---|---|---|---|---|---|---|" + "---|" * len(passes),
   ]
-
-  def stat(values, fmt) -> str:
-    values = [v for v in values if v is not None]
-    if not values:
-      return "-"
-    mean, spread = float(np.mean(values)), float(np.ptp(values))
-    return f"{fmt(mean)} ({fmt(spread).lstrip('+')})" if len(values) > 1 else fmt(mean)
-
-  def gap_stat(gaps, cis) -> str:
-    """One seed: '+1.2% [+0.8, +1.6]'; several: '+1.2% (0.4%) ±0.5', mean (spread) and the
-    widest 95% half-width among the seeds, in points."""
-    pairs = [(g, ci) for g, ci in zip(gaps, cis) if g is not None]
-    if not pairs:
-      return "-"
-    if len(pairs) == 1:
-      return report.gap_with_ci(*pairs[0])
-    half = max((ci[1] - ci[0]) / 2 for _, ci in pairs)
-    return f"{stat([g for g, _ in pairs], _pct)} ±{100 * half:.1f}"
 
   f3 = lambda x: f"{x:.3f}"
   for (group, model), members in groups.items():
