@@ -41,7 +41,7 @@ VARIANTS = {
   "smoke": "tiny, the whole pipeline in about a minute on a CPU (tests)",
   "fixed": "the regime where sharing breaks: fixed depth, linear injection, no prelude/coda",
   "zero_shot": "pretraining and its zero-shot shareability evaluation only",
-  "composition": "the composition table's smaller scale (README \"Mixers\"): 300 + 100 steps",
+  "composition": 'the composition table\'s smaller scale (README "Mixers"): 300 + 100 steps',
   "gqa": "every layer grouped-query attention (the default)",
   "mla": "every layer multi-head latent attention (cached: latent + RoPE key)",
   "kda": "every layer Kimi delta attention (cached: a state per sequence)",

@@ -6,6 +6,8 @@ extensions, build the same fixtures.
 
 from __future__ import annotations
 
+import json
+import os
 import tempfile
 
 from absl.testing import absltest
@@ -87,3 +89,10 @@ class TempDirTestCase(absltest.TestCase):
   def tearDown(self):
     self._tmp.cleanup()
     super().tearDown()
+
+  def write_report(self, run: str, models: dict) -> str:
+    """A pipeline workdir self.tmp/run holding only report/shareability.json with `models`."""
+    os.makedirs(os.path.join(self.tmp, run, "report"))
+    with open(os.path.join(self.tmp, run, "report", "shareability.json"), "w") as f:
+      json.dump({"models": models}, f)
+    return os.path.join(self.tmp, run)

@@ -1,6 +1,5 @@
 """looped.benice.collect: the many-run table, on hand-written reports with hand-derived means."""
 
-import json
 import os
 
 from absl.testing import absltest
@@ -24,17 +23,11 @@ def _model(ppl_unshared, ppl_shared, gap, gap_j1, gap_j4):
 
 
 class CollectTest(testing.TempDirTestCase):
-  def _write(self, run, models):
-    os.makedirs(os.path.join(self.tmp, run, "report"))
-    with open(os.path.join(self.tmp, run, "report", "shareability.json"), "w") as f:
-      json.dump({"models": models}, f)
-    return os.path.join(self.tmp, run)
-
   def test_groups_seeds_with_mean_and_spread(self):
     runs = [
-      self._write("arm_s0", {"zero_shot": _model(4.0, 4.4, 0.10, 0.02, 0.08)}),
-      self._write("arm_s1", {"zero_shot": _model(5.0, 5.2, 0.04, 0.00, 0.06)}),
-      self._write("other_s0", {"zero_shot": _model(3.0, 3.0, 0.0, 0.0, 0.0)}),
+      self.write_report("arm_s0", {"zero_shot": _model(4.0, 4.4, 0.10, 0.02, 0.08)}),
+      self.write_report("arm_s1", {"zero_shot": _model(5.0, 5.2, 0.04, 0.00, 0.06)}),
+      self.write_report("other_s0", {"zero_shot": _model(3.0, 3.0, 0.0, 0.0, 0.0)}),
     ]
     text = collect.table(runs)
     self.assertIn(
@@ -57,7 +50,7 @@ class CollectTest(testing.TempDirTestCase):
     )
 
   def test_models_filter_and_missing_report(self):
-    run = self._write(
+    run = self.write_report(
       "abl_s0",
       {"finetune": _model(4.0, 4.0, 0.0, 0.0, 0.0), "benice": _model(4.1, 4.1, 0.0, 0.0, 0.0)},
     )
