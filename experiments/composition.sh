@@ -31,6 +31,11 @@ for seed in $SEEDS; do
       gqa_poisson | mla_poisson | kda_poisson | hybrid_poisson) arm="" ;;
       *) echo "unknown run '$run'; known: $ALL" >&2 && exit 2 ;;
     esac
-    pipeline "$run" "$seed" ":composition$arm,$mixer"
+    # A failed run (its log says why) does not stop the others; the exit status reports it.
+    pipeline "$run" "$seed" ":composition$arm,$mixer" || failed="$failed ${run}_s$seed"
   done
 done
+if [ -n "${failed:-}" ]; then
+  echo "failed:$failed (see $R/<run>.log; rerunning resumes them)" >&2
+  exit 1
+fi

@@ -1,5 +1,6 @@
 """Shareability evaluation: exact decode vs Jacobi at T passes, hand-computed bytes and ratios."""
 
+import dataclasses
 import math
 
 import jax
@@ -9,6 +10,7 @@ from absl.testing import absltest
 from looped import testing
 from looped.benice import evaluation
 from looped.model import LoopedLM, init_params
+from looped.model.kv_cache import init_cache
 
 TINY = testing.TINY_MODEL
 
@@ -69,6 +71,27 @@ class EvaluateTest(absltest.TestCase):
     np.testing.assert_allclose(m["ppl_unshared_subset"], math.exp(sum(ce[:2]) / (4 * t)), rtol=1e-5)
     self.assertLen(m["residual_norms"], TINY.num_recurrences)
     self.assertLen(m["contraction_ratios"], TINY.num_recurrences - 1)
+
+  def test_kv_drift_of_mla_and_kda_layers(self):
+    """Drift reads each mixer's two cache entries: MLA latent / RoPE key, KDA state / conv tail."""
+    cfg = dataclasses.replace(
+      TINY, core_mixers=("kda", "mla"), mla_kv_rank=16, mla_rope_dim=4, kda_chunk_size=4
+    )
+    model = LoopedLM(cfg)
+    inputs_BxT = jax.random.randint(jax.random.PRNGKey(3), (2, 7), 0, cfg.vocab_size)
+    params = init_params(model, jax.random.PRNGKey(0), inputs_BxT)
+    dk, dv, k, v = evaluation.make_stats_fns(cfg).drift(params, inputs_BxT)
+    # Independently: an unshared decode of all 7 tokens leaves each recurrence's entries.
+    cache = init_cache(cfg, 2, 7, share_kv=False)
+    _, aux = model.apply(params, inputs_BxT, cache=cache)
+    kda_state, mla = aux["cache"].layers["core"]
+    expected = [(kda_state.state_BxHxKxV, kda_state.conv_BxWxC), mla]
+    for layer, (first, second) in enumerate(expected):
+      for d, n, x in ((dk, k, first), (dv, v, second)):
+        x_RxN = np.asarray(x, np.float64).reshape(cfg.num_recurrences, -1)
+        np.testing.assert_allclose(d[layer], ((x_RxN - x_RxN[-1]) ** 2).sum(-1), rtol=1e-4)
+        np.testing.assert_allclose(n[layer], (x_RxN[-1] ** 2).sum(), rtol=1e-5)
+        self.assertGreater(float(d[layer][0]), 1e-6 * float(n[layer]))
 
   def test_kv_format_exact_decode_equals_jacobi_at_t_passes(self):
     t = 6

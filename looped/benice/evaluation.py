@@ -51,6 +51,7 @@ import numpy as np
 
 from looped.model import mixers
 from looped.model.config import ModelConfig
+from looped.model.kda import KDAState
 from looped.model.kv_cache import init_cache
 from looped.model.looped_lm import LoopedLM
 from looped.model.sharing import decode_forward, jacobi_forward
@@ -90,13 +91,15 @@ def make_stats_fns(cfg: ModelConfig, kv_format: str | None = None) -> StatsFns:
     cache = init_cache(cfg, b, t, share_kv=False)
     _, aux = model.apply(params, inputs_BxT, cache=cache)
     out = []
-    for index in (0, 1):  # K, then V (GQA: [R, B, S, K, H]; MLA, KDA: their two entries).
-      x_LxRxN = jnp.stack(
-        [kv[index].reshape(cfg.num_recurrences, -1) for kv in aux["cache"].layers["core"]]
-      ).astype(jnp.float32)
-      final_LxN = x_LxRxN[:, -1]
-      out.append(jnp.sum((x_LxRxN - final_LxN[:, None]) ** 2, axis=-1))
-      out.append(jnp.sum(final_LxN**2, axis=-1))
+    # GQA: (K, V), each [R, B, S, K, H]; MLA: (latent, RoPE key); KDA: (state, conv tail).
+    entries = [
+      (kv.state_BxHxKxV, kv.conv_BxWxC) if isinstance(kv, KDAState) else kv
+      for kv in aux["cache"].layers["core"]
+    ]
+    for index in (0, 1):  # Per layer (entry sizes differ between mixers), then stacked.
+      x_RxN = [kv[index].reshape(cfg.num_recurrences, -1).astype(jnp.float32) for kv in entries]
+      out.append(jnp.stack([jnp.sum((x - x[-1]) ** 2, axis=-1) for x in x_RxN]))
+      out.append(jnp.stack([jnp.sum(x[-1] ** 2) for x in x_RxN]))
     dk, k, dv, v = out
     return dk, dv, k, v
 
