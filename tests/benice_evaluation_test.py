@@ -4,6 +4,7 @@ import dataclasses
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
 
@@ -92,6 +93,14 @@ class EvaluateTest(absltest.TestCase):
         np.testing.assert_allclose(d[layer], ((x_RxN - x_RxN[-1]) ** 2).sum(-1), rtol=1e-4)
         np.testing.assert_allclose(n[layer], (x_RxN[-1] ** 2).sum(), rtol=1e-5)
         self.assertGreater(float(d[layer][0]), 1e-6 * float(n[layer]))
+    # The whole evaluation runs on this hybrid, and T - 1 Jacobi passes equal exact decode.
+    targets_BxT = jnp.roll(inputs_BxT, -1, axis=1)
+    batches = [{"inputs": np.asarray(inputs_BxT), "targets": np.asarray(targets_BxT)}]
+    m = evaluation.evaluate(evaluation.make_stats_fns(cfg), cfg, params, batches, (6,))
+    np.testing.assert_allclose(
+      m["ppl_shared_jacobi_eval"]["6"], m["ppl_shared_exact_subset"], rtol=1e-5
+    )
+    np.testing.assert_allclose(m["kv_drift"]["k"][0], np.sqrt(dk[0] / k[0]), rtol=1e-5)
 
   def test_kv_format_exact_decode_equals_jacobi_at_t_passes(self):
     t = 6
