@@ -125,7 +125,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.model.num_prelude_layers = 0
     c.model.num_coda_layers = 0
     c.benice.kv_passes = 3  # Recommended where there is a gap (README Results (c)).
-  if "composition" in args:  # 16 pipelines x 2 seeds on 2 CPU cores (experiments/composition.sh).
+  if "composition" in args:  # 4 mixers x 2 arms x 2 seeds (experiments/composition.sh).
     c.train.num_steps = 300
     c.train.eval_every = 150
     c.train.checkpoint_every = 150
