@@ -5,7 +5,7 @@
 # there the hybrid is its core's KDA + MLA alone, `<mixer>_fixed`), x seeds. Every pipeline trains
 # and evaluates zero-shot, standard finetune and BeNice!, each also with bf16 / fp8 / nvfp4 caches,
 # at the `composition` scale of configs/benice.py (300 pretraining + 100 post-training steps,
-# exact decode on 32 rows; about 15 min per GQA pipeline on one CPU core, KDA about 3x that).
+# exact decode on 32 rows; 17-19 min per GQA or MLA pipeline on one CPU core, KDA 35-45 min).
 # Every run is a pipeline workdir: rerunning skips what finished and resumes what did not.
 #
 #   bash experiments/composition.sh /tmp/composition_runs [seeds, default "0 1"] [runs, default all]

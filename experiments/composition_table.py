@@ -10,7 +10,8 @@ KV format, the 4-pass Jacobi gap on the whole eval set, what the nvfp4 cache cos
 unshared perplexity, and (BeNice! rows) BeNice!'s unshared perplexity against standard
 finetune's of the same seed (the paper: "matching standard finetuning's unshared validation
 perplexity"). Several seeds: mean (max - min) and the widest 95% half-width of the seeds
-in points (looped.benice.collect); one seed: the gap with its 95% interval.
+in points (looped.benice.collect); one seed: the gap with its 95% interval. Then, for the
+`fixed` arm, each seed's exact gaps side by side.
 """
 
 from __future__ import annotations
@@ -29,15 +30,16 @@ _NAME = re.compile(r"^(?P<mixer>[a-z]+)_(?P<arm>[a-z]+)_s(?P<seed>\d+)$")
 
 
 def load_runs(paths: list[str]) -> dict:
-  """{(arm, mixer): [report, ...]} over the run directories, in seed order."""
+  """{(arm, mixer): [report, ...]} over the run directories, in seed order (report["seed"])."""
   runs: dict = {}
-  for path in sorted(paths):
+  for path in paths:
     name = os.path.basename(path.rstrip("/"))
     match = _NAME.match(name)
     if not match or match["arm"] not in ARMS or match["mixer"] not in MIXERS:
       raise SystemExit(f"composition_table: {path}: expected a <mixer>_<arm>_s<seed> run dir")
-    runs.setdefault((match["arm"], match["mixer"]), []).append(collect.load(path))
-  return runs
+    report = {**collect.load(path), "seed": int(match["seed"])}
+    runs.setdefault((match["arm"], match["mixer"]), []).append(report)
+  return {key: sorted(reports, key=lambda r: r["seed"]) for key, reports in runs.items()}
 
 
 def _gap(ms: list[dict], fmt: str | None = None) -> str:
@@ -95,10 +97,54 @@ def table(runs: dict) -> str:
   return "\n".join(lines)
 
 
+def _gap_exact(report: dict, model: str) -> float | None:
+  m = report["models"].get(model)
+  return None if m is None else m["gap_exact"]
+
+
+def _benice_vs_finetune(report: dict) -> float | None:
+  ms = report["models"]
+  if "benice" not in ms or "finetune" not in ms:
+    return None
+  return ms["benice"]["ppl_unshared_eval"] / ms["finetune"]["ppl_unshared_eval"] - 1
+
+
+def _per_seed(values: list) -> str:
+  return " / ".join("-" if v is None else f"{100 * v:+.1f}" for v in values) + "%"
+
+
+def per_seed_table(runs: dict, arm: str = "fixed") -> str:
+  """One row per mixer of `arm`: each seed's exact gap (float32 cache) per model, " / "-joined."""
+  seeds = sorted({r["seed"] for (a, _), reports in runs.items() if a == arm for r in reports})
+  if not seeds:
+    return ""
+  names = {"zero_shot": "zero-shot", "finetune": "standard finetune", "benice": "BeNice!"}
+  header = (
+    f"| mixer ({arm}; seed {' / '.join(map(str, seeds))}) | "
+    + " | ".join(names[m] for m in MODELS)
+    + " | BeNice! unshared ppl vs finetune |"
+  )
+  lines = [header, "|" + "---|" * (header.count("|") - 1)]
+  for mixer in MIXERS:
+    by_seed = {r["seed"]: r for r in runs.get((arm, mixer), [])}
+    if not by_seed:
+      continue
+    reports = [by_seed.get(s) for s in seeds]
+    cells = [_per_seed([r and _gap_exact(r, m) for r in reports]) for m in MODELS]
+    cells.append(_per_seed([r and _benice_vs_finetune(r) for r in reports]))
+    lines.append(f"| {mixer} | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
 def main(argv: list[str]) -> None:
   if not argv or any(a.startswith("-") for a in argv):
     raise SystemExit(__doc__)
-  print(table(load_runs(argv)))
+  runs = load_runs(argv)
+  print(table(runs))
+  per_seed = per_seed_table(runs)
+  if per_seed:
+    print("\nPer seed, exact gap with a float32 cache:\n")
+    print(per_seed)
 
 
 if __name__ == "__main__":

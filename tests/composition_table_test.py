@@ -63,6 +63,30 @@ class CompositionTableTest(testing.TempDirTestCase):
     # Fixed arm before the Poisson arm.
     self.assertLess(text.index("| fixed |"), text.index("| poisson |"))
 
+  def test_per_seed_table(self):
+    paths = [
+      # Seed 10 sorts after seed 2 (numerically, not as text).
+      self.write_report(
+        "gqa_fixed_s10",
+        {"finetune": _model(4.0, 0.25, 4.0, 0.25), "benice": _model(4.2, 0.05, 4.2, 0.05)},
+      ),
+      self.write_report(
+        "gqa_fixed_s2",
+        {"finetune": _model(5.0, 0.30, 5.0, 0.30), "benice": _model(5.5, 0.10, 5.5, 0.10)},
+      ),
+      self.write_report("mla_fixed_s2", {"finetune": _model(6.0, 0.40, 6.0, 0.40)}),
+      self.write_report("mla_poisson_s3", {"finetune": _model(6.0, 0.0, 6.0, 0.0)}),
+    ]
+    runs = composition_table.load_runs(paths)
+    self.assertEqual([r["seed"] for r in runs[("fixed", "gqa")]], [2, 10])
+    text = composition_table.per_seed_table(runs)
+    # Seeds of the fixed arm only; BeNice! vs finetune: 5.5/5 - 1 = 10%, 4.2/4 - 1 = 5%.
+    self.assertIn("| mixer (fixed; seed 2 / 10) |", text)
+    self.assertIn("| gqa | - / -% | +30.0 / +25.0% | +10.0 / +5.0% | +10.0 / +5.0% |", text)
+    # Missing models and seeds are "-".
+    self.assertIn("| mla | - / -% | +40.0 / -% | - / -% | - / -% |", text)
+    self.assertNotIn("| kda |", text)
+
   def test_rejects_unknown_run_names(self):
     path = self.write_report("fixed_s0", {"finetune": _model(5.0, 0.3, 5.1, 0.32)})
     with self.assertRaisesRegex(SystemExit, "fixed_s0: expected a <mixer>_<arm>_s<seed>"):
