@@ -86,19 +86,25 @@ class MultiHostTest(testing.TempDirTestCase):
     self.assertRegex(out, r"\[p1\].*Resuming from checkpoint at step \d+")
 
     got, want = _params(workdir, STEPS), _params(reference, STEPS)
-    changed = jax.tree.map(lambda a, b: float(np.abs(a - b).max()), want, _params(reference, 4))
-    self.assertGreater(max(jax.tree.leaves(changed)), 1e-3)  # Training moved the params.
-    # Equal to 1e-6 absolute (params are O(0.01-1)): the 2-process gradient is a cross-process
-    # sum of two partial sums, so float32 rounding differs (measured: at most ~2e-7 after 40 steps).
-    for path, a in jax.tree_util.tree_leaves_with_path(got):
-      b = _at(want, path)
-      np.testing.assert_allclose(a, b, rtol=0, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+    start, short = _params(reference, 4), _params(reference, STEPS - 4)
+    # Errors per leaf in units of how far training moved it (steps 4 -> 40 of the reference).
+    # The 2-process gradient is a cross-process sum of two partial sums and the resumed step a
+    # fresh compile, so float32 rounding differs; Adam magnifies that on entries with a nearly
+    # zero gradient (rare tokens' embedding rows, up to 3e-6 absolute), so an elementwise
+    # tolerance is fragile. Measured: at most 1.6e-5 of the movement for two processes, while
+    # the reference's own params 4 steps short are at least 1.3e-2 away (a wrong or skipped
+    # batch moves every leaf by a training step's share).
+    tol = 2e-4
+    self.assertGreater(min(_relative_errors(short, want, start)), 20 * tol)  # The measure sees.
+    errors = _relative_errors(got, want, start)
+    self.assertLess(max(errors), tol, f"per-leaf errors: {errors}")
 
 
-def _at(tree, path):
-  for key in path:
-    tree = tree[key.key]
-  return tree
+def _relative_errors(a, b, start) -> list[float]:
+  """||a - b|| / ||b - start|| for every leaf."""
+  return jax.tree.leaves(
+    jax.tree.map(lambda x, y, s: float(np.linalg.norm(x - y) / np.linalg.norm(y - s)), a, b, start)
+  )
 
 
 if __name__ == "__main__":
