@@ -64,14 +64,22 @@ def _nvfp4_cost(ms: list[dict]) -> str:
   return collect.stat(costs, collect._pct)
 
 
+def _gap_exact(report: dict, model: str) -> float | None:
+  m = report["models"].get(model)
+  return None if m is None else m["gap_exact"]
+
+
+def _benice_vs_finetune(report: dict) -> float | None:
+  ms = report["models"]
+  if "benice" not in ms or "finetune" not in ms:
+    return None
+  return ms["benice"]["ppl_unshared_eval"] / ms["finetune"]["ppl_unshared_eval"] - 1
+
+
 def _vs_finetune(reports: list[dict]) -> str:
   """BeNice! unshared ppl / finetune unshared ppl - 1, per seed, over seeds."""
-  ratios = [
-    r["models"]["benice"]["ppl_unshared_eval"] / r["models"]["finetune"]["ppl_unshared_eval"] - 1
-    for r in reports
-    if "benice" in r["models"] and "finetune" in r["models"]
-  ]
-  return collect.stat(ratios, collect._pct)
+  ratios = [_benice_vs_finetune(r) for r in reports]
+  return collect.stat([x for x in ratios if x is not None], collect._pct)
 
 
 def table(runs: dict) -> str:
@@ -97,18 +105,6 @@ def table(runs: dict) -> str:
   return "\n".join(lines)
 
 
-def _gap_exact(report: dict, model: str) -> float | None:
-  m = report["models"].get(model)
-  return None if m is None else m["gap_exact"]
-
-
-def _benice_vs_finetune(report: dict) -> float | None:
-  ms = report["models"]
-  if "benice" not in ms or "finetune" not in ms:
-    return None
-  return ms["benice"]["ppl_unshared_eval"] / ms["finetune"]["ppl_unshared_eval"] - 1
-
-
 def _per_seed(values: list) -> str:
   return " / ".join("-" if v is None else f"{100 * v:+.1f}" for v in values) + "%"
 
@@ -129,9 +125,9 @@ def per_seed_table(runs: dict, arm: str = "fixed") -> str:
     by_seed = {r["seed"]: r for r in runs.get((arm, mixer), [])}
     if not by_seed:
       continue
-    reports = [by_seed.get(s) for s in seeds]
-    cells = [_per_seed([r and _gap_exact(r, m) for r in reports]) for m in MODELS]
-    cells.append(_per_seed([r and _benice_vs_finetune(r) for r in reports]))
+    row = [by_seed.get(s) for s in seeds]  # None where a seed did not run.
+    cells = [_per_seed([None if r is None else _gap_exact(r, m) for r in row]) for m in MODELS]
+    cells.append(_per_seed([None if r is None else _benice_vs_finetune(r) for r in row]))
     lines.append(f"| {mixer} | " + " | ".join(cells) + " |")
   return "\n".join(lines)
 
