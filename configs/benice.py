@@ -90,6 +90,10 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.benice.kv_passes = 0  # Shared Jacobi passes (no gradient) before the broadcast K/V are
   # taken: 0 = the unshared pass's final K/V (the paper); n = trained pass is Jacobi pass n + 1.
   # 3 closed the fixed-depth gap where 0 did not (README Results (c)), at +25% BeNice! time.
+  c.benice.kv_passes_ramp_steps = 0  # Curriculum: kv_passes grows 0 -> kv_passes over these
+  # steps, each count an equal share (0: kv_passes from the first step).
+  c.benice.distill_weight = 0.0  # Weight of KL(sg(unshared pass) || shared pass) (0: off).
+  c.benice.shared_ramp_steps = 0  # Shared-pass weights ramp 0 -> value over these steps (0: off).
 
   c.eval = ml_collections.ConfigDict()  # Shareability evaluation of each model.
   c.eval.jacobi_passes = (1, 4)  # Jacobi shared-pass counts reported (one compilation for all).

@@ -225,5 +225,78 @@ class LossTermTest(absltest.TestCase):
     np.testing.assert_allclose(metrics["loss"], expected, rtol=1e-6)
 
 
+class RecipeKnobTest(absltest.TestCase):
+  """distill_weight, shared_ramp_steps and kv_passes_ramp_steps against hand-built references."""
+
+  def test_distillation_teacher_carries_no_gradient(self):
+    # Reference: the teacher (unshared pass) and the broadcast K/V from a second params copy p1;
+    # the gradient must be d/dp2 of KL(p_u(p1) || p_s(p2)) alone.
+    cfg = dataclasses.replace(
+      TINY, state_init="zeros", num_prelude_layers=0, num_core_layers=1, num_coda_layers=0
+    )
+    model, params, batch = _setup(cfg=cfg)
+    tokens, read_R = batch["inputs"], objectives.read_mask_R("all", R)
+
+    def two_copy_loss(p2, p1):
+      logits_u, aux_u = model.apply(p1, tokens)
+      logits_s, _ = model.apply(p2, tokens, shared_kv=aux_u["final_kv"], read_shared_R=read_R)
+      return 1.5 * objectives.kl_divergence(logits_u, logits_s)
+
+    bcfg = _benice_cfg(shared_ce_weight=0.0, unshared_ce_weight=0.0, distill_weight=1.5)
+    loss_fn = objectives.benice(model, _depth(), bcfg).loss_fn
+    key = jax.random.PRNGKey(0)
+    (loss, metrics), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(
+      params, None, batch, key
+    )
+    ref_loss, (grads_p2, grads_p1) = jax.jit(jax.value_and_grad(two_copy_loss, argnums=(0, 1)))(
+      params, params
+    )
+    self.assertGreater(float(ref_loss), 1e-4)  # Sharing changes this model's predictions.
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(metrics["distill"], ref_loss / 1.5, rtol=1e-5)
+    chex.assert_trees_all_close(grads, grads_p2, atol=1e-7, rtol=1e-5)
+    self.assertGreater(float(optax_norm(grads_p1)), 1e-4)  # The teacher path is not void.
+
+  def test_shared_ramp_scales_the_shared_terms(self):
+    model, params, batch = _setup()
+    key = jax.random.PRNGKey(2)
+    bcfg = _benice_cfg(shared_ramp_steps=10, distill_weight=0.5)
+    loss_fn = jax.jit(objectives.benice(model, _depth(), bcfg).loss_fn)
+    _, m = loss_fn(params, None, batch, key, None)  # Outside training: full weights.
+    ce_u, ce_s, distill = m["ce_unshared"], m["ce_shared"], m["distill"]
+    np.testing.assert_allclose(m["loss"], ce_u + ce_s + 0.5 * distill, rtol=1e-6)
+    for step, scale in ((0, 0.0), (4, 0.4), (10, 1.0), (25, 1.0)):
+      loss, m = loss_fn(params, None, batch, key, jnp.int32(step))
+      np.testing.assert_allclose(m["shared_scale"], scale, rtol=1e-6)
+      np.testing.assert_allclose(loss, ce_u + scale * (ce_s + 0.5 * distill), rtol=1e-6)
+    # At step 0 the gradient is standard finetuning's.
+    grad = lambda f, *a: jax.jit(jax.grad(lambda p: f(p, None, batch, key, *a)[0]))(params)
+    g0 = grad(objectives.benice(model, _depth(), bcfg).loss_fn, jnp.int32(0))
+    g_ft = grad(train_objectives.language_modeling(model, _depth()).loss_fn)
+    chex.assert_trees_all_close(g0, g_ft, atol=1e-7, rtol=1e-6)
+
+  def test_kv_passes_curriculum(self):
+    # kv_passes 3 over 8 steps: floor(4 * step / 8), at most 3 (derived by hand).
+    expected = [0, 0, 1, 1, 2, 2, 3, 3, 3, 3]
+    got = [int(objectives.kv_passes_at(jnp.int32(s), 3, 8)) for s in range(10)]
+    self.assertEqual(got, expected)
+    self.assertEqual(objectives.kv_passes_at(None, 3, 8), 3)
+    self.assertEqual(objectives.kv_passes_at(jnp.int32(0), 3, 0), 3)
+    # The traced pass count gives the loss of the static one.
+    model, params, batch = _setup()
+    key = jax.random.PRNGKey(4)
+    ramped = jax.jit(
+      objectives.benice(model, _depth(), _benice_cfg(kv_passes=3, kv_passes_ramp_steps=8)).loss_fn
+    )
+    for step, n in ((1, 0), (3, 1), (7, 3)):
+      static = objectives.benice(model, _depth(), _benice_cfg(kv_passes=n)).loss_fn
+      want = jax.jit(static)(params, None, batch, key)[1]["ce_shared"]
+      got = ramped(params, None, batch, key, jnp.int32(step))[1]
+      np.testing.assert_allclose(got["ce_shared"], want, rtol=1e-6)
+      self.assertEqual(float(got["kv_passes"]), n)
+    ce = [float(ramped(params, None, batch, key, jnp.int32(s))[1]["ce_shared"]) for s in (1, 7)]
+    self.assertNotAlmostEqual(ce[0], ce[1], places=4)  # The pass count matters here.
+
+
 if __name__ == "__main__":
   absltest.main()

@@ -20,6 +20,15 @@ shared decode, where every earlier token's K/V were computed under sharing too. 
 term is a relative squared error per recurrence (scale-free, so its weight does not depend on
 the state norm), pulling the shared states onto the unshared trajectory; the unshared states are
 its fixed target. The frozen pretrained params arrive as `Objective.frozen`.
+
+Recipe knobs (all off by default, so the objective above is unchanged):
+  + w_distill * KL(sg(p_unshared) || p_shared)   the shared pass distilled from the current
+                                                 unshared pass: it targets the gap itself
+  shared_ramp_steps = N    the shared-pass weights (shared CE, KL on the shared pass,
+                           distillation) ramp linearly from 0 to their values over N steps,
+                           so the unshared model is disturbed gradually
+  kv_passes_ramp_steps = N kv_passes grows 0 -> kv_passes over N steps (a curriculum:
+                           pass n + 1 is trained only once pass n is)
 """
 
 from __future__ import annotations
@@ -46,14 +55,15 @@ def read_mask_R(mode: str, num_recurrences: int) -> jax.Array:
   raise ValueError(f"Unknown read mode {mode!r}; allowed: {READ_MODES}.")
 
 
-def broadcast_kv(model: LoopedLM, params, tokens_BxT, final_kv, read_R, kv_passes: int, **kw):
+def broadcast_kv(model: LoopedLM, params, tokens_BxT, final_kv, read_R, kv_passes, **kw):
   """The K/V broadcast into the shared pass; carries no gradient.
 
   kv_passes = 0: the unshared pass's final K/V (the paper's pass 1). n > 0: n further shared
-  passes (Jacobi), each reading the previous one's final K/V, run in one traced loop.
+  passes (Jacobi), each reading the previous one's final K/V, run in one traced loop. A traced
+  kv_passes (a curriculum) runs a loop of that many passes.
   """
   kv = jax.lax.stop_gradient(final_kv)
-  if kv_passes == 0:
+  if isinstance(kv_passes, int) and kv_passes == 0:
     return kv
   frozen_params = jax.lax.stop_gradient(params)
 
@@ -81,6 +91,23 @@ def residual_matching(shared_RxBxTxD: jax.Array, unshared_RxBxTxD: jax.Array) ->
   return jnp.mean(per_r)
 
 
+def ramp(step, ramp_steps: int) -> jax.Array:
+  """min(1, step / ramp_steps): 1 when ramp_steps = 0 or outside training (step None)."""
+  if ramp_steps == 0 or step is None:
+    return jnp.float32(1.0)
+  return jnp.minimum(1.0, jnp.asarray(step, jnp.float32) / ramp_steps)
+
+
+def kv_passes_at(step, kv_passes: int, ramp_steps: int):
+  """kv_passes at `step` of a curriculum: n = floor((kv_passes + 1) * step / ramp_steps),
+  clipped to kv_passes, so each count 0..kv_passes gets an equal share of the ramp; the static
+  kv_passes when there is no ramp (or outside training)."""
+  if ramp_steps == 0 or step is None or kv_passes == 0:
+    return kv_passes
+  n = (jnp.asarray(step, jnp.int32) * (kv_passes + 1)) // ramp_steps
+  return jnp.minimum(n, kv_passes)
+
+
 def benice(model: LoopedLM, depth_cfg, benice_cfg, frozen_params=None) -> Objective:
   """BeNice! objective; weights, read mode and kv_passes are static (from the config).
 
@@ -91,18 +118,22 @@ def benice(model: LoopedLM, depth_cfg, benice_cfg, frozen_params=None) -> Object
   w_unshared = float(benice_cfg.unshared_ce_weight)
   w_kl = float(benice_cfg.kl_weight)
   w_residual = float(benice_cfg.residual_weight)
+  w_distill = float(benice_cfg.get("distill_weight", 0.0))
+  shared_ramp_steps = int(benice_cfg.get("shared_ramp_steps", 0))
+  kv_ramp_steps = int(benice_cfg.get("kv_passes_ramp_steps", 0))
   kl_pass = benice_cfg.kl_pass
   kv_passes = int(benice_cfg.kv_passes)
   read_R = read_mask_R(benice_cfg.read_recurrences, model.cfg.num_recurrences)
   kl_shared = w_kl > 0 and kl_pass in ("shared", "both")
   kl_unshared = w_kl > 0 and kl_pass in ("unshared", "both")
-  need_shared = w_shared > 0 or w_residual > 0 or kl_shared
+  need_shared = w_shared > 0 or w_residual > 0 or kl_shared or w_distill > 0
   need_states = w_residual > 0
   if w_kl > 0 and frozen_params is None:
     raise ValueError("kl_weight > 0 needs the frozen pretrained params.")
 
-  def loss_fn(params, frozen, batch, key):
+  def loss_fn(params, frozen, batch, key, step=None):
     depth_key, state_key = jax.random.split(key)
+    shared_scale = ramp(step, shared_ramp_steps)  # Multiplies every shared-pass term.
     inputs_BxT, targets_BxT = batch["inputs"], batch["targets"]
     mask_BxR = sample_depth(depth_key, inputs_BxT.shape[0], model, depth_cfg)
     kw = dict(
@@ -119,21 +150,29 @@ def benice(model: LoopedLM, depth_cfg, benice_cfg, frozen_params=None) -> Object
       "relative_residual_R": aux_u["relative_residual_R"],
     }
     if need_shared:
-      kv = broadcast_kv(model, params, inputs_BxT, aux_u["final_kv"], read_R, kv_passes, **kw)
+      passes = kv_passes_at(step, kv_passes, kv_ramp_steps)
+      kv = broadcast_kv(model, params, inputs_BxT, aux_u["final_kv"], read_R, passes, **kw)
       logits_s, aux_s = model.apply(
         params, inputs_BxT, shared_kv=kv, read_shared_R=read_R, collect_states=need_states, **kw
       )
       ce_s = jnp.mean(token_cross_entropy(logits_s, targets_BxT))
-      loss = loss + w_shared * ce_s
+      loss = loss + shared_scale * w_shared * ce_s
       metrics["ce_shared"] = ce_s
       metrics["shared_gap"] = jnp.exp(ce_s - ce_u) - 1.0
+      if shared_ramp_steps:
+        metrics["shared_scale"] = shared_scale
+      if kv_ramp_steps:
+        metrics["kv_passes"] = jnp.asarray(passes, jnp.float32)
+    if w_distill > 0:
+      metrics["distill"] = kl_divergence(jax.lax.stop_gradient(logits_u), logits_s)
+      loss = loss + shared_scale * w_distill * metrics["distill"]
     if w_kl > 0:
       teacher_BxTxV, _ = model.apply(frozen, inputs_BxT, **kw)
       teacher_BxTxV = jax.lax.stop_gradient(teacher_BxTxV)
       kl = 0.0
       if kl_shared:
         metrics["kl_shared"] = kl_divergence(teacher_BxTxV, logits_s)
-        kl = kl + metrics["kl_shared"]
+        kl = kl + shared_scale * metrics["kl_shared"]
       if kl_unshared:
         metrics["kl_unshared"] = kl_divergence(teacher_BxTxV, logits_u)
         kl = kl + metrics["kl_unshared"]
@@ -147,5 +186,5 @@ def benice(model: LoopedLM, depth_cfg, benice_cfg, frozen_params=None) -> Object
 
   terms = ("ce_shared",) * need_shared + ("ce_unshared",)
   terms += ("kl_shared",) * (w_kl > 0 and kl_shared) + ("kl_unshared",) * (w_kl > 0 and kl_unshared)
-  terms += ("residual_match",) * need_states
+  terms += ("distill",) * (w_distill > 0) + ("residual_match",) * need_states
   return Objective(loss_fn, frozen_params if w_kl > 0 else None, terms)

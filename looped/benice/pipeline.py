@@ -57,8 +57,14 @@ def validate(config) -> None:
     cc.number(config, "benice." + name, min_value=0.0)
   cc.choice(config, "benice.kl_pass", objectives.KL_PASSES)
   cc.integer(config, "benice.kv_passes", min_value=0)
+  cc.number(config, "benice.distill_weight", min_value=0.0)
+  for name in ("shared_ramp_steps", "kv_passes_ramp_steps"):
+    cc.integer(config, "benice." + name, min_value=0, max_value=config.post.train.num_steps)
   b = config.benice
-  if b.shared_ce_weight + b.unshared_ce_weight + b.kl_weight + b.residual_weight <= 0:
+  if b.kv_passes_ramp_steps and not b.kv_passes:
+    cc.fail("benice.kv_passes_ramp_steps", b.kv_passes_ramp_steps, "needs benice.kv_passes > 0")
+  weights = (b.shared_ce_weight, b.unshared_ce_weight, b.kl_weight, b.residual_weight)
+  if sum(weights) + b.distill_weight <= 0:
     cc.fail("benice.shared_ce_weight", b.shared_ce_weight, "some loss weight must be > 0")
 
   passes = cc.get(config, "eval.jacobi_passes")

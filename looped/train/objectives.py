@@ -1,9 +1,11 @@
 """Training objectives. The trainer takes one as a value, so later stages reuse it unchanged.
 
-An `Objective` is a pure loss function of (params, frozen, batch, key) returning
-(scalar loss, dict of scalar or [R] metrics). `frozen` is a pytree of constants the loss reads
-but never differentiates (e.g. a teacher's parameters): passing it as an argument rather than
-closing over it keeps it out of the compiled program's constants.
+An `Objective` is a pure loss function of (params, frozen, batch, key, step) returning
+(scalar loss, dict of scalar or [R] metrics). `step` (the optimizer step, an int32 scalar, or
+None outside training) lets a loss follow a schedule (e.g. BeNice!'s ramps). `frozen` is a
+pytree of constants the loss reads but never differentiates (e.g. a teacher's parameters):
+passing it as an argument rather than closing over it keeps it out of the compiled program's
+constants.
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ def sample_depth(key, batch: int, model: LoopedLM, depth_cfg) -> jax.Array:
 def language_modeling(model: LoopedLM, depth_cfg) -> Objective:
   """Next-token CE with stochastic depth and truncated backprop (stage 1, docs/design.md §4)."""
 
-  def loss_fn(params, frozen, batch, key):
-    del frozen
+  def loss_fn(params, frozen, batch, key, step=None):
+    del frozen, step
     depth_key, state_key = jax.random.split(key)
     inputs_BxT = batch["inputs"]
     mask_BxR = sample_depth(depth_key, inputs_BxT.shape[0], model, depth_cfg)

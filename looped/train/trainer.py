@@ -130,7 +130,7 @@ def make_train_step(objective: objectives.Objective, optimizer, schedule, train_
 
   def train_step(state: TrainState, frozen, batch):
     key = jax.random.fold_in(state.rng, state.step)
-    (loss, metrics), grads = grad_fn(state.params, frozen, batch, key)
+    (loss, metrics), grads = grad_fn(state.params, frozen, batch, key, state.step)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads), lr=schedule(state.step))
@@ -165,15 +165,16 @@ def _accumulated(grad_fn, steps: int):
   if steps == 1:
     return grad_fn
 
-  def accumulated(params, frozen, batch, key):
+  def accumulated(params, frozen, batch, key, step=None):
     micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // steps, steps, *x.shape[1:]), batch)
 
     def body(total, i):
       mb = jax.tree.map(lambda x: x[:, i], micro)
-      out = grad_fn(params, frozen, mb, jax.random.fold_in(key, i))
+      out = grad_fn(params, frozen, mb, jax.random.fold_in(key, i), step)
       return jax.tree.map(jnp.add, total, out), None
 
-    shapes = jax.eval_shape(grad_fn, params, frozen, jax.tree.map(lambda x: x[:, 0], micro), key)
+    first = jax.tree.map(lambda x: x[:, 0], micro)
+    shapes = jax.eval_shape(grad_fn, params, frozen, first, key, step)
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     total, _ = jax.lax.scan(body, zeros, jnp.arange(steps))
     return jax.tree.map(lambda x: x / steps, total)
@@ -265,7 +266,7 @@ def _train(config, workdir, model, objective, init_params, mesh, rules) -> Train
     """Whether `state` may be saved: finite params and optimizer state, and a finite loss of
     those params on the step's batch (a diverging update can leave huge but finite params)."""
     key = jax.random.fold_in(state.rng, state.step)
-    loss, _ = objective.loss_fn(state.params, frozen, batch, key)
+    loss, _ = objective.loss_fn(state.params, frozen, batch, key, state.step)
     leaves = jax.tree.leaves((state.params, state.opt_state))
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
     return finite & jnp.isfinite(loss), loss
