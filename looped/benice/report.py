@@ -27,6 +27,7 @@ def build(config, results: dict, stage_dirs: dict) -> dict:
       "seed": config.seed,
       "pretrain_depth": config.depth.to_dict(),
       "post_depth": config.post.depth.to_dict(),
+      "post_train": config.post.train.to_dict(),
       "benice": config.benice.to_dict(),
       "eval": json.loads(json.dumps(config.eval.to_dict())),
       "versions": versions(),

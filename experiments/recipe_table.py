@@ -1,0 +1,131 @@
+r"""The BeNice! recipe sweep table (experiments/recipe.sh) from its pipeline reports.
+
+  python experiments/recipe_table.py /tmp/recipe
+  python experiments/recipe_table.py experiments/results/recipe
+
+The directory holds `base_s<seed>` (the `:fixed` pipeline: zero-shot, finetune, BeNice!) and
+`<point>_s<seed>` runs. A point's BeNice! model is compared with the zero-shot model of its
+seed's base and with the standard finetune trained beside it (a `steps<N>` point) or else base's
+(same steps, data and optimizer). The change column is read from the reports' settings (what
+differs from base's), so it cannot disagree with what ran. Per seed, the three targets:
+  gap <= 1/5 zero-shot   BeNice!'s exact gap at most a fifth of the zero-shot gap, with its
+                         95% interval below a quarter of it;
+  < finetune             BeNice!'s exact gap below standard finetuning's;
+  ppl within 1%          BeNice!'s unshared ppl at most 1% above standard finetuning's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+import numpy as np
+
+SETTINGS = ("benice", "post_depth", "post_train")
+
+
+def load_runs(root: str) -> dict[tuple[str, int], dict]:
+  """(point, seed) -> report, for every `<point>_s<seed>/report/shareability.json` in root."""
+  out = {}
+  for name in sorted(os.listdir(root)):
+    match = re.fullmatch(r"(.+)_s(\d+)", name)
+    path = os.path.join(root, name, "report", "shareability.json")
+    if match and os.path.isfile(path):
+      with open(path) as f:
+        out[(match.group(1), int(match.group(2)))] = json.load(f)
+  return out
+
+
+def changes(run: dict, base: dict) -> str:
+  """'section.field=value' for every setting that differs from base's."""
+  out = []
+  for section in SETTINGS:
+    mine, theirs = run["settings"].get(section, {}), base["settings"].get(section, {})
+    for key in sorted(set(mine) | set(theirs)):
+      if section == "post_train" and key in ("checkpoint_every", "eval_every", "log_every"):
+        continue  # Cadence: does not change what is computed.
+      if mine.get(key) != theirs.get(key):
+        out.append(f"{section}.{key}={mine.get(key)}")
+  return " ".join(out) or "(base)"
+
+
+def seed_row(run: dict, base: dict) -> dict:
+  """One seed of one point: BeNice!'s gap against zero-shot's and finetune's, and its ppl."""
+  bn = run["models"]["benice"]
+  ft = run["models"].get("finetune") or base["models"]["finetune"]
+  zs = base["models"]["zero_shot"]
+  zero = zs["gap_exact"]
+  return {
+    "gap": bn["gap_exact"],
+    "ci": bn["gap_exact_ci95"],
+    "zero_shot_gap": zero,
+    "finetune_gap": ft["gap_exact"],
+    "ratio": bn["gap_exact"] / zero,
+    "ppl_vs_finetune": bn["ppl_unshared_eval"] / ft["ppl_unshared_eval"] - 1.0,
+    "fifth": bn["gap_exact"] <= zero / 5 and bn["gap_exact_ci95"][1] < zero / 4,
+    "below_finetune": bn["gap_exact"] < ft["gap_exact"],
+    "ppl_1pct": bn["ppl_unshared_eval"] <= 1.01 * ft["ppl_unshared_eval"],
+  }
+
+
+def rows(runs: dict) -> list[dict]:
+  out = []
+  points = sorted({p for p, _ in runs}, key=lambda p: (p != "base", p))
+  for point in points:
+    seeds = sorted(s for p, s in runs if p == point and ("base", s) in runs)
+    if not seeds:
+      continue
+    per_seed = {s: seed_row(runs[(point, s)], runs[("base", s)]) for s in seeds}
+    change = changes(runs[(point, seeds[0])], runs[("base", seeds[0])])
+    out.append({"point": point, "change": change, "seeds": per_seed})
+  return out
+
+
+def _mean_spread(values, fmt) -> str:
+  if len(values) == 1:
+    return fmt(values[0])
+  return f"{fmt(float(np.mean(values)))} ({fmt(float(np.ptp(values))).lstrip('+')})"
+
+
+_pct = lambda x: f"{100 * x:+.1f}%"
+
+
+def markdown(table_rows: list[dict]) -> str:
+  lines = [
+    "| point | change from base | seeds | BeNice! gap exact, per seed [95% CI] | mean (spread) "
+    "| / zero-shot gap | finetune gap | unshared ppl vs finetune | targets met (fifth, < ft, "
+    "ppl 1%) |",
+    "|---|---|---|---|---:|---:|---:|---:|---|",
+  ]
+  for r in table_rows:
+    seeds = r["seeds"]
+    per_seed = "; ".join(
+      f"s{s} {_pct(v['gap'])} [{100 * v['ci'][0]:+.1f}, {100 * v['ci'][1]:+.1f}]"
+      for s, v in seeds.items()
+    )
+    col = lambda k, fmt, seeds=seeds: _mean_spread([v[k] for v in seeds.values()], fmt)
+    met = " ".join(
+      f"s{s} " + "".join("y" if v[k] else "n" for k in ("fifth", "below_finetune", "ppl_1pct"))
+      for s, v in seeds.items()
+    )
+    lines.append(
+      f"| {r['point']} | {r['change']} | {len(seeds)} | {per_seed} | {col('gap', _pct)} | "
+      f"{col('ratio', lambda x: f'{x:.2f}')} | {col('finetune_gap', _pct)} | "
+      f"{col('ppl_vs_finetune', _pct)} | {met} |"
+    )
+  return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+  if len(argv) != 1 or not os.path.isdir(argv[0]):
+    raise SystemExit(__doc__)
+  runs = load_runs(argv[0])
+  if not any(p == "base" for p, _ in runs):
+    raise SystemExit(f"recipe_table: no finished base_s<seed> run in {argv[0]}")
+  print(markdown(rows(runs)))
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
