@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The BeNice! recipe sweep in the `:fixed` regime (docs/benice_recipe.md).
-# Per seed, `base` is the `:fixed` pipeline: fixed-depth pretraining, then zero-shot, standard
-# finetuning and BeNice! with the config's defaults (200 post-training steps each). Every other
-# point trains BeNice! alone with one change, from base's pretrained model, and is compared
-# with base's finetuned model; a `steps<N>` point trains its own finetune baseline to N steps.
+# Per seed, `base` is the `:fixed` pipeline's baselines: fixed-depth pretraining, its zero-shot
+# evaluation and standard finetuning (200 post-training steps). Every point trains BeNice! alone
+# from base's pretrained model (`default`: the config's recipe; the others change one thing)
+# and is compared with base's finetuned model; a `steps<N>` point trains both arms to N steps.
 # Every run is a pipeline workdir: rerunning skips what finished and resumes what did not.
 #
-#   bash experiments/recipe.sh /tmp/recipe "0 1" "base distill1 sd_poisson"
+#   bash experiments/recipe.sh /tmp/recipe "0 1" "base default distill1 sd_poisson"
 #   python experiments/recipe_table.py /tmp/recipe
 set -euo pipefail
 R=${1:?usage: experiments/recipe.sh RUNS_DIR SEEDS POINTS}
@@ -32,7 +32,9 @@ point() {  # point SEED NAME [flags...]: BeNice! alone, from base_s<SEED>'s pret
 for seed in $SEEDS; do
   for p in $POINTS; do
     case $p in
-      base) pipeline base "$seed" :fixed "${EVAL[@]}" ;;
+      base) pipeline base "$seed" :fixed "${EVAL[@]}" \
+        --config.pipeline.models='("zero_shot", "finetune")' ;;
+      default) point "$seed" "$p" ;;
       steps*)  # Both arms at N post-training steps (cosine schedule over N), same data order.
         n=${p#steps}
         pipeline "$p" "$seed" :fixed "${EVAL[@]}" \

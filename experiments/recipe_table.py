@@ -3,11 +3,12 @@ r"""The BeNice! recipe sweep table (experiments/recipe.sh) from its pipeline rep
   python experiments/recipe_table.py /tmp/recipe
   python experiments/recipe_table.py experiments/results/recipe
 
-The directory holds `base_s<seed>` (the `:fixed` pipeline: zero-shot, finetune, BeNice!) and
-`<point>_s<seed>` runs. A point's BeNice! model is compared with the zero-shot model of its
-seed's base and with the standard finetune trained beside it (a `steps<N>` point) or else base's
-(same steps, data and optimizer). The change column is read from the reports' settings (what
-differs from base's), so it cannot disagree with what ran. Per seed, the three targets:
+The directory holds `base_s<seed>` (the `:fixed` pipeline's zero-shot and finetune models) and
+`<point>_s<seed>` runs (`default`: BeNice! as configured). A point's BeNice! model is compared
+with the zero-shot model of its seed's base and with the standard finetune trained beside it (a
+`steps<N>` point) or else base's (same steps, data and optimizer). The change column is read
+from the reports' settings (what differs from base's), so it cannot disagree with what ran.
+Per seed, the three targets:
   gap <= 1/5 zero-shot   BeNice!'s exact gap at most a fifth of the zero-shot gap, with its
                          95% interval below a quarter of it;
   < finetune             BeNice!'s exact gap below standard finetuning's;
@@ -48,7 +49,7 @@ def changes(run: dict, base: dict) -> str:
         continue  # Cadence: does not change what is computed.
       if mine.get(key) != theirs.get(key):
         out.append(f"{section}.{key}={mine.get(key)}")
-  return " ".join(out) or "(base)"
+  return " ".join(out) or "(the configured recipe)"
 
 
 def seed_row(run: dict, base: dict) -> dict:
@@ -72,7 +73,7 @@ def seed_row(run: dict, base: dict) -> dict:
 
 def rows(runs: dict) -> list[dict]:
   out = []
-  points = sorted({p for p, _ in runs}, key=lambda p: (p != "base", p))
+  points = sorted({p for p, _ in runs} - {"base"}, key=lambda p: (p != "default", p))
   for point in points:
     seeds = sorted(s for p, s in runs if p == point and ("base", s) in runs)
     if not seeds:
