@@ -51,6 +51,8 @@ for seed in $SEEDS; do
       sd_poisson3) point "$seed" "$p" --config.post.depth.sampler=poisson \
         --config.post.depth.poisson_mean=3.0 ;;
       sd_bernoulli) point "$seed" "$p" --config.post.depth.sampler=bernoulli ;;
+      sd_bernoulli9) point "$seed" "$p" --config.post.depth.sampler=bernoulli \
+        --config.post.depth.survival=0.9 ;;
       uw2) point "$seed" "$p" --config.benice.unshared_ce_weight=2.0 ;;
       sw2) point "$seed" "$p" --config.benice.shared_ce_weight=2.0 ;;
       lr3e-3) point "$seed" "$p" --config.post.train.learning_rate=3e-3 ;;
