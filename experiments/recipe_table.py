@@ -52,10 +52,20 @@ def changes(run: dict, base: dict) -> str:
   return " ".join(out) or "(the configured recipe)"
 
 
-def seed_row(run: dict, base: dict) -> dict:
-  """One seed of one point: BeNice!'s gap against zero-shot's and finetune's, and its ppl."""
+def _steps(report: dict):
+  return report["settings"].get("post_train", {}).get("num_steps")
+
+
+def seed_row(run: dict, base: dict) -> dict | None:
+  """One seed of one point: BeNice!'s gap against zero-shot's and finetune's, and its ppl.
+  None when the run has no finetune of its own and base's ran another number of steps (or
+  the run does not record its steps): no fair baseline."""
   bn = run["models"]["benice"]
-  ft = run["models"].get("finetune") or base["models"]["finetune"]
+  ft = run["models"].get("finetune")
+  if ft is None:
+    if _steps(run) is None or _steps(run) != _steps(base):
+      return None
+    ft = base["models"]["finetune"]
   zs = base["models"]["zero_shot"]
   zero = zs["gap_exact"]
   return {
@@ -64,6 +74,8 @@ def seed_row(run: dict, base: dict) -> dict:
     "zero_shot_gap": zero,
     "finetune_gap": ft["gap_exact"],
     "ratio": bn["gap_exact"] / zero,
+    "ppl_unshared": bn["ppl_unshared_eval"],
+    "ppl_shared": bn.get("ppl_shared_exact_subset", float("nan")),
     "ppl_vs_finetune": bn["ppl_unshared_eval"] / ft["ppl_unshared_eval"] - 1.0,
     "fifth": bn["gap_exact"] <= zero / 5 and bn["gap_exact_ci95"][1] < zero / 4,
     "below_finetune": bn["gap_exact"] < ft["gap_exact"],
@@ -73,12 +85,22 @@ def seed_row(run: dict, base: dict) -> dict:
 
 def rows(runs: dict) -> list[dict]:
   out = []
-  points = sorted({p for p, _ in runs} - {"base"}, key=lambda p: (p != "default", p))
+  # Runs without a BeNice! model (base, a lone finetune) are baselines, not points.
+  points = {p for (p, _), run in runs.items() if "benice" in run["models"]} - {"base"}
+  points = sorted(points, key=lambda p: (p != "default", p))
   for point in points:
-    seeds = sorted(s for p, s in runs if p == point and ("base", s) in runs)
+    seeds = sorted(
+      s
+      for (p, s), run in runs.items()
+      if p == point and "benice" in run["models"] and ("base", s) in runs
+    )
     if not seeds:
       continue
     per_seed = {s: seed_row(runs[(point, s)], runs[("base", s)]) for s in seeds}
+    per_seed = {s: v for s, v in per_seed.items() if v is not None}
+    if not per_seed:
+      continue
+    seeds = sorted(per_seed)
     change = changes(runs[(point, seeds[0])], runs[("base", seeds[0])])
     out.append({"point": point, "change": change, "seeds": per_seed})
   return out
@@ -91,14 +113,15 @@ def _mean_spread(values, fmt) -> str:
 
 
 _pct = lambda x: f"{100 * x:+.1f}%"
+_f3 = lambda x: f"{x:.3f}"
 
 
 def markdown(table_rows: list[dict]) -> str:
   lines = [
     "| point | change from base | seeds | BeNice! gap exact, per seed [95% CI] | mean (spread) "
-    "| / zero-shot gap | finetune gap | unshared ppl vs finetune | targets met (fifth, < ft, "
-    "ppl 1%) |",
-    "|---|---|---|---|---:|---:|---:|---:|---|",
+    "| / zero-shot gap | finetune gap | BeNice! ppl unshared / shared exact | unshared ppl vs "
+    "finetune | targets met (fifth, < ft, ppl 1%) |",
+    "|---|---|---|---|---:|---:|---:|---:|---:|---|",
   ]
   for r in table_rows:
     seeds = r["seeds"]
@@ -114,6 +137,7 @@ def markdown(table_rows: list[dict]) -> str:
     lines.append(
       f"| {r['point']} | {r['change']} | {len(seeds)} | {per_seed} | {col('gap', _pct)} | "
       f"{col('ratio', lambda x: f'{x:.2f}')} | {col('finetune_gap', _pct)} | "
+      f"{col('ppl_unshared', _f3)} / {col('ppl_shared', _f3)} | "
       f"{col('ppl_vs_finetune', _pct)} | {met} |"
     )
   return "\n".join(lines)

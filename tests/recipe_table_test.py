@@ -23,7 +23,13 @@ SETTINGS = {
 
 
 def _model(ppl, gap, ci):
-  return {"ppl_unshared_eval": ppl, "gap_exact": gap, "gap_exact_ci95": ci}
+  # Exact decode here covers the whole eval set, so shared ppl = ppl * (1 + gap).
+  return {
+    "ppl_unshared_eval": ppl,
+    "ppl_shared_exact_subset": ppl * (1 + gap),
+    "gap_exact": gap,
+    "gap_exact_ci95": ci,
+  }
 
 
 class RecipeTableTest(testing.TempDirTestCase):
@@ -53,6 +59,8 @@ class RecipeTableTest(testing.TempDirTestCase):
       {"finetune": _model(5.0, 0.04, [0.03, 0.05]), "benice": _model(5.0, 0.05, [0.04, 0.06])},
       post_train__num_steps=500,
     )
+    # BeNice! at 1000 steps with no finetune of its own: base's 200-step one is no baseline.
+    self._write("lone_s0", {"benice": _model(5.0, 0.05, [0.04, 0.06])}, post_train__num_steps=1000)
     rows = {r["point"]: r for r in recipe_table.rows(recipe_table.load_runs(self.tmp))}
     self.assertEqual(sorted(rows), ["good", "steps500", "wide"])
     good, wide, steps = (
