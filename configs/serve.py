@@ -27,7 +27,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   args = configs.parse_args(arg, VARIANTS)
 
   c = ml_collections.ConfigDict()
-  c.program = "serve"  # Which program main runs.
+  c.program = "server"  # Which program main runs.
   base = generate.get_config("smoke" if "smoke" in args else "")
   c.model = base.model  # The trained model (ignored for a stage dir: its record).
   c.data = base.data  # Its tokenizer: data.tokenizer and data.spm_path (as configs/generate.py).

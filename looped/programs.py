@@ -21,7 +21,7 @@ PROGRAMS = {
   "serve_sim": "looped.serving.simulate",
   "benice": "looped.benice.pipeline",
   "generate": "looped.engine.generate",
-  "serve": "looped.server.program",
+  "server": "looped.server.program",
 }
 
 

@@ -1,4 +1,4 @@
-"""Program 'serve': restore a model and serve it over HTTP until SIGTERM (configs/serve.py).
+"""Program 'server': restore a model and serve it over HTTP until SIGTERM (configs/serve.py).
 
 validate(config) checks every field, the checkpoint and that the KV budget holds one request of
 the model's whole context before anything is restored or bound. run(config, workdir) builds the
@@ -39,7 +39,7 @@ def _model(config) -> tuple[ml_collections.ConfigDict, ml_collections.ConfigDict
 
 def validate(config) -> None:
   """Checks every field before any compute; raises ConfigError naming the field."""
-  cc.choice(config, "program", ("serve",))
+  cc.choice(config, "program", ("server",))
   checkpoint = cc.string(config, "serve.checkpoint")
   if not os.path.isdir(checkpoint):
     cc.fail("serve.checkpoint", checkpoint, "must be an existing trainer workdir or stage dir")
