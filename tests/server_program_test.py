@@ -72,6 +72,8 @@ class ServerProgramTest(absltest.TestCase):
       ("serve.max_waiting", -1, "serve.max_waiting"),
       ("serve.max_num_seqs", 0, "serve.max_num_seqs"),
       ("serve.max_logprobs", 50, "serve.max_logprobs"),
+      ("serve.row_buckets", (4,), "serve.row_buckets.*must reach 8"),
+      ("serve.token_buckets", (0, 64), "serve.token_buckets.*positive integers"),
       ("serve.drain_timeout_s", float("nan"), "serve.drain_timeout_s"),
       ("model.core_mixers", ("kda",), "config.model.*kda"),
     ):

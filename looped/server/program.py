@@ -37,6 +37,20 @@ def _model(config) -> tuple[ml_collections.ConfigDict, ml_collections.ConfigDict
   return generate.model_and_data(config, config.serve.checkpoint)
 
 
+def _buckets(config, field: str, reach: int | None) -> tuple[int, ...]:
+  """A bucket tuple: () (the engine's powers of two) or positive sizes, the largest >= reach."""
+  value = cc.get(config, field)
+  if isinstance(value, int) and not isinstance(value, bool):
+    value = (value,)
+  if not isinstance(value, (tuple, list)) or not all(
+    isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value
+  ):
+    cc.fail(field, value, "must be a tuple of positive integers (empty: powers of two)")
+  if value and reach is not None and max(value) < reach:
+    cc.fail(field, value, f"must reach {reach} (the per-step limit it pads)")
+  return tuple(sorted(value))
+
+
 def validate(config) -> None:
   """Checks every field before any compute; raises ConfigError naming the field."""
   cc.choice(config, "program", ("server",))
@@ -68,6 +82,9 @@ def validate(config) -> None:
   page_size = cc.integer(config, "serve.page_size", min_value=1)
   cc.integer(config, "serve.max_num_batched_tokens", min_value=1)
   cc.integer(config, "serve.max_num_seqs", min_value=1)
+  _buckets(config, "serve.row_buckets", config.serve.max_num_seqs)
+  _buckets(config, "serve.token_buckets", config.serve.max_num_batched_tokens)
+  _buckets(config, "serve.column_buckets", None)
   cc.integer(config, "serve.max_waiting", min_value=0)
   cc.integer(config, "serve.max_logprobs", min_value=0, max_value=20)
   cc.number(config, "serve.drain_timeout_s", min_value=0.0)
@@ -105,6 +122,9 @@ def build(config) -> tuple[Any, EngineLoop]:
     max_model_len=cfg.max_seq_len,
     decode=tokenizer.decode,
     top_logprobs=max(s.max_logprobs, 1),
+    row_buckets=_buckets(config, "serve.row_buckets", None) or None,
+    token_buckets=_buckets(config, "serve.token_buckets", None) or None,
+    column_buckets=_buckets(config, "serve.column_buckets", None) or None,
   )
   name = s.model_name or os.path.basename(os.path.normpath(s.checkpoint))
   return serve_engine(
