@@ -192,6 +192,9 @@ def measured_summary(results, before: dict, after: dict) -> dict:
     "client_wait_s": _percentiles([r["sent"] - r["arrival"] for r in results]),
     "preemptions": delta("vllm:num_preemptions_total"),
     "makespan_s": makespan,
+    "busy_fraction": delta("looped:engine_busy_seconds") / makespan,
+    "mean_step_s": delta("looped:engine_busy_seconds") / max(delta("looped:engine_steps"), 1),
+    "num_steps": delta("looped:engine_steps"),
     "num_pages": after.get("looped:kv_pages_total"),
   }
 
@@ -228,6 +231,8 @@ def simulate(args, requests, share_kv: bool, num_pages: int) -> dict:
     "preemptions": run["preemptions"],
     "makespan_s": run["makespan_s"],
     "busy_fraction": run["busy_fraction"],
+    "mean_step_s": sched.stats.busy_s / max(sched.stats.num_steps, 1),
+    "num_steps": sched.stats.num_steps,
     "ideal_lru_hit_rate": traces.ideal_hit_rate(requests, num_pages * args.page_size),
   }
 
@@ -243,6 +248,9 @@ def table(runs: dict) -> str:
     ("TPOT p90 (s)", lambda m: f"{m['tpot_s']['p90']:.4f}"),
     ("preemptions", lambda m: f"{m['preemptions']:.0f}"),
     ("makespan (s)", lambda m: f"{m['makespan_s']:.1f}"),
+    ("engine busy fraction", lambda m: f"{m['busy_fraction']:.2f}"),
+    ("engine steps", lambda m: f"{m['num_steps']:.0f}"),
+    ("mean step (ms)", lambda m: f"{1e3 * m['mean_step_s']:.1f}"),
   ]
   header = "| metric | " + " | ".join(f"{layout} measured | {layout} simulated" for layout in runs)
   lines = [header, "|---|" + "---:|" * (2 * len(runs))]

@@ -95,6 +95,11 @@ class EngineLoop:
     )
     metrics.gauge("looped:kv_pages_used", "KV pages held by requests.", self.pages_in_use)
     metrics.gauge("looped:kv_pages_total", "KV pages in the pool.", lambda: self.pool.num_pages)
+    stats = self.scheduler.stats
+    metrics.gauge("looped:engine_steps", "Engine steps run.", lambda: stats.num_steps)
+    metrics.gauge(
+      "looped:engine_busy_seconds", "Wall time spent inside engine steps.", lambda: stats.busy_s
+    )
     metrics.gauge(
       "vllm:gpu_prefix_cache_hit_rate",
       "Prefix-cache hit rate: cached / prompt tokens at first admissions.",
