@@ -226,6 +226,24 @@ class ServerTest(parameterized.TestCase):
         is_greedy, all(ref[i - 1].argmax() == ids[i] for i in range(ctxlen, len(ids)))
       )
 
+  def test_tokenizer_endpoints_for_lm_eval_remote_tokenizer(self):
+    # lm-eval's check_remote_tokenizer_support: /tokenizer_info has eos_token, /tokenize
+    # returns a token list; its remote tokenizer then encodes and decodes through them.
+    url = self.servers["shared"].url
+    status, info = client.request(url + "/tokenizer_info")
+    self.assertEqual(status, 200)
+    self.assertIn("eos_token", info)
+    self.assertEqual(info["model_max_length"], 32)
+    text = "déf f(x):"
+    status, out = client.request(
+      url + "/tokenize", "POST", {"prompt": text, "add_special_tokens": False}
+    )
+    self.assertEqual((status, out["tokens"]), (200, [int(t) for t in self.tok.encode(text)]))
+    status, out = client.request(url + "/detokenize", "POST", {"tokens": out["tokens"]})
+    self.assertEqual((status, out["prompt"]), (200, text))
+    status, out = client.request(url + "/detokenize", "POST", {"tokens": [1, 999]})
+    self.assertEqual((status, out["error"]["param"]), (400, "tokens"))
+
   def test_openai_client(self):
     for layout in _LAYOUTS:
       api = openai.OpenAI(

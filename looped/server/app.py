@@ -127,6 +127,51 @@ def create_app(
     }
     return JSONResponse({"object": "list", "data": [card]})
 
+  # vLLM's tokenizer endpoints: lm-evaluation-harness's `local-completions` finds them and then
+  # tokenizes with the served model's own tokenizer (its "remote" tokenizer backend).
+  @app.get("/tokenizer_info")
+  async def tokenizer_info() -> JSONResponse:
+    eos = tokenizer.decode([tokenizer.eos_id]) or None  # The bytes tokenizer's EOS has no text.
+    return JSONResponse(
+      {
+        "tokenizer_class": type(tokenizer).__name__,
+        "eos_token": eos,
+        "bos_token": None,
+        "pad_token": None,
+        "model_max_length": limits.max_model_len,
+        "vocab_size": limits.vocab_size,
+      }
+    )
+
+  @app.post("/tokenize")
+  async def tokenize(request: Request) -> JSONResponse:
+    try:
+      body = protocol.json_object(await request.body())
+      prompt = body.get("prompt")
+      if not isinstance(prompt, str):
+        raise protocol.RequestError("prompt must be a string.", "prompt")
+    except protocol.RequestError as e:
+      return _error(e)
+    tokens = [int(t) for t in tokenizer.encode(prompt)]
+    return JSONResponse(
+      {"tokens": tokens, "count": len(tokens), "max_model_len": limits.max_model_len}
+    )
+
+  @app.post("/detokenize")
+  async def detokenize(request: Request) -> JSONResponse:
+    try:
+      body = protocol.json_object(await request.body())
+      tokens = body.get("tokens")
+      if not isinstance(tokens, list) or not all(
+        protocol.is_int(t) and 0 <= t < limits.vocab_size for t in tokens
+      ):
+        raise protocol.RequestError(
+          f"tokens must be a list of token ids in [0, {limits.vocab_size}).", "tokens"
+        )
+    except protocol.RequestError as e:
+      return _error(e)
+    return JSONResponse({"prompt": tokenizer.decode(tokens)})
+
   @app.get("/metrics")
   async def prometheus() -> PlainTextResponse:
     return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")

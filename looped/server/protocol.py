@@ -92,7 +92,7 @@ class Completion:
   ignore_eos: bool
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
   return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -100,7 +100,7 @@ def _integer(body: dict, field: str, default: int | None, lo: int, hi: int | Non
   value = body.get(field, default)
   if value is None and default is None:
     return None
-  if not _is_int(value):
+  if not is_int(value):
     raise RequestError(f"{field} must be an integer, got {value!r}.", field)
   if value < lo or (hi is not None and value > hi):
     bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
@@ -133,7 +133,7 @@ def _prompts(value: Any, tokenizer, limits: Limits) -> list[Prompt]:
         raise RequestError(f"{where} is empty.", "prompt")
       tokens = tuple(int(t) for t in tokenizer.encode(item))
       return Prompt(tokens, item)
-    if isinstance(item, list) and item and all(_is_int(t) for t in item):
+    if isinstance(item, list) and item and all(is_int(t) for t in item):
       bad = [t for t in item if not 0 <= t < limits.vocab_size]
       if bad:
         raise RequestError(
@@ -147,8 +147,8 @@ def _prompts(value: Any, tokenizer, limits: Limits) -> list[Prompt]:
   return [one(value, "prompt")]
 
 
-def parse(raw: bytes, tokenizer, limits: Limits) -> Completion:
-  """The checked request, or RequestError naming the first bad field."""
+def json_object(raw: bytes) -> dict:
+  """A body's JSON object, or RequestError saying why it is not one."""
   try:
     text = raw.decode("utf-8")
   except UnicodeDecodeError as e:
@@ -159,6 +159,12 @@ def parse(raw: bytes, tokenizer, limits: Limits) -> Completion:
     raise RequestError(f"the body is not JSON ({e.msg} at line {e.lineno}).") from None
   if not isinstance(body, dict):
     raise RequestError("the body must be a JSON object.")
+  return body
+
+
+def parse(raw: bytes, tokenizer, limits: Limits) -> Completion:
+  """The checked request, or RequestError naming the first bad field."""
+  body = json_object(raw)
   unknown = sorted(set(body) - FIELDS)
   if unknown:
     raise RequestError(
@@ -196,7 +202,7 @@ def parse(raw: bytes, tokenizer, limits: Limits) -> Completion:
   if len(stop) > MAX_STOP_STRINGS or not all(stop):
     raise RequestError(f"stop must hold 1 to {MAX_STOP_STRINGS} non-empty strings.", "stop")
   n = body.get("n", 1)
-  if not _is_int(n) or n != 1:
+  if not is_int(n) or n != 1:
     raise RequestError(f"n must be 1 (one completion per prompt), got {n!r}.", "n")
   stream = _boolean(body, "stream", False)
   options = body.get("stream_options") or {}
