@@ -237,6 +237,74 @@ def simulate(args, requests, share_kv: bool, num_pages: int) -> dict:
   }
 
 
+def engine_alone(args, requests, warmup, share_kv: bool, num_pages: int) -> dict:
+  """The same stream on the engine in this process, without HTTP: Engine.generate, whose clock
+  is its measured step wall time (arrivals are admitted at step boundaries, as in the
+  simulator). Separates the engine's own speed from the server's overhead."""
+  from looped.data.tokenizers import BytesTokenizer
+  from looped.engine import generate
+  from looped.engine.engine import Engine
+  from looped.engine.requests import GenRequest
+  from looped.engine.sampling import SamplingParams
+  from looped.model import config as model_lib
+  from looped.model.looped_lm import LoopedLM
+
+  model_cfg = serve_config.get_config("smoke").model
+  model_cfg.max_seq_len = args.max_model_len
+  model = LoopedLM(model_lib.from_config(model_cfg))
+  params = generate.restore_params(model, args.checkpoint, -1, "checkpoint")
+
+  def run(stream, salt):
+    engine = Engine(
+      model,
+      params,
+      share_kv=share_kv,
+      num_pages=num_pages,
+      page_size=args.page_size,
+      max_num_batched_tokens=args.max_num_batched_tokens,
+      max_num_seqs=args.max_num_seqs,
+      row_buckets=tuple(args.row_buckets),
+      token_buckets=tuple(args.token_buckets),
+      column_buckets=tuple(args.column_buckets),
+      decode=BytesTokenizer().decode,
+    )
+    gens = engine.generate(
+      [
+        GenRequest(
+          r.request_id,
+          tuple(prompt_tokens(r, salt)),
+          SamplingParams(max_new_tokens=r.output_len),
+          arrival_s=r.arrival_s,
+        )
+        for r in stream
+      ]
+    )
+    return engine, gens
+
+  if warmup:
+    run(warmup, salt=3)  # Compiles the step shapes.
+  engine, gens = run(requests, salt=2)
+  stats = engine.scheduler.stats
+  makespan = max(r.arrival_s + g.latency_s for r, g in zip(requests, gens))
+  return {
+    "hit_rate": stats.first_cached_tokens / stats.first_prompt_tokens,
+    "requests_per_s": len(gens) / makespan,
+    "output_tokens_per_s": sum(len(g.tokens) for g in gens) / makespan,
+    "ttft_s": _percentiles([g.ttft_s for g in gens]),
+    "tpot_s": _percentiles(
+      [(g.latency_s - g.ttft_s) / (len(g.tokens) - 1) for g in gens if len(g.tokens) > 1]
+    ),
+    "preemptions": stats.num_preemptions,
+    "makespan_s": makespan,
+    "busy_fraction": stats.busy_s / makespan,
+    "mean_step_s": stats.busy_s / max(stats.num_steps, 1),
+    "num_steps": stats.num_steps,
+  }
+
+
+KINDS = ("measured", "engine", "simulated")  # Over HTTP; engine alone; simulator.
+
+
 def table(runs: dict) -> str:
   rows = [
     ("hit rate", lambda m: f"{m['hit_rate']:.3f}"),
@@ -252,12 +320,11 @@ def table(runs: dict) -> str:
     ("engine steps", lambda m: f"{m['num_steps']:.0f}"),
     ("mean step (ms)", lambda m: f"{1e3 * m['mean_step_s']:.1f}"),
   ]
-  header = "| metric | " + " | ".join(f"{layout} measured | {layout} simulated" for layout in runs)
-  lines = [header, "|---|" + "---:|" * (2 * len(runs))]
+  kinds = [k for k in KINDS if all(k in run for run in runs.values())]
+  header = "| metric | " + " | ".join(f"{layout} {kind}" for layout in runs for kind in kinds)
+  lines = [header + " |", "|---|" + "---:|" * (len(kinds) * len(runs))]
   for name, cell in rows:
-    cells = [
-      f"{cell(runs[layout]['measured'])} | {cell(runs[layout]['simulated'])}" for layout in runs
-    ]
+    cells = [cell(runs[layout][kind]) for layout in runs for kind in kinds]
     lines.append(f"| {name} | " + " | ".join(cells) + " |")
   return "\n".join(lines)
 
@@ -288,6 +355,12 @@ def main():
   parser.add_argument("--hardware", default="cpu_2core", help="Simulator profile.")
   parser.add_argument("--hardware_json", default="", help="Profile fields to override (JSON).")
   parser.add_argument("--layouts", nargs="+", choices=tuple(LAYOUTS), default=list(LAYOUTS))
+  parser.add_argument(
+    "--engine_alone",
+    action=argparse.BooleanOptionalAction,
+    default=True,
+    help="Also replay the stream on the engine in this process, without HTTP.",
+  )
   parser.add_argument("--out", default="", help="Write the results as JSON here.")
   args = parser.parse_args()
 
@@ -310,11 +383,14 @@ def main():
         proc.send_signal(signal.SIGTERM)
         proc.wait(600)
     measured = {**measured_summary(results, before, after), "wall_s": wall}
+    pages = int(measured["num_pages"])
     runs[layout] = {
       "measured": measured,
-      "simulated": simulate(args, requests, share, int(measured["num_pages"])),
+      "simulated": simulate(args, requests, share, pages),
       "requests": results,
     }
+    if args.engine_alone:
+      runs[layout]["engine"] = engine_alone(args, requests, warmup, share, pages)
     print(f"{layout}: measured {measured['hit_rate']:.3f} hit rate, {wall:.0f} s", flush=True)
   text = table(runs)
   print(text)

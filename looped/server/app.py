@@ -209,9 +209,12 @@ def create_app(
     finished = set()
 
     def gone() -> None:
-      for r in engine_requests:
+      """Cancels what is unfinished; a handler waiting for it gets a Failed and returns."""
+      for r, q in zip(engine_requests, queues):
         if r.request_id not in finished:
+          finished.add(r.request_id)
           loop.cancel(r.request_id)
+          q.put_nowait(Failed(499, "the client disconnected."))
 
     watcher = asyncio.ensure_future(_watch_disconnect(request, gone))
     head = {

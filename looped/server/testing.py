@@ -49,9 +49,20 @@ class ServerThread:
     self.loop.stop(30)
 
   def wait_idle(self, timeout_s: float = 30.0) -> None:
-    """Until no request is queued or running (cancellations are processed asynchronously)."""
+    """Until no request is queued or running (cancellations are processed asynchronously) and
+    no HTTP handler is left: one still waiting for an engine event would never end."""
     deadline = time.monotonic() + timeout_s
-    while self.loop.num_running() or self.loop.num_waiting() or self.loop.pending_cancels():
+    state = self.server.server_state
+    while (
+      self.loop.num_running()
+      or self.loop.num_waiting()
+      or self.loop.pending_cancels()
+      or state.tasks
+      or state.connections
+    ):
       if time.monotonic() > deadline:
-        raise TimeoutError("the engine loop did not become idle.")
+        raise TimeoutError(
+          f"not idle: {self.loop.num_running()} running, {self.loop.num_waiting()} waiting, "
+          f"{len(state.tasks)} handlers, {len(state.connections)} connections."
+        )
       time.sleep(0.01)
