@@ -197,13 +197,15 @@ def run(config, workdir: str) -> dict[str, Any]:
       access_log=False,
     )
   )
-  # uvicorn re-raises the signal it caught once it has drained; a no-op handler keeps that
-  # from killing the process before the engine loop is stopped.
-  previous = signal.signal(signal.SIGTERM, lambda *_: None)
+  # uvicorn re-raises the signal it caught once it has drained; no-op handlers keep that from
+  # killing the process (or raising KeyboardInterrupt) before the engine loop is stopped.
+  signals = (signal.SIGTERM, signal.SIGINT)
+  previous = {sig: signal.signal(sig, lambda *_: None) for sig in signals}
   try:
     asyncio.run(_serve(server, sock, started))
   finally:
-    signal.signal(signal.SIGTERM, previous)
+    for sig, handler in previous.items():
+      signal.signal(sig, handler)
     loop.stop()
   stats = {
     "pages_in_use_at_end": loop.pages_in_use(),
