@@ -12,6 +12,8 @@ from looped.engine.requests import GenRequest
 from looped.engine.sampling import SamplingParams
 from looped.model import init_params
 from looped.model.looped_lm import LoopedLM
+from looped.server.engine_loop import EngineLoop
+from looped.server.metrics import Metrics
 from looped.serving import pages, scheduler, traces
 
 
@@ -105,6 +107,25 @@ class PositionLogprobsTest(parameterized.TestCase):
         atol=1e-6,
       )
     self.assertEqual(gens[1].cached_prompt_tokens, 0)
+
+
+class SubmitTest(absltest.TestCase):
+  def test_engine_loop_refuses_what_the_engine_would(self):
+    # Behind the HTTP checks: a request the engine cannot serve never reaches the queue.
+    model = LoopedLM(testing.TINY_MODEL)
+    params = init_params(model, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
+    engine = Engine(model, params, share_kv=True, num_pages=8, page_size=4)
+    loop = EngineLoop(engine, max_waiting=4, metrics=Metrics("tiny"))  # Not started.
+    for sampling, pattern in (
+      (SamplingParams(temperature=float("nan")), "temperature"),
+      (SamplingParams(max_new_tokens=0), "max_new_tokens"),
+      (SamplingParams(max_new_tokens=15), "exceeds max_model_len 16"),
+    ):
+      with self.assertRaisesRegex(ValueError, pattern):
+        loop.submit([GenRequest(0, (1, 2), sampling)], [lambda event: None])
+    self.assertEqual(loop.num_waiting(), 0)
+    loop.submit([GenRequest(0, (1, 2), SamplingParams(max_new_tokens=4))], [lambda event: None])
+    self.assertEqual(loop.num_waiting(), 1)
 
 
 if __name__ == "__main__":

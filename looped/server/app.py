@@ -206,6 +206,9 @@ def create_app(
     except QueueFull as e:
       metrics.inc("looped:requests_rejected_total", reason="queue_full")
       return _error(protocol.RequestError(f"the server is busy: {e}", None, 429))
+    except ValueError as e:  # The engine's own checks (protocol.parse should have caught it).
+      metrics.inc("looped:requests_rejected_total", reason="invalid")
+      return _error(protocol.RequestError(str(e)))
     finished = set()
 
     def gone() -> None:

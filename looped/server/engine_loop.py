@@ -135,7 +135,10 @@ class EngineLoop:
     return stats.first_cached_tokens / stats.first_prompt_tokens if stats.first_prompt_tokens else 0
 
   def submit(self, requests: list[GenRequest], sinks: list[Sink]) -> None:
-    """Queues requests (all or none); raises QueueFull."""
+    """Queues requests (all or none); raises QueueFull, or ValueError for a request the engine
+    refuses (a second line of defence behind the HTTP checks: nothing unservable is queued)."""
+    for request in requests:
+      self.engine.check_request(request)
     with self._cond:
       if self._stopping:
         raise QueueFull("the server is shutting down.")
