@@ -25,6 +25,8 @@ setuptools.setup(
     "sentencepiece>=0.2",  # optional tokenizer, small wheel.
     "tensorboardX>=2.6",  # TensorBoard event files without TensorFlow.
     "matplotlib>=3.8",  # PNG plots of evaluations and simulations.
+    "fastapi>=0.110",  # The HTTP server (configs/serve.py): routing, streaming responses.
+    "uvicorn>=0.30",  # Its ASGI server.
   ],
   extras_require={
     "test": [
@@ -34,6 +36,7 @@ setuptools.setup(
       "nbclient>=0.10",  # Executes colabs/*.ipynb in tests/colabs_test.py.
       "nbformat>=5.10",
       "ipykernel>=6.29",  # The notebooks' kernel: this environment's Python.
+      "openai>=1.0",  # tests/server_test.py drives the server with OpenAI's client.
     ],
     "tensorboard": ["tensorboard>=2.15"],  # The viewer for WORKDIR/tensorboard/ event files.
     # launch/xm_launch.py: XManager (~600 MB of cloud clients installed; pins protobuf<7).

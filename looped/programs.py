@@ -21,6 +21,7 @@ PROGRAMS = {
   "serve_sim": "looped.serving.simulate",
   "benice": "looped.benice.pipeline",
   "generate": "looped.engine.generate",
+  "server": "looped.server.program",
 }
 
 

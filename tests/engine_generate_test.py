@@ -112,6 +112,18 @@ class GenerateProgramTest(absltest.TestCase):
       _gen_config(self.train_dir, **{"gen.prompts": "x", "model.core_mixers": ("kda",)}),
       "config.model.*kda",
     )
+    # A prompt that alone fills the context is the prompt's fault, not max_new_tokens'.
+    self._fails(
+      _gen_config(self.train_dir, **{"gen.prompts": ("ab", "x" * 32)}),
+      r"gen.prompts.*prompt 1 is 32 tokens; the model's max_seq_len 32",
+    )
+    not_utf8 = os.path.join(self.tmp, "p.txt")
+    with open(not_utf8, "wb") as f:
+      f.write(b"fine\r\nab\xff\xfecd\n")
+    self._fails(
+      _gen_config(self.train_dir, **{"gen.prompts": not_utf8}),
+      r"gen.prompts.*line 2 is not UTF-8 \(byte 3: invalid start byte\)",
+    )
     bad_jsonl = os.path.join(self.tmp, "p.jsonl")
     with open(bad_jsonl, "w") as f:
       f.write('{"prompt": "a"}\n{"text": "b"}\n')

@@ -53,12 +53,15 @@ class Engine:
     record_logits: bool = False,
     decode: Callable[[Sequence[int]], str] | None = None,
     check_invariants: bool = False,
+    top_logprobs: int = 0,
   ):
     """num_pages: KV pages in the pool (pages_for_budget converts a byte budget).
 
     row_buckets / token_buckets / column_buckets: padded batch shapes, one compilation each
     (defaults: powers of two up to max_num_seqs / max_num_batched_tokens / the page-table width
     of max_model_len); a step attends over column_bucket * page_size slots.
+    top_logprobs: k > 0 lets requests with position_logprobs record each position's next-token
+    logprob and top k (ModelExecutor).
     """
     paged_cache.check_model(model.cfg)
     if num_pages < 1:
@@ -94,6 +97,7 @@ class Engine:
       clock=clock,
       record_logits=record_logits,
       decode=decode,
+      top_logprobs=top_logprobs,
     )
     self.page_bytes = page_size * paged_cache.bytes_per_token(model.cfg, share_kv, kv_format)
     self.scheduler: scheduler_lib.Scheduler | None = None

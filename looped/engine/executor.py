@@ -45,6 +45,9 @@ class RequestState:
   text: str = ""
   finish_reason: str | None = None
   logits: dict = dataclasses.field(default_factory=dict)  # Position -> logits (record_logits).
+  # Position p -> (log p(token p + 1), top ids, their logprobs), for requests that ask
+  # (GenRequest.position_logprobs): scoring a prompt (echo) and top-k alternatives.
+  positions: dict = dataclasses.field(default_factory=dict)
 
 
 def _step_fn(
@@ -53,6 +56,7 @@ def _step_fn(
   kv_format: str | None,
   sequential: bool,
   return_logits: bool,
+  top_logprobs: int,
   params,
   pages,
   tokens_BxQ,
@@ -64,6 +68,7 @@ def _step_fn(
   top_p_B,
   seed_B,
   index_B,
+  targets_BxQ,
 ):
   b, q = tokens_BxQ.shape
   cache = paged_cache.gather(pages, page_table_BxP, context_B, share_kv, kv_format)
@@ -84,13 +89,23 @@ def _step_fn(
   pages = paged_cache.scatter(pages, cache, page_table_BxP, context_B, num_new_B, q, share_kv)
   last_BxV = logits_BxQxV[jnp.arange(b), jnp.maximum(num_new_B - 1, 0)]
   token_B, logprob_B = sampling.sample(last_BxV, temperature_B, top_k_B, top_p_B, seed_B, index_B)
-  return pages, token_B, logprob_B, (logits_BxQxV if return_logits else None)
+  positions = None
+  if top_logprobs:  # Every position's distribution over the next token (the raw logits').
+    logprobs_BxQxV = jax.nn.log_softmax(logits_BxQxV.astype(jnp.float32), axis=-1)
+    target_BxQ = jnp.take_along_axis(logprobs_BxQxV, targets_BxQ[..., None], axis=-1)[..., 0]
+    top_BxQxK, top_ids_BxQxK = jax.lax.top_k(logprobs_BxQxV, top_logprobs)
+    positions = (target_BxQ, top_ids_BxQxK, top_BxQxK)
+  return pages, token_B, logprob_B, (logits_BxQxV if return_logits else None), positions
 
 
 @functools.lru_cache(maxsize=32)
-def compiled_step(cfg, share_kv: bool, kv_format: str | None, sequential: bool, logits: bool):
+def compiled_step(
+  cfg, share_kv: bool, kv_format: str | None, sequential: bool, logits: bool, top_logprobs: int = 0
+):
   """The jitted step for a model and layout; shared by engines so each shape compiles once."""
-  step = functools.partial(_step_fn, LoopedLM(cfg), share_kv, kv_format, sequential, logits)
+  step = functools.partial(
+    _step_fn, LoopedLM(cfg), share_kv, kv_format, sequential, logits, top_logprobs
+  )
   return jax.jit(step, donate_argnums=(1,))
 
 
@@ -115,7 +130,10 @@ class ModelExecutor:
     record_logits: bool = False,
     decode: Callable | None = None,
     on_token: Callable | None = None,
+    top_logprobs: int = 0,
   ):
+    """top_logprobs: k > 0 makes every step also compute, per position, the logprob of the next
+    token and the k most likely ones, kept for requests with position_logprobs."""
     self.model = model
     self.params = params
     self.page_size = page_size
@@ -134,7 +152,10 @@ class ModelExecutor:
     self.on_token = on_token
     self.states: dict[int, RequestState] = {}
     self.step_log: list[dict] = []  # Per step: rows, tokens, bucket, wall seconds.
-    self._step = compiled_step(model.cfg, share_kv, kv_format, self.sequential, record_logits)
+    self.top_logprobs = top_logprobs
+    self._step = compiled_step(
+      model.cfg, share_kv, kv_format, self.sequential, record_logits, top_logprobs
+    )
 
   def add(self, request: GenRequest) -> None:
     self.states[request.request_id] = RequestState(request, list(request.prompt_tokens))
@@ -152,6 +173,7 @@ class ModelExecutor:
     top_p = np.ones((b,), np.float32)
     seed = np.zeros((b,), np.int32)
     index = np.zeros((b,), np.int32)
+    targets = np.zeros((b, q), np.int32)
     states = []
     for i, (seq, new, ctx) in enumerate(
       zip(batch.seqs, batch.num_new_tokens, batch.num_context_tokens)
@@ -164,8 +186,11 @@ class ModelExecutor:
       sp = state.request.sampling
       temperature[i], top_k[i], top_p[i], seed[i] = sp.temperature, sp.top_k, sp.top_p, sp.seed
       index[i] = len(state.generated)
+      if self.top_logprobs and state.request.position_logprobs:
+        known = state.tokens[ctx + 1 : ctx + new + 1]  # The last one is sampled if unknown.
+        targets[i, : len(known)] = known
     start = time.perf_counter()
-    self.pages, token_B, logprob_B, logits = self._step(
+    self.pages, token_B, logprob_B, logits, positions = self._step(
       self.params,
       self.pages,
       tokens,
@@ -177,6 +202,7 @@ class ModelExecutor:
       top_p,
       seed,
       index,
+      targets,
     )
     token_B, logprob_B = np.asarray(token_B), np.asarray(logprob_B)
     wall = time.perf_counter() - start
@@ -185,12 +211,20 @@ class ModelExecutor:
     )
     if logits is not None:
       logits = np.asarray(logits)
+    if positions is not None:
+      positions = tuple(np.asarray(x) for x in positions)
     for i, (seq, state) in enumerate(zip(batch.seqs, states)):
       ctx, new = int(context[i]), int(num_new[i])
       if logits is not None:
         for j in range(new):
           state.logits[ctx + j] = logits[i, j]
-      if ctx + new == seq.num_tokens:  # The chunk reaches its last token: sample.
+      sampled = ctx + new == seq.num_tokens
+      if positions is not None and state.request.position_logprobs:
+        target, top_ids, top = positions
+        for j in range(new):
+          lp = float(logprob_B[i]) if sampled and j == new - 1 else float(target[i, j])
+          state.positions[ctx + j] = (lp, top_ids[i, j].tolist(), top[i, j].tolist())
+      if sampled:  # The chunk reaches its last token: sample.
         self._emit(seq, state, int(token_B[i]), float(logprob_B[i]))
     return wall if self.clock is None else self.clock.execute(batch)
 

@@ -8,6 +8,7 @@ streams the text of a single prompt as it is produced, and writes WORKDIR/genera
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import sys
@@ -40,27 +41,43 @@ def _recorded(checkpoint: str) -> dict | None:
     return json.load(f)
 
 
-def model_and_data(config) -> tuple[ml_collections.ConfigDict, ml_collections.ConfigDict]:
-  """`model` and `data` sections describing the checkpoint's model (module docstring)."""
-  recorded = _recorded(config.gen.checkpoint)
+def model_and_data(
+  config, checkpoint: str | None = None
+) -> tuple[ml_collections.ConfigDict, ml_collections.ConfigDict]:
+  """`model` and `data` sections describing the checkpoint's model (module docstring);
+  checkpoint defaults to gen.checkpoint."""
+  recorded = _recorded(config.gen.checkpoint if checkpoint is None else checkpoint)
   if recorded is None:
     return config.model, config.data
   data = {k: recorded["data"].get(k, config.data[k]) for k in ("tokenizer", "spm_path")}
   return ml_collections.ConfigDict(recorded["model"]), ml_collections.ConfigDict(data)
 
 
-def _has_checkpoint(path: str) -> bool:
+def has_checkpoint(path: str) -> bool:
   directory = checkpointing.checkpoint_dir(path)
   directory = directory if os.path.isdir(directory) else path
   return any(name.isdigit() for name in os.listdir(directory))
+
+
+def _read_lines(path: str) -> list[str]:
+  """A prompts file's lines (universal newlines); bytes that are not UTF-8 fail naming the line,
+  as a config error rather than a traceback."""
+  with open(path, "rb") as f:
+    raw = f.read()
+  try:
+    text = raw.decode("utf-8")
+  except UnicodeDecodeError as e:
+    line = raw.count(b"\n", 0, e.start) + 1
+    column = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+    cc.fail("gen.prompts", path, f"line {line} is not UTF-8 (byte {column}: {e.reason})")
+  return [line.rstrip("\n") for line in io.StringIO(text, newline=None)]
 
 
 def load_prompts(config) -> list[str]:
   """Prompts from gen.prompts: inline (a string or a tuple of strings) or a file."""
   value = cc.get(config, "gen.prompts")
   if isinstance(value, str) and value and os.path.isfile(value):
-    with open(value, encoding="utf-8") as f:
-      lines = [line.rstrip("\n") for line in f]
+    lines = _read_lines(value)
     if value.endswith(".jsonl"):
       prompts = []
       for i, line in enumerate(lines):
@@ -111,7 +128,7 @@ def validate(config) -> None:
   checkpoint = cc.string(config, "gen.checkpoint")
   if not os.path.isdir(checkpoint):
     cc.fail("gen.checkpoint", checkpoint, "must be an existing trainer workdir or stage dir")
-  if not _has_checkpoint(checkpoint):
+  if not has_checkpoint(checkpoint):
     cc.fail("gen.checkpoint", checkpoint, "holds no checkpoint (no checkpoints/STEP directory)")
   cc.integer(config, "gen.step", min_value=-1)
   model_cfg, data_cfg = model_and_data(config)
@@ -145,6 +162,14 @@ def validate(config) -> None:
   prompts = load_prompts(config)
   tokenizer = tokenizers.get(data_cfg)
   lengths = [len(tokenizer.encode(p)) for p in prompts]
+  if max(lengths) >= cfg.max_seq_len:  # Not even one new token fits: the prompt is at fault.
+    i = lengths.index(max(lengths))
+    cc.fail(
+      "gen.prompts",
+      cc.get(config, "gen.prompts"),
+      f"prompt {i} is {lengths[i]} tokens; the model's max_seq_len {cfg.max_seq_len} leaves no "
+      "room for a new token",
+    )
   longest = max(lengths) + max_new
   if longest > cfg.max_seq_len:
     cc.fail(
@@ -169,6 +194,20 @@ def validate(config) -> None:
       )
 
 
+def restore_params(model: LoopedLM, checkpoint: str, step: int, field: str):
+  """The checkpoint's params (step -1: the latest); ConfigError naming `field` if they do not
+  fit the model."""
+  abstract = jax.eval_shape(
+    lambda: init_params(model, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
+  )
+  try:
+    return checkpointing.restore_params(checkpoint, abstract, None if step < 0 else step)
+  except (ValueError, FileNotFoundError) as e:
+    raise cc.ConfigError(
+      f"config.{field} = {checkpoint!r} does not restore into config.model: {e}"
+    ) from None
+
+
 def _stream(state) -> None:
   """Prints the part of the request's text not printed yet."""
   printed = getattr(state, "printed", 0)
@@ -183,17 +222,8 @@ def run(config, workdir: str) -> dict[str, Any]:
   cfg = model_lib.from_config(model_cfg)
   model = LoopedLM(cfg)
   tokenizer = tokenizers.get(data_cfg)
-  abstract = jax.eval_shape(
-    lambda: init_params(model, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
-  )
   g = config.gen
-  step = None if g.step < 0 else g.step
-  try:
-    params = checkpointing.restore_params(g.checkpoint, abstract, step)
-  except (ValueError, FileNotFoundError) as e:
-    raise cc.ConfigError(
-      f"config.gen.checkpoint = {g.checkpoint!r} does not restore into config.model: {e}"
-    ) from None
+  params = restore_params(model, g.checkpoint, g.step, "gen.checkpoint")
   prompts = load_prompts(config)
   requests = [
     GenRequest(

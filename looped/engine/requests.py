@@ -23,6 +23,10 @@ class GenRequest:
   sampling: SamplingParams = SamplingParams()
   arrival_s: float = 0.0
   prompt_text: str = ""
+  # Record every position's next-token logprob and top-k (RequestState.positions; the executor
+  # needs top_logprobs > 0), e.g. to score the prompt. Such a request never hits the prefix
+  # cache, so each of its positions is computed.
+  position_logprobs: bool = False
 
   @property
   def prompt_len(self) -> int:
@@ -36,6 +40,8 @@ class GenRequest:
   def prompt_page_keys(self, page_size: int) -> list[int]:
     """Keys of the full prompt pages: non-negative 63-bit hashes chained over the tokens."""
     keys, digest = [], b""
+    if self.position_logprobs:  # A chain no other request shares: no hit, every position run.
+      digest = b"positions" + np.int64(self.request_id).tobytes()
     tokens = np.asarray(self.prompt_tokens, np.int64)
     for k in range(len(tokens) // page_size):
       page = tokens[k * page_size : (k + 1) * page_size].tobytes()

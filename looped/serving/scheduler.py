@@ -141,6 +141,25 @@ class Scheduler:
     self.waiting.append(Sequence(request, request.arrival_s, num_tokens=request.prompt_len))
     return True
 
+  def abort(self, request_id: Any) -> Sequence | None:
+    """Drops a queued or running request (a client went away): its pages are released, keeping
+    the cached contents of full ones, as on a finish. Returns its Sequence, or None if it is
+    not queued or running."""
+    for i, seq in enumerate(self.waiting):
+      if seq.request.request_id == request_id:
+        del self.waiting[i]
+        if seq is self._head:
+          self._head = None
+        return seq
+    for i, seq in enumerate(self.running):
+      if seq.request.request_id == request_id:
+        del self.running[i]
+        self.pool.release(seq.pages)
+        seq.pages = []
+        seq.prompt_keys = None
+        return seq
+    return None
+
   def has_work(self) -> bool:
     return bool(self.running or self.waiting)
 

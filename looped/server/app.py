@@ -1,0 +1,327 @@
+"""The HTTP layer: OpenAI's `/v1/completions` and `/v1/models`, `/health`, `/metrics`.
+
+Handlers parse and check a request (protocol.py), hand one engine request per prompt to the
+engine loop and turn its events into OpenAI's response objects or server-sent events. A task per
+request watches for the client going away and cancels the request, which frees its pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from looped.engine.requests import GenRequest
+from looped.engine.sampling import SamplingParams
+from looped.server import protocol
+from looped.server.engine_loop import Done, EngineLoop, Failed, QueueFull
+
+_FINISH = {"length": "length", "stop_token": "stop", "stop_string": "stop"}
+
+
+def token_text(tokenizer, token: int) -> str:
+  """A token's text; one that is not text by itself (part of a UTF-8 character, EOS) is named
+  'token_id:N' (vLLM's convention), so top_logprobs keys stay distinct."""
+  text = tokenizer.decode([token])
+  return text if text and "\ufffd" not in text else f"token_id:{token}"
+
+
+class TextStream:
+  """Deltas of a growing text that never take back what was sent: text that a stop string may
+  still cut, or a trailing incomplete UTF-8 character, is held back until it is settled."""
+
+  def __init__(self, stop: Sequence[str]):
+    self.hold = max((len(s) for s in stop), default=1) - 1
+    self.sent = 0
+
+  def delta(self, text: str, final: bool) -> str:
+    end = len(text) if final else len(text) - self.hold
+    if not final:
+      while end > self.sent and text[end - 1] == "\ufffd":
+        end -= 1
+    out = text[self.sent : end] if end > self.sent else ""
+    self.sent += len(out)
+    return out
+
+
+class _Logprobs:
+  """OpenAI's legacy logprobs object, built token by token."""
+
+  def __init__(self, tokenizer, k: int):
+    self.tokenizer, self.k = tokenizer, k
+    self.tokens, self.token_logprobs, self.top_logprobs, self.text_offset = [], [], [], []
+
+  def add(self, token: int, logprob: float | None, top, offset: int) -> None:
+    self.tokens.append(token_text(self.tokenizer, token))
+    self.token_logprobs.append(logprob)
+    if top is None or not self.k:
+      self.top_logprobs.append(None if top is None else {})
+    else:
+      ids, lps = top
+      self.top_logprobs.append(
+        {token_text(self.tokenizer, i): lp for i, lp in zip(ids[: self.k], lps[: self.k])}
+      )
+    self.text_offset.append(offset)
+
+  def payload(self) -> dict:
+    out = {
+      "tokens": self.tokens,
+      "token_logprobs": self.token_logprobs,
+      "top_logprobs": self.top_logprobs,
+      "text_offset": self.text_offset,
+    }
+    self.tokens, self.token_logprobs, self.top_logprobs, self.text_offset = [], [], [], []
+    return out
+
+
+def _prompt_logprobs(out: _Logprobs, prompt: protocol.Prompt, positions: dict, tokenizer) -> None:
+  """Echoed prompt tokens: token p's logprob comes from position p - 1 (none for the first)."""
+  for p, token in enumerate(prompt.tokens):
+    before = positions.get(p - 1)
+    offset = len(tokenizer.decode(list(prompt.tokens[:p])))
+    out.add(token, None if before is None else before[0], before and before[1:], offset)
+
+
+def _error(e: protocol.RequestError) -> JSONResponse:
+  return JSONResponse(e.payload(), status_code=e.status)
+
+
+async def _watch_disconnect(request: Request, on_gone) -> None:
+  """Returns when the client disconnects (calling on_gone) or the response is complete."""
+  while True:
+    message = await request.receive()
+    if message["type"] == "http.disconnect":
+      on_gone()
+      return
+
+
+def create_app(
+  loop: EngineLoop, tokenizer, limits: protocol.Limits, *, stop_token_ids: tuple[int, ...]
+) -> FastAPI:
+  """stop_token_ids: tokens that end a request unless it sets ignore_eos (the tokenizer's EOS)."""
+  app = FastAPI(title="looped", docs_url=None, redoc_url=None, openapi_url=None)
+  ids = itertools.count()
+  metrics = loop.metrics
+  created = int(time.time())
+
+  @app.get("/health")
+  async def health() -> Response:
+    if not loop.alive():
+      return JSONResponse({"status": "unavailable"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+  @app.get("/v1/models")
+  async def models() -> JSONResponse:
+    card = {
+      "id": limits.model_name,
+      "object": "model",
+      "created": created,
+      "owned_by": "looped",
+      "max_model_len": limits.max_model_len,
+    }
+    return JSONResponse({"object": "list", "data": [card]})
+
+  # vLLM's tokenizer endpoints: lm-evaluation-harness's `local-completions` finds them and then
+  # tokenizes with the served model's own tokenizer (its "remote" tokenizer backend).
+  @app.get("/tokenizer_info")
+  async def tokenizer_info() -> JSONResponse:
+    eos = tokenizer.decode([tokenizer.eos_id]) or None  # The bytes tokenizer's EOS has no text.
+    return JSONResponse(
+      {
+        "tokenizer_class": type(tokenizer).__name__,
+        "eos_token": eos,
+        "bos_token": None,
+        "pad_token": None,
+        "model_max_length": limits.max_model_len,
+        "vocab_size": limits.vocab_size,
+      }
+    )
+
+  @app.post("/tokenize")
+  async def tokenize(request: Request) -> JSONResponse:
+    try:
+      body = protocol.json_object(await request.body())
+      prompt = body.get("prompt")
+      if not isinstance(prompt, str):
+        raise protocol.RequestError("prompt must be a string.", "prompt")
+    except protocol.RequestError as e:
+      return _error(e)
+    tokens = [int(t) for t in tokenizer.encode(prompt)]
+    return JSONResponse(
+      {"tokens": tokens, "count": len(tokens), "max_model_len": limits.max_model_len}
+    )
+
+  @app.post("/detokenize")
+  async def detokenize(request: Request) -> JSONResponse:
+    try:
+      body = protocol.json_object(await request.body())
+      tokens = body.get("tokens")
+      if not isinstance(tokens, list) or not all(
+        protocol.is_int(t) and 0 <= t < limits.vocab_size for t in tokens
+      ):
+        raise protocol.RequestError(
+          f"tokens must be a list of token ids in [0, {limits.vocab_size}).", "tokens"
+        )
+    except protocol.RequestError as e:
+      return _error(e)
+    return JSONResponse({"prompt": tokenizer.decode(tokens)})
+
+  @app.get("/metrics")
+  async def prometheus() -> PlainTextResponse:
+    return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
+  @app.post("/v1/completions")
+  async def completions(request: Request) -> Response:
+    try:
+      params = protocol.parse(await request.body(), tokenizer, limits)
+    except protocol.RequestError as e:
+      metrics.inc("looped:requests_rejected_total", reason="invalid")
+      return _error(e)
+    sampling = SamplingParams(
+      max_new_tokens=params.max_tokens,
+      temperature=params.temperature,
+      top_k=params.top_k,
+      top_p=params.top_p,
+      seed=params.seed,
+      stop_token_ids=() if params.ignore_eos else stop_token_ids,
+      stop_strings=params.stop,
+    )
+    # Echo needs every prompt position's logprob, top alternatives every token's.
+    positions = params.logprobs is not None and (params.echo or params.logprobs > 0)
+    engine_requests = [
+      GenRequest(next(ids), p.tokens, sampling, prompt_text=p.text, position_logprobs=positions)
+      for p in params.prompts
+    ]
+    aio = asyncio.get_running_loop()
+    queues = [asyncio.Queue() for _ in engine_requests]
+    sinks = [lambda event, q=q: aio.call_soon_threadsafe(q.put_nowait, event) for q in queues]
+    try:
+      loop.submit(engine_requests, sinks)
+    except QueueFull as e:
+      metrics.inc("looped:requests_rejected_total", reason="queue_full")
+      return _error(protocol.RequestError(f"the server is busy: {e}", None, 429))
+    except ValueError as e:  # The engine's own checks (protocol.parse should have caught it).
+      metrics.inc("looped:requests_rejected_total", reason="invalid")
+      return _error(protocol.RequestError(str(e)))
+    finished = set()
+
+    def gone() -> None:
+      """Cancels what is unfinished; a handler waiting for it gets a Failed and returns."""
+      for r, q in zip(engine_requests, queues):
+        if r.request_id not in finished:
+          finished.add(r.request_id)
+          loop.cancel(r.request_id)
+          q.put_nowait(Failed(499, "the client disconnected."))
+
+    watcher = asyncio.ensure_future(_watch_disconnect(request, gone))
+    head = {
+      "id": f"cmpl-{uuid.uuid4().hex}",
+      "object": "text_completion",
+      "created": int(time.time()),
+      "model": limits.model_name,
+    }
+    if params.stream:
+      stream = _stream(
+        params, engine_requests[0], queues[0], head, tokenizer, finished, gone, watcher
+      )
+      return StreamingResponse(stream, media_type="text/event-stream")
+    try:
+      choices = []
+      usage = {"prompt_tokens": 0, "completion_tokens": 0}
+      for i, (prompt, r, q) in enumerate(zip(params.prompts, engine_requests, queues)):
+        while not isinstance(event := await q.get(), (Done, Failed)):
+          pass
+        finished.add(r.request_id)
+        if isinstance(event, Failed):
+          gone()
+          return JSONResponse(
+            {"error": {"message": event.message, "type": "server_error", "param": None}},
+            status_code=event.status,
+          )
+        choices.append(_choice(i, params, prompt, event, tokenizer))
+        usage["prompt_tokens"] += len(prompt.tokens)
+        usage["completion_tokens"] += len(event.tokens)
+    except asyncio.CancelledError:
+      gone()
+      raise
+    finally:
+      watcher.cancel()
+    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    return JSONResponse({**head, "choices": choices, "usage": usage})
+
+  return app
+
+
+def _choice(index: int, params, prompt: protocol.Prompt, done: Done, tokenizer) -> dict:
+  prefix = prompt.text if params.echo else ""
+  logprobs = None
+  if params.logprobs is not None:
+    out = _Logprobs(tokenizer, params.logprobs)
+    if params.echo:
+      _prompt_logprobs(out, prompt, done.positions, tokenizer)
+    start = len(prompt.text)
+    n_prompt = len(prompt.tokens)
+    for j, (token, lp) in enumerate(zip(done.tokens, done.logprobs)):
+      top = done.positions.get(n_prompt - 1 + j)
+      offset = start + len(tokenizer.decode(done.tokens[:j]))
+      out.add(token, lp, None if top is None else top[1:], offset)
+    logprobs = out.payload()
+  return {
+    "index": index,
+    "text": prefix + done.text,
+    "logprobs": logprobs,
+    "finish_reason": _FINISH[done.finish_reason],
+  }
+
+
+async def _stream(
+  params, request: GenRequest, queue: asyncio.Queue, head: dict, tokenizer, finished, gone, watcher
+) -> AsyncIterator[str]:
+  """Server-sent events: a chunk per generated token (its text may be held back, see
+  TextStream; with echo the first also carries the prompt), the finish reason on the last, then
+  `[DONE]`."""
+  prompt = params.prompts[0]
+  text = TextStream(params.stop)
+  generated: list[int] = []
+  out = None if params.logprobs is None else _Logprobs(tokenizer, params.logprobs)
+
+  def chunk(delta: str, finish_reason: str | None) -> str:
+    logprobs = None if out is None else out.payload()
+    choice = {"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    return f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
+
+  try:
+    while True:
+      event = await queue.get()
+      if isinstance(event, Failed):
+        error = {"message": event.message, "type": "server_error", "param": None}
+        yield f"data: {json.dumps({'error': error})}\n\n"
+        break
+      if isinstance(event, Done):
+        finished.add(request.request_id)
+        yield chunk(text.delta(event.text, final=True), _FINISH[event.finish_reason])
+        if params.include_usage:
+          usage = {"prompt_tokens": len(prompt.tokens), "completion_tokens": len(event.tokens)}
+          usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+          yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage})}\n\n"
+        break
+      prefix = ""
+      if not generated and params.echo:
+        prefix = prompt.text
+        if out is not None:
+          _prompt_logprobs(out, prompt, event.prompt_positions or {}, tokenizer)
+      if out is not None:
+        offset = len(prompt.text) + len(tokenizer.decode(generated))
+        out.add(event.token, event.logprob, event.top, offset)
+      generated.append(event.token)
+      yield chunk(prefix + text.delta(event.text, final=False), None)
+    yield "data: [DONE]\n\n"
+  finally:
+    watcher.cancel()
+    gone()

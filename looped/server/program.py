@@ -1,0 +1,219 @@
+"""Program 'server': restore a model and serve it over HTTP until SIGTERM (configs/serve.py).
+
+validate(config) checks every field, the checkpoint and that the KV budget holds one request of
+the model's whole context before anything is restored or bound. run(config, workdir) builds the
+engine and its loop, binds the socket, writes WORKDIR/server.json ({host, port, url, pid,
+model}) once connections are accepted, and on SIGTERM or Ctrl-C stops accepting, lets the
+requests in flight finish, stops the loop and returns the final counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+from typing import Any
+
+import ml_collections
+from absl import logging
+
+from looped import config_checks as cc
+from looped import kv_quant
+from looped.data import tokenizers
+from looped.engine import generate, paged_cache
+from looped.engine.engine import Engine, pages_for_budget
+from looped.model import config as model_lib
+from looped.model import mixers
+from looped.model.looped_lm import LoopedLM
+from looped.server import protocol
+from looped.server.app import create_app
+from looped.server.engine_loop import EngineLoop
+from looped.server.metrics import Metrics
+
+
+def _model(config) -> tuple[ml_collections.ConfigDict, ml_collections.ConfigDict]:
+  return generate.model_and_data(config, config.serve.checkpoint)
+
+
+def _buckets(config, field: str, reach: int | None) -> tuple[int, ...]:
+  """A bucket tuple: () (the engine's powers of two) or positive sizes, the largest >= reach."""
+  value = cc.get(config, field)
+  if isinstance(value, int) and not isinstance(value, bool):
+    value = (value,)
+  if not isinstance(value, (tuple, list)) or not all(
+    isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value
+  ):
+    cc.fail(field, value, "must be a tuple of positive integers (empty: powers of two)")
+  if value and reach is not None and max(value) < reach:
+    cc.fail(field, value, f"must reach {reach} (the per-step limit it pads)")
+  return tuple(sorted(value))
+
+
+def validate(config) -> None:
+  """Checks every field before any compute; raises ConfigError naming the field."""
+  cc.choice(config, "program", ("server",))
+  checkpoint = cc.string(config, "serve.checkpoint")
+  if not os.path.isdir(checkpoint):
+    cc.fail("serve.checkpoint", checkpoint, "must be an existing trainer workdir or stage dir")
+  if not generate.has_checkpoint(checkpoint):
+    cc.fail("serve.checkpoint", checkpoint, "holds no checkpoint (no checkpoints/STEP directory)")
+  cc.integer(config, "serve.step", min_value=-1)
+  cc.string(config, "serve.model_name", allow_empty=True)
+  cc.string(config, "serve.host")
+  cc.integer(config, "serve.port", min_value=0, max_value=65535)
+  model_cfg, data_cfg = _model(config)
+  model_lib.validate(ml_collections.ConfigDict({"model": model_cfg}))
+  cfg = model_lib.from_config(model_cfg)
+  try:
+    paged_cache.check_model(cfg)
+  except ValueError as e:
+    raise cc.ConfigError(f"config.model: {e}") from None
+  tokenizers.get(data_cfg)
+  fmt = cc.string(config, "serve.kv_format", allow_empty=True)
+  if fmt:
+    cc.choice(config, "serve.kv_format", ("",) + kv_quant.FORMATS)
+    try:
+      mixers.check_kv_format(cfg, fmt)
+    except ValueError as e:
+      cc.fail("serve.kv_format", fmt, str(e).rstrip("."))
+  share = cc.boolean(config, "serve.share_kv")
+  page_size = cc.integer(config, "serve.page_size", min_value=1)
+  cc.integer(config, "serve.max_num_batched_tokens", min_value=1)
+  cc.integer(config, "serve.max_num_seqs", min_value=1)
+  _buckets(config, "serve.row_buckets", config.serve.max_num_seqs)
+  _buckets(config, "serve.token_buckets", config.serve.max_num_batched_tokens)
+  _buckets(config, "serve.column_buckets", None)
+  cc.integer(config, "serve.max_waiting", min_value=0)
+  cc.integer(config, "serve.max_logprobs", min_value=0, max_value=20)
+  cc.number(config, "serve.drain_timeout_s", min_value=0.0)
+  budget = cc.number(config, "serve.kv_budget_bytes", min_value=0.0, min_exclusive=True)
+  need = -(-(cfg.max_seq_len - 1) // page_size)
+  have = pages_for_budget(LoopedLM(cfg), budget, page_size, share, fmt or None)
+  if have < need:
+    page_bytes = page_size * paged_cache.bytes_per_token(cfg, share, fmt or None)
+    cc.fail(
+      "serve.kv_budget_bytes",
+      budget,
+      f"holds {have} pages of {page_bytes:.0f} bytes; a request of the model's whole context "
+      f"(max_seq_len {cfg.max_seq_len}) needs {need}",
+    )
+
+
+def build(config) -> tuple[Any, EngineLoop]:
+  """The app and its (started) engine loop for a validated config."""
+  s = config.serve
+  model_cfg, data_cfg = _model(config)
+  cfg = model_lib.from_config(model_cfg)
+  model = LoopedLM(cfg)
+  tokenizer = tokenizers.get(data_cfg)
+  params = generate.restore_params(model, s.checkpoint, s.step, "serve.checkpoint")
+  fmt = s.kv_format or None
+  engine = Engine(
+    model,
+    params,
+    share_kv=s.share_kv,
+    kv_format=fmt,
+    num_pages=pages_for_budget(model, s.kv_budget_bytes, s.page_size, s.share_kv, fmt),
+    page_size=s.page_size,
+    max_num_batched_tokens=s.max_num_batched_tokens,
+    max_num_seqs=s.max_num_seqs,
+    max_model_len=cfg.max_seq_len,
+    decode=tokenizer.decode,
+    top_logprobs=max(s.max_logprobs, 1),
+    row_buckets=_buckets(config, "serve.row_buckets", None) or None,
+    token_buckets=_buckets(config, "serve.token_buckets", None) or None,
+    column_buckets=_buckets(config, "serve.column_buckets", None) or None,
+  )
+  name = s.model_name or os.path.basename(os.path.normpath(s.checkpoint))
+  return serve_engine(
+    engine, tokenizer, name, max_waiting=s.max_waiting, max_logprobs=s.max_logprobs
+  )
+
+
+def serve_engine(engine: Engine, tokenizer, name: str, *, max_waiting: int, max_logprobs: int):
+  """An app and a started loop around an Engine (also what tests build directly)."""
+  limits = protocol.Limits(
+    model_name=name,
+    max_model_len=engine.max_model_len,
+    vocab_size=engine.model.cfg.vocab_size,
+    max_logprobs=max_logprobs,
+    max_pages=engine.num_pages,
+    page_size=engine.config.page_size,
+  )
+  loop = EngineLoop(engine, max_waiting=max_waiting, metrics=Metrics(name)).start()
+  app = create_app(loop, tokenizer, limits, stop_token_ids=(tokenizer.eos_id,))
+  return app, loop
+
+
+def bind(host: str, port: int) -> socket.socket:
+  family = socket.AF_INET6 if ":" in host else socket.AF_INET
+  sock = socket.socket(family, socket.SOCK_STREAM)
+  sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+  try:
+    sock.bind((host, port))
+  except OSError as e:
+    sock.close()
+    raise cc.ConfigError(f"config.serve.host:port = {host}:{port} cannot be bound: {e}") from None
+  sock.listen(2048)
+  return sock
+
+
+async def _serve(server, sock: socket.socket, on_started) -> None:
+  task = asyncio.ensure_future(server.serve(sockets=[sock]))
+  while not server.started and not task.done():
+    await asyncio.sleep(0.02)
+  if server.started:
+    on_started()
+  await task
+
+
+def run(config, workdir: str) -> dict[str, Any]:
+  import uvicorn  # Lazy: validation alone does not import the HTTP stack.
+
+  validate(config)
+  s = config.serve
+  app, loop = build(config)
+  sock = bind(s.host, s.port)
+  host, port = sock.getsockname()[:2]
+  url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
+  os.makedirs(workdir, exist_ok=True)
+  name = loop.metrics.base["model_name"]
+  info = {"host": host, "port": port, "url": url, "pid": os.getpid(), "model": name}
+
+  def started() -> None:
+    with open(os.path.join(workdir, "server.json.tmp"), "w") as f:
+      json.dump(info, f)
+    os.replace(os.path.join(workdir, "server.json.tmp"), os.path.join(workdir, "server.json"))
+    logging.info("serving %s on %s", name, url)
+
+  server = uvicorn.Server(
+    uvicorn.Config(
+      app,
+      log_level="warning",
+      lifespan="off",
+      timeout_graceful_shutdown=s.drain_timeout_s,
+      access_log=False,
+    )
+  )
+  # uvicorn re-raises the signal it caught once it has drained; no-op handlers keep that from
+  # killing the process (or raising KeyboardInterrupt) before the engine loop is stopped.
+  signals = (signal.SIGTERM, signal.SIGINT)
+  previous = {sig: signal.signal(sig, lambda *_: None) for sig in signals}
+  try:
+    asyncio.run(_serve(server, sock, started))
+  finally:
+    for sig, handler in previous.items():
+      signal.signal(sig, handler)
+    loop.stop()
+  stats = {
+    "pages_in_use_at_end": loop.pages_in_use(),
+    "hit_rate": loop.hit_rate(),
+    "finished": loop.metrics.counter("vllm:request_success_total", finished_reason="stop")
+    + loop.metrics.counter("vllm:request_success_total", finished_reason="length"),
+  }
+  with open(os.path.join(workdir, "server_stats.json"), "w") as f:
+    json.dump(stats, f, indent=1)
+  logging.info("server stopped: %s", stats)
+  return stats
