@@ -2,6 +2,10 @@ r"""The BeNice! recipe sweep table (experiments/recipe.sh) from its pipeline rep
 
   python experiments/recipe_table.py /tmp/recipe
   python experiments/recipe_table.py experiments/results/recipe
+  python experiments/recipe_table.py --curves experiments/results/recipe_curves/curves_s0
+
+With --curves, the learning-curve table instead: finetune and BeNice! side by side per step,
+from the `curves.json` that `python -m looped.benice.curves --out=DIR` wrote.
 
 The directory holds `base_s<seed>` (the `:fixed` pipeline's zero-shot and finetune models) and
 `<point>_s<seed>` runs (`default`: BeNice! as configured). A point's BeNice! model is compared
@@ -143,7 +147,38 @@ def markdown(table_rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def curves_table(curves_dir: str) -> str:
+  """Per step: unshared ppl and exact gap (decode subset) of each arm, and BeNice!'s ppl over
+  finetune's. Stages are told apart by their last path part (finetune, benice)."""
+  with open(os.path.join(curves_dir, "curves.json")) as f:
+    rows = json.load(f)["rows"]
+  arms: dict = {}
+  for r in rows:
+    arms.setdefault(r["stage"].split("/")[-1], {})[r["step"]] = r
+  ft, bn = arms["finetune"], arms["benice"]
+  lines = [
+    "| step | finetune ppl | BeNice! ppl | BeNice! / finetune ppl | finetune gap exact [95% CI] "
+    "| BeNice! gap exact [95% CI] | exact-decode rows |",
+    "|---:|---:|---:|---:|---:|---:|---:|",
+  ]
+  ci = lambda r: (
+    f"{_pct(r['gap_exact'])} [{_pct(r['gap_exact_ci95'][0])[:-1]}, "
+    + (f"{_pct(r['gap_exact_ci95'][1])[:-1]}]")
+  )
+  for step in sorted(set(ft) & set(bn)):
+    a, b = ft[step], bn[step]
+    lines.append(
+      f"| {step} | {a['ppl_unshared_eval']:.3f} | {b['ppl_unshared_eval']:.3f} | "
+      f"{_pct(b['ppl_unshared_eval'] / a['ppl_unshared_eval'] - 1)} | {ci(a)} | {ci(b)} | "
+      f"{b['decode_rows']} |"
+    )
+  return "\n".join(lines)
+
+
 def main(argv: list[str]) -> None:
+  if len(argv) == 2 and argv[0] == "--curves":
+    print(curves_table(argv[1]))
+    return
   if len(argv) != 1 or not os.path.isdir(argv[0]):
     raise SystemExit(__doc__)
   runs = load_runs(argv[0])
