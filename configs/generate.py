@@ -1,5 +1,5 @@
-"""Generation: sample text from a trained looped model on the paged engine (README "Generation
-engine"; docs/design.md §5).
+"""Generation: sample text from a trained looped model on the paged engine (docs/engine.md;
+docs/design.md §5).
 
   python -m looped.main --config=configs/generate.py --workdir=/tmp/gen \
       --config.gen.checkpoint=/tmp/benice/benice --config.gen.prompts='def main('

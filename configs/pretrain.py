@@ -54,7 +54,7 @@ def model_config() -> ml_collections.ConfigDict:
   m.mla_rope_dim = 32  # MLA: decoupled RoPE key/query width (even; shared by the heads).
   m.kda_conv_size = 4  # KDA: short causal conv width on q, k, v.
   m.kda_chunk_size = 16  # KDA: chunk length of the chunkwise-parallel (training) form (16: 3x
-  # faster training steps than 64 on CPU, same math; README "Mixers").
+  # faster training steps than 64 on CPU, same math; docs/mixers.md).
   return m
 
 
@@ -82,7 +82,7 @@ def data_config() -> ml_collections.ConfigDict:
 
 
 def mesh_config() -> ml_collections.ConfigDict:
-  """The device mesh (README "Scaling out"): sizes multiply to the device count."""
+  """The device mesh (docs/scaling.md): sizes multiply to the device count."""
   m = ml_collections.ConfigDict()
   m.data = -1  # Data parallel: batch split, params replicated (-1: the devices left over).
   m.fsdp = 1  # Fully sharded data parallel: batch split, params and Adam moments sharded.

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
+import os
 import pkgutil
 import re
 import sys
@@ -78,11 +80,65 @@ def _override_error(argv: list[str], error: Exception) -> str:
   return f"bad config flag ({' '.join(overrides) or 'none'}): {first}"
 
 
+_HELP = ("--help", "-h", "--helpshort", "-?")
+# `  c.train.num_steps = 1500  # Optimizer steps.` or `  t.num_steps = 1500  # ...`.
+_FIELD_LINE = re.compile(r"^\s*[\w.]*?\.?(\w+)\s*=\s*[^#]*?#\s*(.+)$")
+
+
+def _field_comments(path: str) -> dict[str, str]:
+  """{field name: its comment} from a config file's `x.name = value  # comment` lines."""
+  out: dict[str, str] = {}
+  with open(path, encoding="utf-8") as f:
+    for line in f:
+      m = _FIELD_LINE.match(line)
+      if m and "." in line.split("=", 1)[0]:
+        out.setdefault(m[1], m[2].strip())
+  return out
+
+
+def _leaves(tree, prefix: str = "config"):
+  for key, value in tree.items():
+    if hasattr(value, "items"):
+      yield from _leaves(value, f"{prefix}.{key}")
+    else:
+      yield f"{prefix}.{key}", key, value
+
+
+def config_help(spec: str) -> str:
+  """`--config=FILE[:ARGS] --help`: every field of that config with its default and comment."""
+  path, _, arg = spec.partition(":")
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"--config: no config file {path}")
+  module_spec = importlib.util.spec_from_file_location("_looped_config_help", path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  config = module.get_config(arg) if arg else module.get_config()
+  comments = _field_comments(path)
+  doc = (module.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
+  lines = [f"{spec}: {doc}", "", "Fields (override with --config.FIELD=VALUE):"]
+  for name, leaf, value in _leaves(config):
+    comment = comments.get(leaf, "")
+    lines.append(f"  {name} = {value!r}" + (f"  # {comment}" if comment else ""))
+  variants = getattr(module, "VARIANTS", {})
+  if variants:
+    lines += ["", "Variants (after a colon, comma-separated):"]
+    lines += [f"  :{k:<10} {v}" for k, v in variants.items()]
+  return "\n".join(lines)
+
+
 def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing with one-line errors; no flags at all prints the usage text."""
+  """absl's flag parsing with one-line errors; no flags at all prints the usage text, and
+  `--config=X --help` the fields of config X."""
   if len(argv) == 1:
     print(usage(), file=sys.stderr)
     sys.exit(EXIT_USAGE)
+  config = [a.split("=", 1)[1] for a in argv[1:] if a.startswith("--config=")]
+  if config and any(a in _HELP for a in argv[1:]):
+    try:
+      print(config_help(config[-1]))
+    except (OSError, ValueError, KeyError) as e:
+      fail(str(e))
+    sys.exit(0)
   try:
     rest = flags.FLAGS(argv)
     flags.FLAGS["config"].value.keys()  # A missing config file only raises when read.

@@ -119,6 +119,18 @@ class ConfigValidationTest(parameterized.TestCase):
     helped = self._cli("--help")
     self.assertIn("configs/benice.py", helped.stdout + helped.stderr)
 
+  def test_cli_help_with_a_config_lists_its_fields_defaults_and_comments(self):
+    proc = self._cli("--config=configs/pretrain.py:smoke", "--help")
+    self.assertEqual(proc.returncode, 0, proc.stderr)
+    self.assertIn("configs/pretrain.py:smoke: Stage 1", proc.stdout)
+    # The smoke variant's value, with the comment of the field in configs/pretrain.py.
+    self.assertRegex(proc.stdout, r"config\.data\.max_documents = 200  # \S")
+    self.assertIn("config.train.num_steps = 60", proc.stdout)
+    self.assertIn(":fixed", proc.stdout)
+    missing = self._cli("--config=configs/nope.py", "--help")
+    self.assertEqual(missing.returncode, 2)
+    self.assertIn("no config file configs/nope.py", missing.stderr)
+
   def test_cli_indivisible_batch_on_two_devices_fails_before_anything_is_created(self):
     workdir = os.path.join(self.enterContext(tempfile.TemporaryDirectory()), "run")
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")

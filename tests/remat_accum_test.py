@@ -1,4 +1,4 @@
-"""Memory knobs (issue 11): per-recurrence remat policies and gradient accumulation change what is
+"""Memory knobs: per-recurrence remat policies and gradient accumulation change what is
 stored or how the batch is walked, never the gradients."""
 
 from __future__ import annotations

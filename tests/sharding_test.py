@@ -1,4 +1,4 @@
-"""Sharded training on a device mesh (issue 11): config checks, and on 8 fake CPU devices the
+"""Sharded training on a device mesh: config checks, and on 8 fake CPU devices the
 same losses as one device for data / fsdp / tensor / mixed meshes, FSDP's 1/8 shards, a
 checkpoint moving between meshes, and the BeNice! pipeline on a mesh.
 
