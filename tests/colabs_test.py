@@ -9,8 +9,9 @@ import nbformat
 from absl.testing import absltest, parameterized
 from nbclient import NotebookClient
 
+import looped_testing as testing
 from configs import benice
-from looped import runtime, testing
+from looped import runtime
 from looped.benice import pipeline
 
 COLABS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "colabs")

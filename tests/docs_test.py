@@ -165,6 +165,21 @@ class DocsTest(absltest.TestCase):
       design, r"(?i)not built yet|are planned", "design.md calls built parts planned"
     )
 
+  def test_shape_suffixes_use_the_key_in_design(self):
+    design = _read("docs/design.md")
+    key = set(re.findall(r"^\| ([A-Z]) \|", design.split("### Shape suffixes", 1)[1], re.M))
+    self.assertGreater(len(key), 15)
+    suffix = re.compile(r"\b[a-z][a-z0-9_]*_((?:[A-Z0-9]x)*[A-Z0-9])\b")
+    unknown = []
+    for path in _tracked_files():
+      if path.endswith(".py") and path.startswith(("looped/model/", "pallas_kernels/")):
+        for lineno, line in enumerate(_read(path).splitlines(), start=1):
+          for m in suffix.finditer(line):
+            letters = set(m[1].split("x")) - key
+            if {x for x in letters if not x.isdigit()}:
+              unknown.append(f"{path}:{lineno}: {m[0]}")
+    self.assertEqual(unknown, [], "shape letters missing from docs/design.md's key")
+
   def test_quick_commands_run_from_a_fresh_copy(self):
     commands = quick_commands(_read("README.md"))
     self.assertNotEmpty(commands)

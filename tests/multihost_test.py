@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from absl.testing import absltest
 
-from looped import testing
+import looped_testing as testing
 from looped.model import LoopedLM, from_config
 from looped.train import objectives, trainer
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from looped import testing
+import looped_testing as testing
 from looped.model import LoopedLM, init_params
 from looped.model.config import REMAT_POLICIES
 from looped.train import objectives, trainer

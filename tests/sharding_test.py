@@ -18,8 +18,9 @@ import tempfile
 import numpy as np
 from absl.testing import absltest, parameterized
 
+import looped_testing as testing
 from configs import benice, pretrain
-from looped import config_checks, programs, sharding, testing
+from looped import config_checks, programs, sharding
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests"))
