@@ -34,8 +34,11 @@ import composition_memory  # noqa: E402
 import composition_table  # noqa: E402
 import gap_table  # noqa: E402
 
+from configs import pretrain  # noqa: E402
+from looped import kv_quant  # noqa: E402
 from looped.benice import collect  # noqa: E402
 from looped.benice.report import gap_with_ci, pct  # noqa: E402
+from looped.model import from_config, mixers  # noqa: E402
 
 RESULTS = os.path.join(_REPO, "experiments", "results")
 # Pages that may hold generated tables, relative to the repository root.
@@ -81,6 +84,24 @@ def composition_per_seed() -> str:
 
 def composition_memory_table() -> str:
   return composition_memory.table(4096)
+
+
+def kv_bytes() -> str:
+  """Bytes per token of the default model's cache in each KV format (scales included, nvfp4's
+  per-token tensor scale not), shared and unshared; computed from the code, not a report."""
+  cfg = from_config(pretrain.get_config().model)
+  base = mixers.cache_bytes(cfg, "bf16")["per_token"]["unshared"]
+  lines = [
+    "| format | bytes/value | shared B/token | unshared B/token | shared / (bf16 unshared) |",
+    "|---|---:|---:|---:|---:|",
+  ]
+  for fmt in kv_quant.FORMATS:
+    b = mixers.cache_bytes(cfg, fmt)["per_token"]
+    lines.append(
+      f"| {fmt} | {kv_quant.bytes_per_value(fmt, cfg.head_dim):g} | {b['shared']:.0f} | "
+      f"{b['unshared']:.0f} | {b['shared'] / base:.3f} |"
+    )
+  return "\n".join(lines)
 
 
 def default_command() -> str:
@@ -221,6 +242,7 @@ TABLES: dict[str, Callable[[], str]] = {
   "composition": composition,
   "composition_per_seed": composition_per_seed,
   "composition_memory": composition_memory_table,
+  "kv_bytes": kv_bytes,
 }
 
 
