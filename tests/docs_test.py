@@ -104,6 +104,17 @@ class DocsTest(absltest.TestCase):
     problems = results_tables.check(_REPO)
     self.assertEqual(problems, [], "\n".join(problems))
 
+  def test_hand_tables_in_results_say_when_they_were_measured(self):
+    text = re.sub(
+      r"^<!-- table: .*?^<!-- end table -->$", "", _read("docs/results.md"), flags=re.M | re.S
+    )
+    undated = []
+    for section in re.split(r"^## ", text, flags=re.M)[1:]:
+      has_table = re.search(r"^\|.*\|$", section, re.M)
+      if has_table and not re.search(r"\b20\d\d-\d\d-\d\d\b", section):
+        undated.append(section.splitlines()[0])
+    self.assertEqual(undated, [], "results sections with a hand table but no date")
+
   def test_no_project_history_wording(self):
     offenders = []
     for path in _tracked_files():
