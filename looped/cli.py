@@ -103,8 +103,10 @@ def load_config(spec: str):
   path, _, arg = spec.partition(":")
   if not os.path.isfile(path):
     raise ConfigError(f"--config: No such file: {path}", field="--config", value=spec)
-  module_spec = importlib.util.spec_from_file_location("_looped_config_file", path)
+  name = "_looped_config_" + re.sub(r"\W", "_", os.path.abspath(path))
+  module_spec = importlib.util.spec_from_file_location(name, path)
   module = importlib.util.module_from_spec(module_spec)
+  sys.modules[name] = module  # Dataclasses in a config file look their module up by name.
   module_spec.loader.exec_module(module)
   try:
     config = module.get_config(arg) if arg else module.get_config()

@@ -128,6 +128,9 @@ class ConfigValidationTest(parameterized.TestCase):
     self.assertRegex(proc.stdout, r"config\.data\.max_documents = 200  # \S")
     self.assertIn("config.train.num_steps = 60", proc.stdout)
     self.assertIn(":fixed", proc.stdout)
+    colab = self._cli("--config=configs/colab.py:small", "--help")  # Defines a dataclass.
+    self.assertEqual(colab.returncode, 0, colab.stderr)
+    self.assertIn("config.program = 'benice'", colab.stdout)
     missing = self._cli("--config=configs/nope.py", "--help")
     self.assertEqual(missing.returncode, 2)
     self.assertEqual(missing.stderr.strip(), "error: --config: No such file: configs/nope.py")
