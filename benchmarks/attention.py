@@ -1,6 +1,6 @@
 r"""Pallas attention kernels against the XLA path: shared-cache flash attention and paged decode.
 
-  # H200 (the table in README.md, "Pallas kernels"):
+  # H200 (docs/results.md, "Pallas kernels"):
   python benchmarks/attention.py --out=benchmarks/results/attention_h200.json
   # CPU smoke run (interpret mode; timings say nothing about accelerators):
   python benchmarks/attention.py --seq_lens=256 --interpret --batch=1 --num_heads=4 \

@@ -40,12 +40,12 @@ def _seconds(fn, args, repeats: int) -> float:
 
 def _inputs(b, t, h, k, v):
   keys = jax.random.split(jax.random.PRNGKey(0), 5)
-  q_BxTxHxK = jax.random.normal(keys[0], (b, t, h, k))
-  k_BxTxHxK = kda.l2_normalize(jax.random.normal(keys[1], (b, t, h, k)))
-  v_BxTxHxV = jax.random.normal(keys[2], (b, t, h, v))
-  g_BxTxHxK = -0.1 * jnp.exp(jax.random.normal(keys[3], (b, t, h, k)))
-  beta_BxTxH = jax.nn.sigmoid(jax.random.normal(keys[4], (b, t, h)))
-  return q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxK, beta_BxTxH
+  q_BxTxNxH = jax.random.normal(keys[0], (b, t, h, k))
+  k_BxTxNxH = kda.l2_normalize(jax.random.normal(keys[1], (b, t, h, k)))
+  v_BxTxNxE = jax.random.normal(keys[2], (b, t, h, v))
+  g_BxTxNxH = -0.1 * jnp.exp(jax.random.normal(keys[3], (b, t, h, k)))
+  beta_BxTxN = jax.nn.sigmoid(jax.random.normal(keys[4], (b, t, h)))
+  return q_BxTxNxH, k_BxTxNxH, v_BxTxNxE, g_BxTxNxH, beta_BxTxN
 
 
 def main() -> None:

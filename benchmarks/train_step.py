@@ -1,5 +1,5 @@
 r"""Training-step speed: the scanned looped model vs the Python-unrolled one (same FLOPs), or
-the trainer's own step on several device meshes (--mesh, README "Scaling out").
+the trainer's own step on several device meshes (--mesh, docs/scaling.md).
 
   python benchmarks/train_step.py                       # default pretrain model, CPU
   python benchmarks/train_step.py --config_arg=smoke --steps=20

@@ -1,5 +1,5 @@
-"""Generation: sample text from a trained looped model on the paged engine (README "Generation
-engine"; docs/design.md §5).
+"""Generation: sample text from a trained looped model on the paged engine (docs/engine.md;
+docs/design.md §5).
 
   python -m looped.main --config=configs/generate.py --workdir=/tmp/gen \
       --config.gen.checkpoint=/tmp/benice/benice --config.gen.prompts='def main('
@@ -56,11 +56,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.gen.stream = True  # With a single prompt, print its text as it is generated.
 
   if "smoke" in args:
-    c.model.d_model = 64
-    c.model.num_heads = 2
-    c.model.num_kv_heads = 1
-    c.model.mlp_dim = 128
-    c.model.max_seq_len = 64
+    pretrain.smoke_model(c.model)
     c.gen.max_new_tokens = 16
     c.gen.kv_budget_bytes = 4e6
   return c

@@ -54,7 +54,27 @@ def model_config() -> ml_collections.ConfigDict:
   m.mla_rope_dim = 32  # MLA: decoupled RoPE key/query width (even; shared by the heads).
   m.kda_conv_size = 4  # KDA: short causal conv width on q, k, v.
   m.kda_chunk_size = 16  # KDA: chunk length of the chunkwise-parallel (training) form (16: 3x
-  # faster training steps than 64 on CPU, same math; README "Mixers").
+  # faster training steps than 64 on CPU, same math; docs/mixers.md).
+  return m
+
+
+def smoke_model(m: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """Sets `m` (a model_config()) to the tiny smoke model, in place, and returns it.
+
+  The `:smoke` variant of every config uses it (pretrain, benice through pretrain, generate,
+  serve_sim): the default depth (P/B/C = 1/2/1, R = 4) and bytes vocabulary at width 64, 2
+  query heads and 1 KV head of 32, 64 positions.
+  """
+  default = model_config()
+  for field in ("vocab_size", "num_prelude_layers", "num_core_layers", "num_coda_layers"):
+    m[field] = default[field]
+  m.num_recurrences = default.num_recurrences
+  m.d_model = 64
+  m.num_heads = 2
+  m.num_kv_heads = 1
+  m.head_dim = 32
+  m.mlp_dim = 128
+  m.max_seq_len = 64
   return m
 
 
@@ -82,7 +102,7 @@ def data_config() -> ml_collections.ConfigDict:
 
 
 def mesh_config() -> ml_collections.ConfigDict:
-  """The device mesh (README "Scaling out"): sizes multiply to the device count."""
+  """The device mesh (docs/scaling.md): sizes multiply to the device count."""
   m = ml_collections.ConfigDict()
   m.data = -1  # Data parallel: batch split, params replicated (-1: the devices left over).
   m.fsdp = 1  # Fully sharded data parallel: batch split, params and Adam moments sharded.
@@ -138,12 +158,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.train.grad_accum_steps = 1  # Microbatches per step (gradients summed; batch split k ways).
 
   if "smoke" in args:
-    c.model.d_model = 64
-    c.model.num_heads = 2
-    c.model.num_kv_heads = 1
-    c.model.head_dim = 32
-    c.model.mlp_dim = 128
-    c.model.max_seq_len = 64
+    smoke_model(c.model)
     c.data.seq_len = 64
     c.data.batch_size = 8
     c.data.eval_batch_size = 8

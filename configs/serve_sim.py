@@ -76,17 +76,8 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.synthetic.seed = 0  # Seed of the synthetic trace.
 
   if "smoke" in args:
-    c.model.vocab_size = 257
-    c.model.d_model = 64
-    c.model.num_heads = 2
-    c.model.num_kv_heads = 1
-    c.model.head_dim = 32
-    c.model.mlp_dim = 128
-    c.model.num_prelude_layers = 1
-    c.model.num_core_layers = 2
-    c.model.num_coda_layers = 1
-    c.model.num_recurrences = 4
-    c.model.max_seq_len = 8192
+    pretrain.smoke_model(c.model)
+    c.model.max_seq_len = 8192  # The synthetic trace's longest request.
     c.sim.kv_budget_bytes = (6e6, 24e6, None)
     c.sim.max_num_batched_tokens = 512
     c.sim.max_num_seqs = 32

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Reproduces the BeNice! experiments in README "Results" (issue 3), one run after another:
+# Reproduces the BeNice! experiments of docs/results.md ("BeNice! on the default model"), one run
+# after another:
 #   (a)+(b) 4 arms (diagonal/linear injection x Poisson/fixed-depth pretraining) x seeds, and
 #   (c) BeNice! ablations on the linear fixed-depth arm (+ kv_passes=3 on the diagonal one).
 # Every run is a pipeline workdir: rerunning skips what finished and resumes what did not.

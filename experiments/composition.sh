@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The composition table of issue 13 (README "Mixers"): BeNice! with GQA, MLA, KDA and the KDA:MLA
+# The composition table of docs/results.md ("Mixers: the composition table"): BeNice! with GQA, MLA, KDA and the KDA:MLA
 # hybrid, each pretrained with stochastic depth (the default, `<mixer>_poisson`) and in the
 # `:fixed` regime (fixed depth, linear injection, no prelude/coda: the arm with a sharing gap;
 # there the hybrid is its core's KDA + MLA alone, `<mixer>_fixed`), x seeds. Every pipeline trains

@@ -1,4 +1,5 @@
-r"""The composition table (README "Mixers") from experiments/composition.sh's pipeline runs.
+r"""The composition table (docs/results.md, "Mixers: the composition table") from
+experiments/composition.sh's pipeline runs.
 
   python experiments/composition_table.py /tmp/composition_runs/*_s[0-9]
   python experiments/composition_table.py experiments/results/composition/*_s[0-9]

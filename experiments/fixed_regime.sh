@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 10, part 2: BeNice! in the regime where fixed-depth pretraining is not KV-shareable
-# (`configs/benice.py:fixed`, chosen by experiments/gap_sweep.sh; README "Where sharing breaks").
+# BeNice! in the regime where fixed-depth pretraining is not KV-shareable
+# (`configs/benice.py:fixed`, chosen by experiments/gap_sweep.sh; docs/results.md, "Where sharing breaks").
 # Per seed: the `:fixed` pipeline (fixed-depth pretraining -> zero-shot, standard finetune and
 # BeNice! with the variant's defaults), the other BeNice! settings on the same pretrained and
 # finetuned models (kv_passes 0 and 3 x read `all` and `first`), and stochastic-depth pretraining

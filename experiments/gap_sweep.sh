@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 10's sweep: where does fixed-depth pretraining stop being KV-shareable?
+# The gap sweep of docs/results.md: where does fixed-depth pretraining stop being KV-shareable?
 # Fixed-depth pretraining of the default model, one factor changed at a time from the base
 # (diagonal injection, decay 0.5 at init, QK-norm, like_init h_0, R = 4, 500 steps, seed 0),
 # then the zero-shot shareability evaluation of each (exact shared decode gap with its 95% CI over

@@ -1,4 +1,5 @@
-r"""The README's sweep table (issue 10) from experiments/gap_sweep.sh runs, one row per point.
+r"""The sweep table of docs/results.md ("Where sharing breaks") from experiments/gap_sweep.sh runs,
+one row per point.
 
   python experiments/gap_table.py /tmp/gap_runs                 # Markdown table on stdout
   python experiments/gap_table.py experiments/results/gap_sweep --json=/tmp/gap.json
@@ -7,7 +8,9 @@ Each argument is a directory of sweep points (one pipeline workdir each, or the 
 experiments/results/gap_sweep/: `POINT/pretrain/stage_config.json` and
 `POINT/report/shareability.json`). A point's overrides are read from its pretraining config and
 diffed against `configs/benice.py:zero_shot` at fixed depth, so the table names what each point
-changed however the run was started.
+changed however the run was started. Fields a point's model does not use (the `kda_*` fields
+of a model without KDA layers) are left out, so a later change of their defaults does not show
+up as an override.
 """
 
 from __future__ import annotations
@@ -29,8 +32,13 @@ def base_config() -> dict:
 def overrides(stage_config: dict, base: dict) -> list[str]:
   """`--config.model.x=v` for every pretraining field that differs from the base."""
   out = []
+  model = stage_config["model"]
+  stages = ("prelude_mixers", "core_mixers", "coda_mixers")
+  uses_kda = any("kda" in model.get(stage, ()) for stage in stages)
   for section in ("model", "train", "depth"):
     for key, default in base[section].items():
+      if section == "model" and key.startswith("kda_") and not uses_kda:
+        continue
       value = stage_config[section].get(key, default)
       if (section, key) == ("model", "remat") and isinstance(value, bool):
         value = "full" if value else "none"  # Recorded before remat became a policy name.

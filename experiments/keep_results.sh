@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Copies what the README tables are built from out of a runs directory into the repository
+# Copies what the docs/results.md tables are built from out of a runs directory into the repository
 # (checkpoints stay behind; recorded workdirs become RUNS_DIR/...): per run, report/shareability.{json,md} and pretrain/stage_config.json.
 #
 #   bash experiments/keep_results.sh /tmp/gap_runs experiments/results/gap_sweep

@@ -8,7 +8,10 @@ config and a traceback.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import importlib
+import importlib.util
+import os
 import pkgutil
 import re
 import sys
@@ -16,6 +19,7 @@ import sys
 from absl import flags, logging
 
 import configs
+from looped.config_checks import ConfigError
 
 EXIT_USAGE = 2
 
@@ -56,48 +60,138 @@ def quiet_logs():
     logging.set_verbosity(verbosity)
 
 
-def fail(message: str) -> None:
-  """Prints `error: message` on stderr and exits with status 2."""
+def fail(message: str, *, distributed: bool = False) -> None:
+  """Prints `error: message` on stderr and exits with status 2.
+
+  distributed: skip jax.distributed's exit handler, which waits for every process to shut
+  down, so a process failing alone (e.g. process 0 finding the workdir busy) would hang there,
+  unseen by its launcher, while the others wait for it.
+  """
   print(f"error: {message}", file=sys.stderr, flush=True)
+  if distributed:
+    sys.stdout.flush()
+    os._exit(EXIT_USAGE)
   sys.exit(EXIT_USAGE)
 
 
-def _override_error(argv: list[str], error: Exception) -> str:
-  """A one-line message for an exception raised while applying --config.* flags."""
-  text = str(error).strip().strip("'\"").replace("\\n", "\n").replace("\\'", "'")
-  missing = re.match(r"'?([A-Za-z0-9_]+)'?\s*(?:\n|$)", text)
-  suggestion = re.search(r'Did you mean "([^"]+)"', text)
-  overrides = [a for a in argv if a.startswith("--config.")]
-  if missing:
-    key = missing.group(1)
-    flag = next((a for a in overrides if re.search(rf"\.{re.escape(key)}(=|\.|$)", a)), None)
-    if flag is not None:
-      hint = f" (did you mean '{suggestion.group(1)}'?)" if suggestion else ""
-      return f"{flag}: the config has no field '{key}'{hint}."
-  first = text.splitlines()[-1] if text else type(error).__name__
-  return f"bad config flag ({' '.join(overrides) or 'none'}): {first}"
+_HELP = ("--help", "-h", "--helpshort", "-?")
+# `  c.train.num_steps = 1500  # Optimizer steps.` or `  t.num_steps = 1500  # ...`.
+_FIELD_LINE = re.compile(r"^\s*[\w.]*?\.?(\w+)\s*=\s*[^#]*?#\s*(.+)$")
+
+
+def _field_comments(path: str) -> dict[str, str]:
+  """{field name: its comment} from a config file's `x.name = value  # comment` lines."""
+  out: dict[str, str] = {}
+  with open(path, encoding="utf-8") as f:
+    for line in f:
+      m = _FIELD_LINE.match(line)
+      if m and "." in line.split("=", 1)[0]:
+        out.setdefault(m[1], m[2].strip())
+  return out
+
+
+def _leaves(tree, prefix: str = "config"):
+  for key, value in tree.items():
+    if hasattr(value, "items"):
+      yield from _leaves(value, f"{prefix}.{key}")
+    else:
+      yield f"{prefix}.{key}", key, value
+
+
+def load_config(spec: str):
+  """(module, config) of `--config=FILE[:ARGS]`; ConfigError for a missing file or variant."""
+  path, _, arg = spec.partition(":")
+  if not os.path.isfile(path):
+    raise ConfigError(f"--config: No such file: {path}", field="--config", value=spec)
+  name = "_looped_config_" + re.sub(r"\W", "_", os.path.abspath(path))
+  module_spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(module_spec)
+  sys.modules[name] = module  # Dataclasses in a config file look their module up by name.
+  module_spec.loader.exec_module(module)
+  try:
+    config = module.get_config(arg) if arg else module.get_config()
+  except ValueError as e:  # configs.parse_args: an unknown variant.
+    raise ConfigError(f"--config={spec}: {e}", field="--config", value=spec) from None
+  return module, config
+
+
+def _parses_as(kind: type, text: str) -> bool:
+  try:
+    kind(text)
+    return True
+  except ValueError:
+    return False
+
+
+def check_overrides(config, argv: list[str]) -> None:
+  """ConfigError for a `--config.FIELD=VALUE` flag naming no field of `config` (with the closest
+  name), or giving a number field a value that is not a number. Runs before absl parses them."""
+  for arg in argv:
+    if not arg.startswith("--config."):
+      continue
+    flag, _, text = arg.partition("=")
+    path = flag[len("--config.") :]
+    node = config
+    for key in path.split("."):
+      keys = list(node.keys()) if hasattr(node, "keys") else []
+      if key not in keys:
+        close = difflib.get_close_matches(key, keys, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise ConfigError(
+          f"{flag}{'=' + text if '=' in arg else ''}: the config has no field '{key}'{hint}.",
+          field=f"config.{path}",
+          value=text,
+          suggestion=close[0] if close else None,
+        )
+      node = node[key]
+    kind = type(node)
+    if "=" in arg and kind in (int, float) and not _parses_as(kind, text):
+      requirement = "must be an integer" if kind is int else "must be a number"
+      raise ConfigError(
+        f"{arg}: config.{path} {requirement}.",
+        field=f"config.{path}",
+        value=text,
+        requirement=requirement,
+      )
+
+
+def config_help(spec: str) -> str:
+  """`--config=FILE[:ARGS] --help`: every field of that config with its default and comment."""
+  module, config = load_config(spec)
+  comments = _field_comments(spec.partition(":")[0])
+  doc = (module.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
+  lines = [f"{spec}: {doc}", "", "Fields (override with --config.FIELD=VALUE):"]
+  for name, leaf, value in _leaves(config):
+    comment = comments.get(leaf, "")
+    lines.append(f"  {name} = {value!r}" + (f"  # {comment}" if comment else ""))
+  variants = getattr(module, "VARIANTS", {})
+  if variants:
+    lines += ["", "Variants (after a colon, comma-separated):"]
+    lines += [f"  :{k:<10} {v}" for k, v in variants.items()]
+  return "\n".join(lines)
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing with one-line errors; no flags at all prints the usage text."""
+  """absl's flag parsing with one-line errors; no flags at all prints the usage text, and
+  `--config=X --help` the fields of config X. The config file, its variants and every
+  `--config.FIELD=VALUE` are checked first (ConfigError), so absl's own messages are only the
+  fallback for what those checks do not cover."""
   if len(argv) == 1:
     print(usage(), file=sys.stderr)
     sys.exit(EXIT_USAGE)
+  specs = [a.split("=", 1)[1] for a in argv[1:] if a.startswith("--config=")]
   try:
-    rest = flags.FLAGS(argv)
-    flags.FLAGS["config"].value.keys()  # A missing config file only raises when read.
-    return rest
-  except OSError as e:
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    fail(f"--config: {lines[-1]}")
-  except flags.IllegalFlagValueError as e:
-    # Loading the config file (e.g. an unknown variant) or parsing an override's value: the
-    # message is "flag --X=V: ..." with the cause's traceback; keep the flag and the cause.
-    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
-    cause = re.sub(r"^[\w.]*(Error|Exception): ", "", lines[-1])
-    fail(f"{lines[0].split(': ', 1)[0]}: {cause}" if len(lines) > 1 else lines[0])
+    if specs:
+      _, config = load_config(specs[-1])
+      if any(a in _HELP for a in argv[1:]):
+        print(config_help(specs[-1]))
+        sys.exit(0)
+      check_overrides(config, argv[1:])
+  except ConfigError as e:
+    fail(str(e))
+  try:
+    return flags.FLAGS(argv)
   except flags.Error as e:
-    fail(str(e).strip().splitlines()[0] + "  (python -m looped.main: usage and config files)")
-  except (AttributeError, KeyError, TypeError, ValueError) as e:
-    fail(_override_error(argv, e))
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    fail(f"{lines[0]}  (python -m looped.main: usage and config files)")
   return []

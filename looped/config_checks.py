@@ -11,12 +11,34 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
+_MISSING = object()
+
 
 class ConfigError(ValueError):
-  """A config field holds a value the program cannot run with."""
+  """A config field holds a value the program cannot run with, or a flag names no field.
 
+  `str(error)` is the one line the command line prints. The parts are kept for callers that
+  want them: `field` (dotted, e.g. 'config.train.num_steps' or '--workdir'), `value` (absent:
+  `ConfigError.NO_VALUE`), `requirement` (what is allowed) and `suggestion` (the closest field
+  name, for a misspelled one).
+  """
 
-_MISSING = object()
+  NO_VALUE = _MISSING
+
+  def __init__(
+    self,
+    message: str,
+    *,
+    field: str | None = None,
+    value: Any = _MISSING,
+    requirement: str | None = None,
+    suggestion: str | None = None,
+  ):
+    super().__init__(message)
+    self.field = field
+    self.value = value
+    self.requirement = requirement
+    self.suggestion = suggestion
 
 
 def get(config: Any, path: str) -> Any:
@@ -26,12 +48,19 @@ def get(config: Any, path: str) -> Any:
     try:
       node = node[part] if isinstance(node, dict) else getattr(node, part)
     except (AttributeError, KeyError):
-      raise ConfigError(f"config.{path} is missing (no field {part!r}).") from None
+      raise ConfigError(
+        f"config.{path} is missing (no field {part!r}).", field=f"config.{path}"
+      ) from None
   return node
 
 
 def fail(path: str, value: Any, requirement: str) -> None:
-  raise ConfigError(f"config.{path} = {value!r} is invalid: {requirement}.")
+  raise ConfigError(
+    f"config.{path} = {value!r} is invalid: {requirement}.",
+    field=f"config.{path}",
+    value=value,
+    requirement=requirement,
+  )
 
 
 def choice(config: Any, path: str, allowed: Iterable[Any]) -> Any:

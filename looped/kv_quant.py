@@ -58,6 +58,8 @@ import numpy as np
 from flax import struct
 from jax import lax
 
+from pallas_kernels.kv_formats import e2m1_decode, from_bits, mul_pow2_exact, pow2, to_bits
+
 FORMATS = ("bf16", "fp8", "mxfp8", "mxfp8_rceil", "nvfp4")
 
 # Values per scale along the head dim (fp8's per-vector scale spans the whole head dim).
@@ -73,7 +75,6 @@ _FP8_MIN_SCALE = 2.0**-100  # fp8 per-vector scale floor: keeps all intermediate
 # (or a smaller calibrated scale) are affected.
 _NVFP4_MIN_TENSOR_SCALE = 2.0**-114
 
-_F32_SIGN = np.int32(-0x80000000)
 _F32_ABS = np.int32(0x7FFFFFFF)
 _F32_MANT = np.int32(0x007FFFFF)
 _F32_INF_BITS = np.int32(0x7F800000)
@@ -141,15 +142,9 @@ def bytes_per_value(fmt: str, head_dim: int) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# Exact float32 bit helpers (XLA:CPU flushes subnormals; these do not depend on that).
-
-
-def _bits(x_f32: jax.Array) -> jax.Array:
-  return lax.bitcast_convert_type(x_f32, jnp.int32)
-
-
-def _from_bits(b_i32: jax.Array) -> jax.Array:
-  return lax.bitcast_convert_type(b_i32, jnp.float32)
+# Exact float32 bit helpers (XLA:CPU flushes subnormals; these do not depend on that). The
+# bit-level decoders (to_bits, from_bits, pow2, mul_pow2_exact, e2m1_decode) live in
+# pallas_kernels.kv_formats, shared with the kernels that dequantize pages in place.
 
 
 def _amax(x_f32: jax.Array, axis) -> jax.Array:
@@ -158,8 +153,8 @@ def _amax(x_f32: jax.Array, axis) -> jax.Array:
   XLA:CPU's vectorized float max can drop a NaN, and its denormals-are-zero mode can pick the
   wrong subnormal; comparing bit patterns as integers has neither problem.
   """
-  abs_bits = _bits(x_f32) & _F32_ABS
-  return _from_bits(jnp.max(abs_bits, axis=axis, initial=0))
+  abs_bits = to_bits(x_f32) & _F32_ABS
+  return from_bits(jnp.max(abs_bits, axis=axis, initial=0))
 
 
 def _amax_last(x_f32: jax.Array) -> jax.Array:
@@ -170,11 +165,11 @@ def _amax_last(x_f32: jax.Array) -> jax.Array:
   fuse a reduction into its consumers, whereas an all-elementwise tree would be fused and
   recomputed for every element of the block (20x slower).
   """
-  v = _bits(x_f32) & _F32_ABS
+  v = to_bits(x_f32) & _F32_ABS
   while v.shape[-1] > 4 and v.shape[-1] % 2 == 0:
     half = v.shape[-1] // 2
     v = jnp.maximum(v[..., :half], v[..., half:])
-  return _from_bits(jnp.max(v, axis=-1))
+  return from_bits(jnp.max(v, axis=-1))
 
 
 def _div(a, b) -> jax.Array:
@@ -188,13 +183,8 @@ def _div(a, b) -> jax.Array:
   """
   a = jnp.asarray(a, jnp.float32)
   shape = jnp.broadcast_shapes(a.shape, jnp.shape(b))
-  b_bits = _bits(jnp.broadcast_to(jnp.asarray(b, jnp.float32), shape)) | (_bits(a) & 0)
-  return a / lax.optimization_barrier(_from_bits(b_bits))
-
-
-def _pow2(k_i32: jax.Array) -> jax.Array:
-  """2^k as float32 for integer k in [-126, 127] (built from the exponent bits)."""
-  return _from_bits((k_i32 + 127) << 23)
+  b_bits = to_bits(jnp.broadcast_to(jnp.asarray(b, jnp.float32), shape)) | (to_bits(a) & 0)
+  return a / lax.optimization_barrier(from_bits(b_bits))
 
 
 def _mul_pow2_for_cast(x_f32: jax.Array, k_i32: jax.Array) -> jax.Array:
@@ -204,7 +194,7 @@ def _mul_pow2_for_cast(x_f32: jax.Array, k_i32: jax.Array) -> jax.Array:
   to zero anyway. Subnormal x is rebuilt as (its integer mantissa) * 2^-149 so that XLA's
   denormals-are-zero does not drop it.
   """
-  bits = _bits(x_f32)
+  bits = to_bits(x_f32)
   is_sub = (bits & _F32_INF_BITS) == 0
   mant_f32 = (bits & _F32_MANT).astype(jnp.float32)
   mant_f32 = jnp.where(bits < 0, -mant_f32, mant_f32)
@@ -212,25 +202,7 @@ def _mul_pow2_for_cast(x_f32: jax.Array, k_i32: jax.Array) -> jax.Array:
   k_n = jnp.where(is_sub, k_i32 - 149, k_i32)
   k1 = jnp.clip(k_n, -126, 127)
   k2 = jnp.clip(k_n - k1, -126, 127)
-  return x_n * _pow2(k1) * _pow2(k2)
-
-
-def _mul_pow2_exact(v_f32: jax.Array, k_i32: jax.Array) -> jax.Array:
-  """v * 2^k rounded as IEEE float32 with gradual underflow, for k in [-127, 127].
-
-  v is normal, zero, Inf or NaN (a decoded e4m3 value). Results below 2^-126 are built from
-  their subnormal bit pattern, since XLA:CPU would flush the product.
-  """
-  k1 = jnp.clip(k_i32, -126, 127)
-  fast = v_f32 * _pow2(k1) * _pow2(k_i32 - k1)
-  bits = _bits(v_f32)
-  biased_exp = (bits >> 23) & 0xFF
-  tiny = (biased_exp + k_i32 < 1) & (biased_exp > 0)
-  # |v| * 2^(k + 149) is the subnormal's integer mantissa (k + 149 >= 22; clipped lanes unused).
-  # The product is an integer for e4m3 inputs; round() keeps other inputs correctly rounded.
-  q = jnp.round(jnp.abs(v_f32) * _pow2(jnp.minimum(k_i32 + 149, 127))).astype(jnp.int32)
-  sub = _from_bits((bits & _F32_SIGN) | q)
-  return jnp.where(tiny, sub, fast)
+  return x_n * pow2(k1) * pow2(k2)
 
 
 def _blocks(x_f32: jax.Array, block: int) -> jax.Array:
@@ -259,7 +231,7 @@ def _mx_scale_floor(amax_f32: jax.Array) -> jax.Array:
   A subnormal amax has exponent bits 0 (floor(log2) <= -127) and clamps to the minimum scale
   2^-127 like any amax < 2^-118; Inf gives 2^120 (torchao); NaN gives the E8M0 NaN 0xFF.
   """
-  bits = _bits(amax_f32)
+  bits = to_bits(amax_f32)
   unbiased = jnp.clip((bits >> 23) - 127 - 8, -127, 127)
   return jnp.where(bits > _F32_INF_BITS, 255, unbiased + 127)
 
@@ -273,11 +245,11 @@ def _mx_scale_rceil(amax_f32: jax.Array) -> jax.Array:
   threshold on amax. Inf gives 0xFE, NaN 0xFF (torchao / TransformerEngine).
   """
   descale = _div(amax_f32, _E4M3_MAX)
-  d_bits = _bits(descale)
+  d_bits = to_bits(descale)
   d_exp = (d_bits >> 23) & 0xFF
   ceil_log2 = d_exp - 127 + ((d_bits & _F32_MANT) != 0).astype(jnp.int32)
   normal = jnp.clip(ceil_log2, -127, 127) + 127
-  amax_bits = _bits(amax_f32)
+  amax_bits = to_bits(amax_f32)
   subnormal = (amax_bits >= _RCEIL_SUBNORMAL_THRESHOLD_BITS).astype(jnp.int32)
   biased = jnp.where(d_exp == 0, subnormal, normal)
   biased = jnp.where(amax_bits == _F32_INF_BITS, 254, biased)
@@ -314,14 +286,6 @@ def _e2m1_encode(y_f32: jax.Array) -> jax.Array:
   magnitude = sum(s.astype(jnp.uint8) for s in steps)
   sign = (lax.bitcast_convert_type(y_f32, jnp.uint32) >> 28).astype(jnp.uint8) & 8
   return magnitude | sign
-
-
-def _e2m1_decode(c_u8: jax.Array) -> jax.Array:
-  """float32 value of float4_e2m1fn codes (low nibble), built from the bits."""
-  c = c_u8.astype(jnp.int32)
-  e, m = (c >> 1) & 3, c & 1
-  bits = jnp.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22))  # 0.5 m or 2^(e-1)(1+m/2)
-  return _from_bits(bits | ((c & 8) << 28))
 
 
 # Nibble (un)packing goes through a uint16 bitcast of byte pairs (little-endian, as on every
@@ -410,12 +374,12 @@ def dequantize(q: QuantizedKV, dtype=jnp.float32) -> jax.Array:
   if q.fmt == "fp8":
     return (q.data.astype(jnp.float32) * q.scale[..., None]).astype(dtype)
   if q.fmt == "nvfp4":
-    v_blk = _blocks(_e2m1_decode(_unpack_nibbles(q.data)), BLOCK_SIZES["nvfp4"])
+    v_blk = _blocks(e2m1_decode(_unpack_nibbles(q.data)), BLOCK_SIZES["nvfp4"])
     block_scale = q.tensor_scale * q.scale.astype(jnp.float32)
     return (v_blk * block_scale[..., None]).reshape(q.shape).astype(dtype)
   v_blk = _blocks(q.data.astype(jnp.float32), BLOCK_SIZES[q.fmt])
   biased = q.scale.astype(jnp.int32)[..., None]
-  out = _mul_pow2_exact(v_blk, biased - 127)
+  out = mul_pow2_exact(v_blk, biased - 127)
   out = jnp.where(biased == 255, jnp.nan, out)
   return out.reshape(q.shape).astype(dtype)
 

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from looped import config_checks
+from looped import cli, config_checks
 from looped.train import workdir_lock
 
 PROGRAMS = {
@@ -110,9 +110,58 @@ def check_processes_agree(config, workdir: str, gather_bytes=None) -> None:
   )
 
 
+def initialize_distributed(
+  enabled: bool = False,
+  coordinator_address: str | None = None,
+  num_processes: int | None = None,
+  process_id: int | None = None,
+) -> bool:
+  """jax.distributed.initialize() when asked (returns whether it ran).
+
+  `enabled` alone auto-detects the cluster (Cloud TPU slices, SLURM, Open MPI); any of the three
+  explicit values implies it, and all three turn detection off, so each process uses all its
+  local devices unless JAX_LOCAL_DEVICE_IDS says otherwise (as launch/local.py and
+  launch/slurm.sbatch start processes). CPU processes exchange collectives over gloo.
+  """
+  explicit = {
+    "coordinator_address": coordinator_address,
+    "num_processes": num_processes,
+    "process_id": process_id,
+  }
+  explicit = {k: v for k, v in explicit.items() if v is not None}
+  if not (enabled or explicit):
+    return False
+  if len(explicit) == 3:
+    # Fully specified: detect nothing. (Under SLURM jax would otherwise keep one GPU per
+    # process, device SLURM_LOCALID, even for one process per node.)
+    explicit["cluster_detection_method"] = "deactivate"
+  jax.distributed.initialize(**explicit)
+  logging.info(
+    "jax.distributed: process index %d, process count %d, %d local of %d devices",
+    jax.process_index(),
+    jax.process_count(),
+    jax.local_device_count(),
+    jax.device_count(),
+  )
+  return True
+
+
+def main(config, workdir: str, **distributed):
+  """What `python -m looped.main` runs: starts jax.distributed when asked (`distributed`: the
+  arguments of initialize_distributed), validates the config once with only warnings logged, so
+  that a bad value prints one line and not backend chatter, then runs the program."""
+  initialize_distributed(**distributed)
+  with cli.quiet_logs():
+    module = validate(config, workdir)
+  return _run_validated(module, config, workdir)
+
+
 def run(config, workdir: str):
   """Validates, takes the workdir's lock (process 0 only) and runs the program."""
-  module = validate(config, workdir)
+  return _run_validated(validate(config, workdir), config, workdir)
+
+
+def _run_validated(module, config, workdir: str):
   if jax.process_index() != 0:  # One lock per run, not per host of a multi-host run.
     logging.info("Config (validated):\n%s", config)
     return module.run(config, workdir)

@@ -1,7 +1,9 @@
 """Dequantization of packed K/V, written to run inside kernels on tiles of pages.
 
 The storage layouts are those of `looped.kv_quant` (this package does not import it; the tests
-check bit-equality against it). Values are quantized along the last axis (head dim D):
+check bit-equality against it). The float32 bit helpers below (`to_bits`, `from_bits`, `pow2`,
+`mul_pow2_exact`, `e2m1_decode`) are the one implementation of those decoders: `looped.kv_quant`
+imports them from here. Values are quantized along the last axis (head dim D):
 
   raw / bf16  float elements [..., D] (float32 or bfloat16), no scale.
   fp8         float8_e4m3fn [..., D], one float32 scale per vector [...].
@@ -53,13 +55,25 @@ jax.tree_util.register_dataclass(
 )
 
 
-def _from_bits(b_i32):
+# Float32 bit helpers: the one implementation of the bit-level decoders, used by the kernels
+# here and by `looped.kv_quant` (which imports them; this package imports nothing of looped).
+# They build values from bit patterns, so XLA:CPU's flush-to-zero does not change a result, and
+# use no op that Triton or Mosaic lacks (no round).
+
+
+def to_bits(x_f32):
+  """The int32 bit pattern of float32 values."""
+  return lax.bitcast_convert_type(x_f32, jnp.int32)
+
+
+def from_bits(b_i32):
+  """float32 values of int32 bit patterns."""
   return lax.bitcast_convert_type(b_i32, jnp.float32)
 
 
-def _pow2(k_i32):
+def pow2(k_i32):
   """2^k as float32 for integer k in [-126, 127], from the exponent bits."""
-  return _from_bits((k_i32 + 127) << 23)
+  return from_bits((k_i32 + 127) << 23)
 
 
 def repeat_last(x, times: int):
@@ -70,18 +84,19 @@ def repeat_last(x, times: int):
 def mul_pow2_exact(v_f32, k_i32):
   """v * 2^k for decoded e4m3 v and k in [-127, 127], IEEE float32 with gradual underflow.
 
-  Results below 2^-126 are built from their subnormal bit pattern, so that flush-to-zero
-  arithmetic (XLA:CPU) gives the same bits as IEEE arithmetic.
+  v is zero, Inf, NaN or a normal e4m3 value (a multiple of 2^-9). Results below 2^-126 are
+  built from their subnormal bit pattern, so that flush-to-zero arithmetic (XLA:CPU) gives the
+  same bits as IEEE arithmetic.
   """
   k1 = jnp.clip(k_i32, -126, 127)
-  fast = v_f32 * _pow2(k1) * _pow2(k_i32 - k1)
-  bits = lax.bitcast_convert_type(v_f32, jnp.int32)
+  fast = v_f32 * pow2(k1) * pow2(k_i32 - k1)
+  bits = to_bits(v_f32)
   biased_exp = (bits >> 23) & 0xFF
   tiny = (biased_exp + k_i32 < 1) & (biased_exp > 0)
   # |v| * 2^(k + 149) is the subnormal's integer mantissa, exactly: e4m3 values are multiples
   # of 2^-9 and k >= -127, so no rounding is needed (Triton has no round).
-  q = (jnp.abs(v_f32) * _pow2(jnp.minimum(k_i32 + 149, 127))).astype(jnp.int32)
-  sub = _from_bits((bits & jnp.int32(-0x80000000)) | q)
+  q = (jnp.abs(v_f32) * pow2(jnp.minimum(k_i32 + 149, 127))).astype(jnp.int32)
+  sub = from_bits((bits & jnp.int32(-0x80000000)) | q)
   return jnp.where(tiny, sub, fast)
 
 
@@ -89,8 +104,8 @@ def e2m1_decode(codes):
   """float32 values of float4_e2m1fn codes (the low nibble of an integer array)."""
   c = codes.astype(jnp.int32)
   e, m = (c >> 1) & 3, c & 1
-  bits = jnp.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22))
-  return _from_bits(bits | ((c & 8) << 28))
+  bits = jnp.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22))  # 0.5 m or 2^(e-1)(1+m/2)
+  return from_bits(bits | ((c & 8) << 28))
 
 
 def mx_dequantize(data, scale_u8):

@@ -32,8 +32,8 @@ def past_mask(q_start, k_start, block_q: int, block_k: int):
 def past_tile(leaf_refs, start, size: int, fmt: str | None, dtype):
   """Past K or V rows [start, start + size) as [size, D]; a packed past is dequantized here.
 
-  Packed leaves (kernel layout, one row per token): data [T, D or D / 2], fp8 scale [T, 1],
-  mx / nvfp4 scales [T, D / block], nvfp4 tensor scale [T, 1].
+  Packed leaves (kernel layout, one row per token): data [T, H or H / 2], fp8 scale [T, 1],
+  mx / nvfp4 scales [T, H / block], nvfp4 tensor scale [T, 1].
   """
   rows = pl.ds(start, size)
   data = leaf_refs[0][rows, :]

@@ -72,29 +72,29 @@ def _kernel(len_ref, pt_ref, *refs, fmt, n_parts, n_leaves, group, num_new, sm_s
   s_own = jnp.where(
     (col_u <= row_t) & (col_u < num_new), logits([r[...] for r in k_new_refs]), -jnp.inf
   )
-  m_M = jnp.max(s_own, axis=1)
-  p_own = jnp.exp(s_own - m_M[:, None])
-  l_M = jnp.sum(p_own, axis=1)
+  m_Q = jnp.max(s_own, axis=1)
+  p_own = jnp.exp(s_own - m_Q[:, None])
+  l_Q = jnp.sum(p_own, axis=1)
   accs = [_dot(p_own.astype(dtype), r[...]) for r in v_new_refs]
 
   def body(i, carry):
-    m_M, l_M, accs = carry
+    m_Q, l_Q, accs = carry
     page = pt_ref[i]
     valid_S = i * page_size + lax.broadcasted_iota(jnp.int32, (page_size, 1), 0) < length
     # Rounded to the compute dtype (as a cache read is), then unused slots zeroed: NaN-safe.
     k_parts = [jnp.where(valid_S, x.astype(dtype), 0) for x in _page_parts(k_leaf_refs, page, fmt)]
     v_parts = [jnp.where(valid_S, x.astype(dtype), 0) for x in _page_parts(v_leaf_refs, page, fmt)]
-    s_MxS = jnp.where(valid_S[:, 0][None, :], logits(k_parts), -jnp.inf)
-    m_new = jnp.maximum(m_M, jnp.max(s_MxS, axis=1))
-    alpha = jnp.exp(m_M - m_new)
-    p_MxS = jnp.exp(s_MxS - m_new[:, None])
-    l_M = l_M * alpha + jnp.sum(p_MxS, axis=1)
-    accs = [a * alpha[:, None] + _dot(p_MxS.astype(dtype), v) for a, v in zip(accs, v_parts)]
-    return m_new, l_M, accs
+    s_QxS = jnp.where(valid_S[:, 0][None, :], logits(k_parts), -jnp.inf)
+    m_new = jnp.maximum(m_Q, jnp.max(s_QxS, axis=1))
+    alpha = jnp.exp(m_Q - m_new)
+    p_QxS = jnp.exp(s_QxS - m_new[:, None])
+    l_Q = l_Q * alpha + jnp.sum(p_QxS, axis=1)
+    accs = [a * alpha[:, None] + _dot(p_QxS.astype(dtype), v) for a, v in zip(accs, v_parts)]
+    return m_new, l_Q, accs
 
-  _, l_M, accs = lax.fori_loop(0, pl.cdiv(length, page_size), body, (m_M, l_M, accs))
+  _, l_Q, accs = lax.fori_loop(0, pl.cdiv(length, page_size), body, (m_Q, l_Q, accs))
   for o_ref, acc in zip(o_refs, accs):
-    o_ref[...] = (acc / l_M[:, None]).astype(o_ref.dtype)
+    o_ref[...] = (acc / l_Q[:, None]).astype(o_ref.dtype)
 
 
 def _leaves(packed: PackedKV):
@@ -133,9 +133,9 @@ def _check(k_pages: PackedKV, v_pages: PackedKV, kv_heads: int, head_dim: int):
 
 
 def paged_decode(
-  q_BxTxNxD: jax.Array,
-  k_new_BxTxKxD: jax.Array,
-  v_new_BxTxKxD: jax.Array,
+  q_BxTxNxH: jax.Array,
+  k_new_BxTxKxH: jax.Array,
+  v_new_BxTxKxH: jax.Array,
   k_pages: PackedKV,
   v_pages: PackedKV,
   page_table_BxP: jax.Array,
@@ -148,8 +148,8 @@ def paged_decode(
   """Attention of T new tokens per sequence to its paged cache and to each other.
 
   Args:
-    q_BxTxNxD: queries of the new tokens (N query heads).
-    k_new_BxTxKxD, v_new_BxTxKxD: their own fresh K/V (not yet in the cache).
+    q_BxTxNxH: queries of the new tokens (N query heads).
+    k_new_BxTxKxH, v_new_BxTxKxH: their own fresh K/V (not yet in the cache).
     k_pages, v_pages: the page pools, leaves [pages, page_size, K, ...] as kv_formats
       describes (nvfp4 tensor_scale [pages, page_size]).
     page_table_BxP: int32 page ids of each sequence's slots [p * page_size, (p+1) * page_size);
@@ -163,10 +163,10 @@ def paged_decode(
       'tpu' variant, True means Pallas' TPU interpreter (`pltpu.InterpretParams()`).
 
   Returns:
-    [B, T, N, D] in q's dtype. Forward only (decode needs no gradient).
+    [B, T, N, H] in q's dtype. Forward only (decode needs no gradient).
   """
-  b, t, n, d = q_BxTxNxD.shape
-  kv_heads = k_new_BxTxKxD.shape[2]
+  b, t, n, d = q_BxTxNxH.shape
+  kv_heads = k_new_BxTxKxH.shape[2]
   _check(k_pages, v_pages, kv_heads, d)
   group = n // kv_heads
   fmt = k_pages.fmt
@@ -179,12 +179,12 @@ def paged_decode(
   else:
     min_rows = 1 if interpret else _MIN_ROWS[platform.platform()]
 
-  # q -> [B, K, rows, D] with row m = t * G + g; own K/V -> [B, K, T, D]; both padded to
+  # q -> [B, K, rows, H] with row m = t * G + g; own K/V -> [B, K, T, H]; both padded to
   # min_rows (padded rows are dropped, padded own keys are masked by u < T).
   rows = t * group
   rows_pad, t_pad = max(rows, min_rows), max(t, min_rows)
   q = (
-    q_BxTxNxD.reshape(b, t, kv_heads, group, d)
+    q_BxTxNxH.reshape(b, t, kv_heads, group, d)
     .transpose(0, 2, 1, 3, 4)
     .reshape(b, kv_heads, rows, d)
   )
@@ -193,8 +193,8 @@ def paged_decode(
     q.dtype
   )
   q_parts = _split_parts(q, n_parts)
-  k_new_parts = _split_parts(own(k_new_BxTxKxD), n_parts)
-  v_new_parts = _split_parts(own(v_new_BxTxKxD), n_parts)
+  k_new_parts = _split_parts(own(k_new_BxTxKxH), n_parts)
+  v_new_parts = _split_parts(own(v_new_BxTxKxH), n_parts)
   impl = paged_decode_tpu.paged_decode_tpu if variant == "tpu" else _generic
   out_parts = impl(
     q_parts,

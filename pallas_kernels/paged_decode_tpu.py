@@ -57,30 +57,30 @@ def _own_chunk(q_parts, k_parts, v_parts, group: int, num_new: int, sm_scale: fl
   rows, cols = q_parts[0].shape[0], k_parts[0].shape[0]
   row_t = lax.broadcasted_iota(jnp.int32, (rows, cols), 0) // group
   col_u = lax.broadcasted_iota(jnp.int32, (rows, cols), 1)
-  s_MxU = sum(_dot(q, k, 1, 1) for q, k in zip(q_parts, k_parts)) * sm_scale
-  s_MxU = jnp.where((col_u <= row_t) & (col_u < num_new), s_MxU, -jnp.inf)
-  m_Mx1 = jnp.max(s_MxU, axis=1, keepdims=True)
-  p_MxU = jnp.exp(s_MxU - m_Mx1)
-  l_Mx1 = jnp.sum(p_MxU, axis=1, keepdims=True)
+  s_QxU = sum(_dot(q, k, 1, 1) for q, k in zip(q_parts, k_parts)) * sm_scale
+  s_QxU = jnp.where((col_u <= row_t) & (col_u < num_new), s_QxU, -jnp.inf)
+  m_Qx1 = jnp.max(s_QxU, axis=1, keepdims=True)
+  p_QxU = jnp.exp(s_QxU - m_Qx1)
+  l_Qx1 = jnp.sum(p_QxU, axis=1, keepdims=True)
   dtype = q_parts[0].dtype
-  return m_Mx1, l_Mx1, [_dot(p_MxU.astype(dtype), v) for v in v_parts]
+  return m_Qx1, l_Qx1, [_dot(p_QxU.astype(dtype), v) for v in v_parts]
 
 
 def _page_step(q_parts, k_parts, v_parts, valid, state, sm_scale: float):
   """One page into the online softmax; unused slots are zeroed (NaN-safe) and masked."""
-  (valid_Sx1, valid_1xS), (m_Mx1, l_Mx1, accs) = valid, state
+  (valid_Sx1, valid_1xS), (m_Qx1, l_Qx1, accs) = valid, state
   dtype = q_parts[0].dtype
   # Rounded to the compute dtype (as a cache read is), then unused slots zeroed.
   k_parts = [jnp.where(valid_Sx1, x.astype(dtype), 0) for x in k_parts]
   v_parts = [jnp.where(valid_Sx1, x.astype(dtype), 0) for x in v_parts]
-  s_MxS = sum(_dot(q, k, 1, 1) for q, k in zip(q_parts, k_parts)) * sm_scale
-  s_MxS = jnp.where(valid_1xS, s_MxS, -jnp.inf)
-  m_new = jnp.maximum(m_Mx1, jnp.max(s_MxS, axis=1, keepdims=True))
-  alpha = jnp.exp(m_Mx1 - m_new)
-  p_MxS = jnp.exp(s_MxS - m_new)
-  l_Mx1 = l_Mx1 * alpha + jnp.sum(p_MxS, axis=1, keepdims=True)
-  accs = [a * alpha + _dot(p_MxS.astype(dtype), v) for a, v in zip(accs, v_parts)]
-  return m_new, l_Mx1, accs
+  s_QxS = sum(_dot(q, k, 1, 1) for q, k in zip(q_parts, k_parts)) * sm_scale
+  s_QxS = jnp.where(valid_1xS, s_QxS, -jnp.inf)
+  m_new = jnp.maximum(m_Qx1, jnp.max(s_QxS, axis=1, keepdims=True))
+  alpha = jnp.exp(m_Qx1 - m_new)
+  p_QxS = jnp.exp(s_QxS - m_new)
+  l_Qx1 = l_Qx1 * alpha + jnp.sum(p_QxS, axis=1, keepdims=True)
+  accs = [a * alpha + _dot(p_QxS.astype(dtype), v) for a, v in zip(accs, v_parts)]
+  return m_new, l_Qx1, accs
 
 
 def _kernel(len_ref, pt_ref, *refs, fmt, n_parts, n_leaves, group, num_new, sm_scale):
@@ -159,8 +159,8 @@ def paged_decode_tpu(
   sm_scale: float,
   interpret,
 ):
-  """The pallas_call on `paged_decode`'s kernel layout: q parts [B, K, rows, D / parts] with
-  rows a multiple of 8, own K/V parts [B, K, T_pad, D / parts]; returns the output parts."""
+  """The pallas_call on `paged_decode`'s kernel layout: q parts [B, K, rows, H / parts] with
+  rows a multiple of 8, own K/V parts [B, K, T_pad, H / parts]; returns the output parts."""
   fmt = k_pages.fmt
   b, kv_heads, rows, _ = q_parts[0].shape
   num_pages, page_size = k_pages.data.shape[:2]

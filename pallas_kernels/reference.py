@@ -12,31 +12,31 @@ import jax.numpy as jnp
 from pallas_kernels import kv_formats
 
 
-def _softmax_attend(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS, sm_scale):
+def _softmax_attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS, sm_scale):
   """Masked GQA softmax attention in float32; every row must see at least one key."""
-  b, t, n, d = q_BxTxNxD.shape
-  kh = k_BxSxKxD.shape[2]
-  q_BxTxKxGxD = q_BxTxNxD.reshape(b, t, kh, n // kh, d).astype(jnp.float32)
-  logits = jnp.einsum("btkgd,bskd->bkgts", q_BxTxKxGxD, k_BxSxKxD.astype(jnp.float32)) * sm_scale
+  b, t, n, d = q_BxTxNxH.shape
+  kh = k_BxSxKxH.shape[2]
+  q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, kh, n // kh, d).astype(jnp.float32)
+  logits = jnp.einsum("btkgd,bskd->bkgts", q_BxTxKxGxH, k_BxSxKxH.astype(jnp.float32)) * sm_scale
   logits = jnp.where(mask_BxTxS[:, None, None], logits, -jnp.inf)
   probs = jax.nn.softmax(logits, axis=-1)
-  out = jnp.einsum("bkgts,bskd->btkgd", probs, v_BxSxKxD.astype(jnp.float32))
-  return out.reshape(b, t, n, d).astype(q_BxTxNxD.dtype)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs, v_BxSxKxH.astype(jnp.float32))
+  return out.reshape(b, t, n, d).astype(q_BxTxNxH.dtype)
 
 
 def shared_attention(
-  q_BxTxNxD, k_BxTxKxD, v_BxTxKxD, k_past_BxTxKxD, v_past_BxTxKxD, sm_scale=None
+  q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, k_past_BxTxKxH, v_past_BxTxKxH, sm_scale=None
 ):
   """Position t attends to the past K/V at s < t and to its own K/V at s = t."""
-  b, t, _, d = q_BxTxNxD.shape
+  b, t, _, d = q_BxTxNxH.shape
   sm_scale = d**-0.5 if sm_scale is None else sm_scale
-  k = jnp.concatenate([k_past_BxTxKxD, k_BxTxKxD], axis=1)
-  v = jnp.concatenate([v_past_BxTxKxD, v_BxTxKxD], axis=1)
+  k = jnp.concatenate([k_past_BxTxKxH, k_BxTxKxH], axis=1)
+  v = jnp.concatenate([v_past_BxTxKxH, v_BxTxKxH], axis=1)
   idx = jnp.arange(t)
   past_TxT = idx[None, :] < idx[:, None]
   own_TxT = idx[None, :] == idx[:, None]
   mask = jnp.broadcast_to(jnp.concatenate([past_TxT, own_TxT], axis=1), (b, t, 2 * t))
-  return _softmax_attend(q_BxTxNxD, k, v, mask, sm_scale)
+  return _softmax_attend(q_BxTxNxH, k, v, mask, sm_scale)
 
 
 def gather_pages(pages: kv_formats.PackedKV, page_table_BxP) -> kv_formats.PackedKV:
@@ -55,9 +55,9 @@ def gather_pages(pages: kv_formats.PackedKV, page_table_BxP) -> kv_formats.Packe
 
 
 def paged_decode(
-  q_BxTxNxD,
-  k_new_BxTxKxD,
-  v_new_BxTxKxD,
+  q_BxTxNxH,
+  k_new_BxTxKxH,
+  v_new_BxTxKxH,
   k_pages: kv_formats.PackedKV,
   v_pages: kv_formats.PackedKV,
   page_table_BxP,
@@ -66,9 +66,9 @@ def paged_decode(
 ):
   """New tokens attend to cache slots s < length (read through the page table) and causally to
   each other. Gathers and dequantizes the whole cache (the copy the kernel never makes)."""
-  b, t, _, d = q_BxTxNxD.shape
+  b, t, _, d = q_BxTxNxH.shape
   sm_scale = d**-0.5 if sm_scale is None else sm_scale
-  dtype = q_BxTxNxD.dtype
+  dtype = q_BxTxNxH.dtype
   k_cache = kv_formats.dequantize(gather_pages(k_pages, page_table_BxP)).astype(dtype)
   v_cache = kv_formats.dequantize(gather_pages(v_pages, page_table_BxP)).astype(dtype)
   s = k_cache.shape[1]
@@ -76,11 +76,11 @@ def paged_decode(
   # Unused slots may hold NaN: zero them so that masked probabilities (0) times NaN do not leak.
   k_cache = jnp.where(valid_BxS[:, :, None, None], k_cache, 0)
   v_cache = jnp.where(valid_BxS[:, :, None, None], v_cache, 0)
-  k = jnp.concatenate([k_cache, k_new_BxTxKxD.astype(dtype)], axis=1)
-  v = jnp.concatenate([v_cache, v_new_BxTxKxD.astype(dtype)], axis=1)
+  k = jnp.concatenate([k_cache, k_new_BxTxKxH.astype(dtype)], axis=1)
+  v = jnp.concatenate([v_cache, v_new_BxTxKxH.astype(dtype)], axis=1)
   causal_TxT = jnp.tril(jnp.ones((t, t), bool))
   mask = jnp.concatenate(
     [jnp.broadcast_to(valid_BxS[:, None, :], (b, t, s)), jnp.broadcast_to(causal_TxT, (b, t, t))],
     axis=-1,
   )
-  return _softmax_attend(q_BxTxNxD, k, v, mask, sm_scale)
+  return _softmax_attend(q_BxTxNxH, k, v, mask, sm_scale)

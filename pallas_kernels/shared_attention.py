@@ -10,7 +10,7 @@ attention over the past, started from the diagonal term: the online softmax is i
 every row has a finite max (no -inf - -inf). Never materialises a T x T matrix.
 
 GQA: each program handles one query head and reads its K/V head (h // group). Layout inside
-is [B, H, T, D]; T is padded to a multiple of the blocks (padded keys sit after every real query,
+is [B, N, T, H]; T is padded to a multiple of the blocks (padded keys sit after every real query,
 so the causal mask hides them; padded query rows are dropped).
 
 Backward (FlashAttention-2 style, two kernels, the forward's log-sum-exp saved):
@@ -53,30 +53,30 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, sm_scale, block_k, past_fmt, n_leave
   o_ref, lse_ref = refs[2 * n_leaves :]
   block_q = q_ref.shape[0]
   q_start = pl.program_id(2) * block_q
-  q_QxD = q_ref[...]
+  q_QxH = q_ref[...]
   # Diagonal first: the running max starts finite, the sum at 1, the accumulator at v_t.
-  m_Q = jnp.sum(q_QxD.astype(jnp.float32) * k_ref[...].astype(jnp.float32), axis=1) * sm_scale
+  m_Q = jnp.sum(q_QxH.astype(jnp.float32) * k_ref[...].astype(jnp.float32), axis=1) * sm_scale
   l_Q = jnp.ones_like(m_Q)
-  acc_QxD = v_ref[...].astype(jnp.float32)
+  acc_QxH = v_ref[...].astype(jnp.float32)
 
   def body(j, carry):
-    m_Q, l_Q, acc_QxD = carry
+    m_Q, l_Q, acc_QxH = carry
     k_start = j * block_k
-    kp_KxD = ops.past_tile(kp_refs, k_start, block_k, past_fmt, q_QxD.dtype)
-    vp_KxD = ops.past_tile(vp_refs, k_start, block_k, past_fmt, q_QxD.dtype)
-    s_QxK = _dot(q_QxD, kp_KxD, 1, 1) * sm_scale
-    s_QxK = jnp.where(ops.past_mask(q_start, k_start, block_q, block_k), s_QxK, -jnp.inf)
-    m_new = jnp.maximum(m_Q, jnp.max(s_QxK, axis=1))
+    kp_SxH = ops.past_tile(kp_refs, k_start, block_k, past_fmt, q_QxH.dtype)
+    vp_SxH = ops.past_tile(vp_refs, k_start, block_k, past_fmt, q_QxH.dtype)
+    s_QxS = _dot(q_QxH, kp_SxH, 1, 1) * sm_scale
+    s_QxS = jnp.where(ops.past_mask(q_start, k_start, block_q, block_k), s_QxS, -jnp.inf)
+    m_new = jnp.maximum(m_Q, jnp.max(s_QxS, axis=1))
     alpha = jnp.exp(m_Q - m_new)
-    p_QxK = jnp.exp(s_QxK - m_new[:, None])
-    l_Q = l_Q * alpha + jnp.sum(p_QxK, axis=1)
-    acc_QxD = acc_QxD * alpha[:, None] + _dot(p_QxK.astype(vp_KxD.dtype), vp_KxD)
-    return m_new, l_Q, acc_QxD
+    p_QxS = jnp.exp(s_QxS - m_new[:, None])
+    l_Q = l_Q * alpha + jnp.sum(p_QxS, axis=1)
+    acc_QxH = acc_QxH * alpha[:, None] + _dot(p_QxS.astype(vp_SxH.dtype), vp_SxH)
+    return m_new, l_Q, acc_QxH
 
   # Past blocks holding some s < t for t in this query block: s <= q_start + block_q - 2.
   num_blocks = pl.cdiv(q_start + block_q - 1, block_k)
-  m_Q, l_Q, acc_QxD = lax.fori_loop(0, num_blocks, body, (m_Q, l_Q, acc_QxD))
-  o_ref[...] = (acc_QxD / l_Q[:, None]).astype(o_ref.dtype)
+  m_Q, l_Q, acc_QxH = lax.fori_loop(0, num_blocks, body, (m_Q, l_Q, acc_QxH))
+  o_ref[...] = (acc_QxH / l_Q[:, None]).astype(o_ref.dtype)
   lse_ref[...] = (m_Q + jnp.log(l_Q))[:, None]
 
 
@@ -85,30 +85,30 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, *refs, sm_scale, block_k, past_fmt, n_le
   do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref = refs[2 * n_leaves :]
   block_q = q_ref.shape[0]
   q_start = pl.program_id(2) * block_q
-  q_QxD, do_QxD = q_ref[...], do_ref[...]
+  q_QxH, do_QxH = q_ref[...], do_ref[...]
   lse_Qx1, delta_Qx1 = lse_ref[...], delta_ref[...]
-  q32, do32 = q_QxD.astype(jnp.float32), do_QxD.astype(jnp.float32)
+  q32, do32 = q_QxH.astype(jnp.float32), do_QxH.astype(jnp.float32)
   k32, v32 = k_ref[...].astype(jnp.float32), v_ref[...].astype(jnp.float32)
   # Diagonal: p_tt, and ds_tt = p_tt (dO_t . v_t - delta_t); gives dk_t, dv_t directly.
   p_Qx1 = jnp.exp(jnp.sum(q32 * k32, axis=1, keepdims=True) * sm_scale - lse_Qx1)
   ds_Qx1 = p_Qx1 * (jnp.sum(do32 * v32, axis=1, keepdims=True) - delta_Qx1)
   dk_ref[...] = (ds_Qx1 * q32 * sm_scale).astype(dk_ref.dtype)
   dv_ref[...] = (p_Qx1 * do32).astype(dv_ref.dtype)
-  dq_QxD = ds_Qx1 * k32 * sm_scale
+  dq_QxH = ds_Qx1 * k32 * sm_scale
 
-  def body(j, dq_QxD):
+  def body(j, dq_QxH):
     k_start = j * block_k
-    kp_KxD = ops.past_tile(kp_refs, k_start, block_k, past_fmt, q_QxD.dtype)
-    vp_KxD = ops.past_tile(vp_refs, k_start, block_k, past_fmt, q_QxD.dtype)
-    s_QxK = _dot(q_QxD, kp_KxD, 1, 1) * sm_scale
+    kp_SxH = ops.past_tile(kp_refs, k_start, block_k, past_fmt, q_QxH.dtype)
+    vp_SxH = ops.past_tile(vp_refs, k_start, block_k, past_fmt, q_QxH.dtype)
+    s_QxS = _dot(q_QxH, kp_SxH, 1, 1) * sm_scale
     mask = ops.past_mask(q_start, k_start, block_q, block_k)
-    p_QxK = jnp.where(mask, jnp.exp(s_QxK - lse_Qx1), 0.0)
-    dp_QxK = _dot(do_QxD, vp_KxD, 1, 1)
-    ds_QxK = p_QxK * (dp_QxK - delta_Qx1)
-    return dq_QxD + _dot(ds_QxK.astype(kp_KxD.dtype), kp_KxD) * sm_scale
+    p_QxS = jnp.where(mask, jnp.exp(s_QxS - lse_Qx1), 0.0)
+    dp_QxS = _dot(do_QxH, vp_SxH, 1, 1)
+    ds_QxS = p_QxS * (dp_QxS - delta_Qx1)
+    return dq_QxH + _dot(ds_QxS.astype(kp_SxH.dtype), kp_SxH) * sm_scale
 
   num_blocks = pl.cdiv(q_start + block_q - 1, block_k)
-  dq_ref[...] = lax.fori_loop(0, num_blocks, body, dq_QxD).astype(dq_ref.dtype)
+  dq_ref[...] = lax.fori_loop(0, num_blocks, body, dq_QxH).astype(dq_ref.dtype)
 
 
 def _bwd_dkv_kernel(
@@ -116,34 +116,34 @@ def _bwd_dkv_kernel(
 ):
   block_k = kp_ref.shape[0]
   k_start = pl.program_id(2) * block_k
-  kp_KxD, vp_KxD = kp_ref[...], vp_ref[...]
-  d = kp_KxD.shape[1]
+  kp_SxH, vp_SxH = kp_ref[...], vp_ref[...]
+  d = kp_SxH.shape[1]
 
   def body(i, carry):
-    dk_KxD, dv_KxD = carry
+    dk_SxH, dv_SxH = carry
     q_start = i * block_q
     rows = pl.ds(q_start, block_q)
-    q_QxD, do_QxD = q_ref[rows, :], do_ref[rows, :]
+    q_QxH, do_QxH = q_ref[rows, :], do_ref[rows, :]
     lse_Qx1, delta_Qx1 = lse_ref[rows, :], delta_ref[rows, :]
-    s_QxK = _dot(q_QxD, kp_KxD, 1, 1) * sm_scale
+    s_QxS = _dot(q_QxH, kp_SxH, 1, 1) * sm_scale
     mask = ops.past_mask(q_start, k_start, block_q, block_k)
-    p_QxK = jnp.where(mask, jnp.exp(s_QxK - lse_Qx1), 0.0)
-    dv_KxD = dv_KxD + _dot(p_QxK.astype(do_QxD.dtype), do_QxD, 0, 0)
-    ds_QxK = p_QxK * (_dot(do_QxD, vp_KxD, 1, 1) - delta_Qx1)
-    dk_KxD = dk_KxD + _dot(ds_QxK.astype(q_QxD.dtype), q_QxD, 0, 0) * sm_scale
-    return dk_KxD, dv_KxD
+    p_QxS = jnp.where(mask, jnp.exp(s_QxS - lse_Qx1), 0.0)
+    dv_SxH = dv_SxH + _dot(p_QxS.astype(do_QxH.dtype), do_QxH, 0, 0)
+    ds_QxS = p_QxS * (_dot(do_QxH, vp_SxH, 1, 1) - delta_Qx1)
+    dk_SxH = dk_SxH + _dot(ds_QxS.astype(q_QxH.dtype), q_QxH, 0, 0) * sm_scale
+    return dk_SxH, dv_SxH
 
   # Query blocks holding some t > s for s in this key block: t >= k_start + 1.
   first = (k_start + 1) // block_q
   num_q_blocks = q_ref.shape[0] // block_q
   zeros = jnp.zeros((block_k, d), jnp.float32)
-  dk_KxD, dv_KxD = lax.fori_loop(first, num_q_blocks, body, (zeros, zeros))
-  dkp_ref[...] = dk_KxD.astype(dkp_ref.dtype)
-  dvp_ref[...] = dv_KxD.astype(dvp_ref.dtype)
+  dk_SxH, dv_SxH = lax.fori_loop(first, num_q_blocks, body, (zeros, zeros))
+  dkp_ref[...] = dk_SxH.astype(dkp_ref.dtype)
+  dvp_ref[...] = dv_SxH.astype(dvp_ref.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
-# pallas_call wrappers on [B, H, Tp, D] arrays (Tp a multiple of both blocks).
+# pallas_call wrappers on [B, N, Tp, H] arrays (Tp a multiple of both blocks).
 
 
 def _row_spec(block: int, d: int, head_map=lambda h: h):
@@ -156,7 +156,7 @@ def _full_spec(t: int, d: int, head_map=lambda h: h):
 
 
 def _stat_spec(block: int):
-  """Per-row softmax statistics, stored as [B, H, T, 1] columns (TPU tiling takes those)."""
+  """Per-row softmax statistics, stored as [B, N, T, 1] columns (TPU tiling takes those)."""
   return pl.BlockSpec((None, None, block, 1), lambda b, h, i: (b, h, i, 0))
 
 
@@ -306,7 +306,7 @@ def _bwd_dkv(q, do, lse, delta, kp, vp, sm_scale, block_q, block_k, interpret):
 
 
 # ---------------------------------------------------------------------------------------------
-# Public entry: [B, T, H, D] in and out, padding, custom VJP.
+# Public entry: [B, T, N, H] in and out, padding, custom VJP.
 
 
 def _to_bhtd(x, t_pad):
@@ -378,11 +378,11 @@ def _block(requested: int | None, default: int, t: int) -> int:
 
 
 def shared_attention(
-  q_BxTxNxD: jax.Array,
-  k_BxTxKxD: jax.Array,
-  v_BxTxKxD: jax.Array,
-  k_past_BxTxKxD: jax.Array | kv_formats.PackedKV,
-  v_past_BxTxKxD: jax.Array | kv_formats.PackedKV,
+  q_BxTxNxH: jax.Array,
+  k_BxTxKxH: jax.Array,
+  v_BxTxKxH: jax.Array,
+  k_past_BxTxKxH: jax.Array | kv_formats.PackedKV,
+  v_past_BxTxKxH: jax.Array | kv_formats.PackedKV,
   *,
   sm_scale: float | None = None,
   block_q: int | None = None,
@@ -393,11 +393,11 @@ def shared_attention(
   """Shared-cache attention: t sees the past K/V at s < t and its own K/V at s = t.
 
   Args:
-    q_BxTxNxD: queries, N query heads.
-    k_BxTxKxD, v_BxTxKxD: the tokens' own keys/values (K KV heads; N a multiple of K).
-    k_past_BxTxKxD, v_past_BxTxKxD: the past K/V of the same positions (pass the own K/V for
+    q_BxTxNxH: queries, N query heads.
+    k_BxTxKxH, v_BxTxKxH: the tokens' own keys/values (K KV heads; N a multiple of K).
+    k_past_BxTxKxH, v_past_BxTxKxH: the past K/V of the same positions (pass the own K/V for
       ordinary causal attention). Or both packed in a KV format (`PackedKV`, leaves [B, T, K,
-      ...] and nvfp4 tensor scale [B, T], one quantized token per [K, D] slice as looped's
+      ...] and nvfp4 tensor scale [B, T], one quantized token per [K, H] slice as looped's
       caches store it): the kernels dequantize each tile as they read it, so a quantized
       Jacobi pass reads exactly what a cache in that format returns, without a dequantized
       copy. A packed past is a constant (zero cotangents).
@@ -411,18 +411,18 @@ def shared_attention(
       the 'tpu' variant, True means Pallas' TPU interpreter (`pltpu.InterpretParams()`).
 
   Returns:
-    [B, T, N, D] in q's dtype. Differentiable in all five arrays (custom VJP with Pallas
+    [B, T, N, H] in q's dtype. Differentiable in all five arrays (custom VJP with Pallas
     backward kernels; the past only when not packed); softmax statistics in float32.
   """
-  b, t, n, d = q_BxTxNxD.shape
-  kv_shape = k_BxTxKxD.shape
+  b, t, n, d = q_BxTxNxH.shape
+  kv_shape = k_BxTxKxH.shape
   if kv_shape[:2] != (b, t) or kv_shape[3] != d or n % kv_shape[2]:
-    raise ValueError(f"q {q_BxTxNxD.shape} and k {kv_shape} do not fit [B,T,N,D] / [B,T,K,D].")
-  for name, x in (("v", v_BxTxKxD), ("k_past", k_past_BxTxKxD), ("v_past", v_past_BxTxKxD)):
+    raise ValueError(f"q {q_BxTxNxH.shape} and k {kv_shape} do not fit [B,T,N,H] / [B,T,K,H].")
+  for name, x in (("v", v_BxTxKxH), ("k_past", k_past_BxTxKxH), ("v_past", v_past_BxTxKxH)):
     shape = x.shape if not isinstance(x, kv_formats.PackedKV) else (*x.data.shape[:3], x.head_dim)
     if shape != kv_shape:
       raise ValueError(f"{name} has shape {shape}, expected k's {kv_shape}.")
-  if _past_fmt(k_past_BxTxKxD) != _past_fmt(v_past_BxTxKxD):
+  if _past_fmt(k_past_BxTxKxH) != _past_fmt(v_past_BxTxKxH):
     raise ValueError("k_past and v_past must both be arrays or both packed in one format.")
   default_q, default_k = platform.FLASH_BLOCKS[platform.platform()]
   block_q, block_k = _block(block_q, default_q, t), _block(block_k, default_k, t)
@@ -430,11 +430,11 @@ def shared_attention(
   variant = platform.variant_default(variant)
   interpret = platform.interpret_default(interpret, variant)
   return _attention(
-    q_BxTxNxD,
-    k_BxTxKxD,
-    v_BxTxKxD,
-    k_past_BxTxKxD,
-    v_past_BxTxKxD,
+    q_BxTxNxH,
+    k_BxTxKxH,
+    v_BxTxKxH,
+    k_past_BxTxKxH,
+    v_past_BxTxKxH,
     sm_scale,
     block_q,
     block_k,

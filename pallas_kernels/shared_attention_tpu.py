@@ -6,7 +6,7 @@ is all in VMEM at once. Here the loop is a grid axis instead, last and "arbitrar
 bring one past block (or one query block) per grid step, which Mosaic double-buffers, the
 online-softmax state (m, l, acc) or the gradient accumulators live in VMEM scratch across it,
 and the outputs are written on its last step. Same math and masks as the generic kernels,
-same kernel layout ([B, heads, Tp, D], Tp a multiple of both blocks), same packed past.
+same kernel layout ([B, heads, Tp, H], Tp a multiple of both blocks), same packed past.
 
 Causality: past block j holds some s < t of query block i iff j * block_k < i * block_q +
 block_q - 1. Grid steps outside that (above the diagonal) are skipped with `pl.when`, and their
@@ -72,17 +72,17 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, sm_scale, past_fmt, n_leaves):
 
   @pl.when(_needed(q_start, k_start, block_q))
   def _past_block():
-    q_QxD = q_ref[...]
-    kp_KxD = ops.past_tile(kp_refs, 0, block_k, past_fmt, q_QxD.dtype)
-    vp_KxD = ops.past_tile(vp_refs, 0, block_k, past_fmt, q_QxD.dtype)
-    s_QxK = _dot(q_QxD, kp_KxD, 1, 1) * sm_scale
-    s_QxK = jnp.where(ops.past_mask(q_start, k_start, block_q, block_k), s_QxK, -jnp.inf)
+    q_QxH = q_ref[...]
+    kp_SxH = ops.past_tile(kp_refs, 0, block_k, past_fmt, q_QxH.dtype)
+    vp_SxH = ops.past_tile(vp_refs, 0, block_k, past_fmt, q_QxH.dtype)
+    s_QxS = _dot(q_QxH, kp_SxH, 1, 1) * sm_scale
+    s_QxS = jnp.where(ops.past_mask(q_start, k_start, block_q, block_k), s_QxS, -jnp.inf)
     m_Qx1 = m_ref[...]
-    m_new = jnp.maximum(m_Qx1, jnp.max(s_QxK, axis=1, keepdims=True))
+    m_new = jnp.maximum(m_Qx1, jnp.max(s_QxS, axis=1, keepdims=True))
     alpha = jnp.exp(m_Qx1 - m_new)
-    p_QxK = jnp.exp(s_QxK - m_new)
-    l_ref[...] = l_ref[...] * alpha + jnp.sum(p_QxK, axis=1, keepdims=True)
-    acc_ref[...] = acc_ref[...] * alpha + _dot(p_QxK.astype(vp_KxD.dtype), vp_KxD)
+    p_QxS = jnp.exp(s_QxS - m_new)
+    l_ref[...] = l_ref[...] * alpha + jnp.sum(p_QxS, axis=1, keepdims=True)
+    acc_ref[...] = acc_ref[...] * alpha + _dot(p_QxS.astype(vp_SxH.dtype), vp_SxH)
     m_ref[...] = m_new
 
   @pl.when(j == pl.num_programs(3) - 1)
@@ -104,14 +104,14 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, *refs, sm_scale, past_fmt, n_leaves):
 
   @pl.when(_needed(q_start, k_start, block_q))
   def _past_block():
-    q_QxD, do_QxD = q_ref[...], do_ref[...]
-    kp_KxD = ops.past_tile(kp_refs, 0, block_k, past_fmt, q_QxD.dtype)
-    vp_KxD = ops.past_tile(vp_refs, 0, block_k, past_fmt, q_QxD.dtype)
-    s_QxK = _dot(q_QxD, kp_KxD, 1, 1) * sm_scale
+    q_QxH, do_QxH = q_ref[...], do_ref[...]
+    kp_SxH = ops.past_tile(kp_refs, 0, block_k, past_fmt, q_QxH.dtype)
+    vp_SxH = ops.past_tile(vp_refs, 0, block_k, past_fmt, q_QxH.dtype)
+    s_QxS = _dot(q_QxH, kp_SxH, 1, 1) * sm_scale
     mask = ops.past_mask(q_start, k_start, block_q, block_k)
-    p_QxK = jnp.where(mask, jnp.exp(s_QxK - lse_ref[...]), 0.0)
-    ds_QxK = p_QxK * (_dot(do_QxD, vp_KxD, 1, 1) - delta_ref[...])
-    dq_acc_ref[...] += _dot(ds_QxK.astype(kp_KxD.dtype), kp_KxD) * sm_scale
+    p_QxS = jnp.where(mask, jnp.exp(s_QxS - lse_ref[...]), 0.0)
+    ds_QxS = p_QxS * (_dot(do_QxH, vp_SxH, 1, 1) - delta_ref[...])
+    dq_acc_ref[...] += _dot(ds_QxS.astype(kp_SxH.dtype), kp_SxH) * sm_scale
 
   @pl.when(j == pl.num_programs(3) - 1)
   def _write():  # Diagonal: p_tt and ds_tt = p_tt (dO_t . v_t - delta_t) give dk_t, dv_t.
@@ -138,13 +138,13 @@ def _bwd_dkv_kernel(
 
   @pl.when(_needed(q_start, k_start, block_q))
   def _query_block():
-    q_QxD, do_QxD, kp_KxD = q_ref[...], do_ref[...], kp_ref[...]
-    s_QxK = _dot(q_QxD, kp_KxD, 1, 1) * sm_scale
+    q_QxH, do_QxH, kp_SxH = q_ref[...], do_ref[...], kp_ref[...]
+    s_QxS = _dot(q_QxH, kp_SxH, 1, 1) * sm_scale
     mask = ops.past_mask(q_start, k_start, block_q, block_k)
-    p_QxK = jnp.where(mask, jnp.exp(s_QxK - lse_ref[...]), 0.0)
-    dv_acc[...] += _dot(p_QxK.astype(do_QxD.dtype), do_QxD, 0, 0)
-    ds_QxK = p_QxK * (_dot(do_QxD, vp_ref[...], 1, 1) - delta_ref[...])
-    dk_acc[...] += _dot(ds_QxK.astype(q_QxD.dtype), q_QxD, 0, 0) * sm_scale
+    p_QxS = jnp.where(mask, jnp.exp(s_QxS - lse_ref[...]), 0.0)
+    dv_acc[...] += _dot(p_QxS.astype(do_QxH.dtype), do_QxH, 0, 0)
+    ds_QxS = p_QxS * (_dot(do_QxH, vp_ref[...], 1, 1) - delta_ref[...])
+    dk_acc[...] += _dot(ds_QxS.astype(q_QxH.dtype), q_QxH, 0, 0) * sm_scale
 
   @pl.when(i == pl.num_programs(3) - 1)
   def _write():
@@ -153,7 +153,7 @@ def _bwd_dkv_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
-# pallas_calls on [B, H, Tp, D] arrays; a past is given as its kernel-layout leaves.
+# pallas_calls on [B, N, Tp, H] arrays; a past is given as its kernel-layout leaves.
 
 
 def _spec(block: int, width: int, index_map):
@@ -181,7 +181,7 @@ def _query_side_specs(d: int, group: int, block_q: int):
 
 
 def fwd(q, k, v, kp_leaves, vp_leaves, past_fmt, sm_scale, block_q, block_k, interpret):
-  """Forward: (o [B, H, Tp, D], lse [B, H, Tp, 1])."""
+  """Forward: (o [B, N, Tp, H], lse [B, N, Tp, 1])."""
   b, hq, t, d = q.shape
   group = hq // k.shape[1]
   row_specs, q_map = _query_side_specs(d, group, block_q)
@@ -214,7 +214,7 @@ def fwd(q, k, v, kp_leaves, vp_leaves, past_fmt, sm_scale, block_q, block_k, int
 def dq(
   q, k, v, kp_leaves, vp_leaves, past_fmt, do, lse, delta, sm_scale, block_q, block_k, interpret
 ):
-  """dq and the own-K/V gradients per query head: (dq, dk_h, dv_h), each [B, H, Tp, D]."""
+  """dq and the own-K/V gradients per query head: (dq, dk_h, dv_h), each [B, N, Tp, H]."""
   b, hq, t, d = q.shape
   group = hq // k.shape[1]
   row_specs, q_map = _query_side_specs(d, group, block_q)
@@ -242,7 +242,7 @@ def dq(
 
 
 def dkv(q, do, lse, delta, kp, vp, sm_scale, block_q, block_k, interpret):
-  """Past-K/V gradients per query head: (dk_past_h, dv_past_h), each [B, H, Tp, D]."""
+  """Past-K/V gradients per query head: (dk_past_h, dv_past_h), each [B, N, Tp, H]."""
   b, hq, t, d = q.shape
   group = hq // kp.shape[1]
   num_q_blocks = t // block_q

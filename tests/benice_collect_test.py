@@ -4,7 +4,7 @@ import os
 
 from absl.testing import absltest
 
-from looped import testing
+import looped_testing as testing
 from looped.benice import collect
 
 

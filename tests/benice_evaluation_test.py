@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
 
-from looped import testing
+import looped_testing as testing
 from looped.benice import evaluation
 from looped.model import LoopedLM, init_params
 from looped.model.kv_cache import init_cache
@@ -86,7 +86,7 @@ class EvaluateTest(absltest.TestCase):
     cache = init_cache(cfg, 2, 7, share_kv=False)
     _, aux = model.apply(params, inputs_BxT, cache=cache)
     kda_state, mla = aux["cache"].layers["core"]
-    expected = [(kda_state.state_BxHxKxV, kda_state.conv_BxWxC), mla]
+    expected = [(kda_state.state_BxNxHxE, kda_state.conv_BxWxM), mla]
     for layer, (first, second) in enumerate(expected):
       for d, n, x in ((dk, k, first), (dv, v, second)):
         x_RxN = np.asarray(x, np.float64).reshape(cfg.num_recurrences, -1)

@@ -10,7 +10,7 @@ import ml_collections
 import numpy as np
 from absl.testing import absltest
 
-from looped import testing
+import looped_testing as testing
 from looped.benice import objectives
 from looped.model import LoopedLM, init_params
 from looped.train import objectives as train_objectives

@@ -11,8 +11,9 @@ from unittest import mock
 import jax
 from absl.testing import absltest, parameterized
 
+import looped_testing as testing
 from configs import benice as benice_config
-from looped import config_checks, programs, testing
+from looped import config_checks, programs
 from looped.benice import collect, evaluation, pipeline, stages
 from looped.train import trainer
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
 
-from looped import testing
+import looped_testing as testing
 from looped.benice import samples
 from looped.model import init_params
 from looped.model.looped_lm import LoopedLM

@@ -9,8 +9,8 @@ import nbformat
 from absl.testing import absltest, parameterized
 from nbclient import NotebookClient
 
-from configs import benice
-from looped import runtime, testing
+import looped_testing as testing
+from configs import benice, colab
 from looped.benice import pipeline
 
 COLABS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "colabs")
@@ -74,32 +74,33 @@ def _devices(platform: str, kind: str, count: int):
 
 class RuntimeTest(absltest.TestCase):
   def test_tpu_v2_8(self):
-    rt = runtime.detect(_devices("tpu", "TPU v2", 8))
-    self.assertEqual(rt, runtime.Runtime("tpu", 8, "TPU v2"))
-    config = runtime.benice_config(rt)
+    rt = colab.detect(_devices("tpu", "TPU v2", 8))
+    self.assertEqual(rt, colab.Runtime("tpu", 8, "TPU v2"))
+    config = colab.benice_config(rt)
     pipeline.validate(config)
     self.assertEqual((config.model.d_model, config.model.dtype), (512, "bfloat16"))
     self.assertEqual(config.data.batch_size % 8, 0)
     self.assertEqual(config.data.seq_len, config.model.max_seq_len)
     # SMALL overrides the runtime: the smoke pipeline everywhere.
-    self.assertEqual(runtime.benice_config(rt, small=True), benice.get_config("smoke"))
+    self.assertEqual(colab.benice_config(rt, small=True), benice.get_config("smoke"))
 
   def test_gpu_and_cpu(self):
-    gpu = runtime.detect(_devices("cuda", "NVIDIA A100-SXM4-40GB", 1))
+    gpu = colab.detect(_devices("cuda", "NVIDIA A100-SXM4-40GB", 1))
     self.assertEqual(gpu.platform, "gpu")
-    config = runtime.benice_config(gpu)
+    config = colab.benice_config(gpu)
     pipeline.validate(config)
     self.assertEqual(config.model.dtype, "bfloat16")
     self.assertEqual(config.model.d_model, benice.get_config("").model.d_model)
-    cpu = runtime.detect(_devices("cpu", "cpu", 1))
-    self.assertEqual(runtime.benice_config(cpu), benice.get_config("smoke"))
-    self.assertEqual(runtime.detect(), runtime.Runtime("cpu", 1, "cpu"))  # This machine.
+    cpu = colab.detect(_devices("cpu", "cpu", 1))
+    self.assertEqual(colab.benice_config(cpu), benice.get_config("smoke"))
+    self.assertEqual(colab.detect(), colab.Runtime("cpu", 1, "cpu"))  # This machine.
+    self.assertEqual(colab.get_config(), benice.get_config("smoke"))
 
   def test_bad_device_lists(self):
     with self.assertRaisesRegex(ValueError, "no devices"):
-      runtime.detect([])
+      colab.detect([])
     with self.assertRaisesRegex(ValueError, "unknown device platform 'metal'"):
-      runtime.detect(_devices("metal", "Apple M2", 1))
+      colab.detect(_devices("metal", "Apple M2", 1))
 
 
 if __name__ == "__main__":

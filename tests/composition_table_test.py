@@ -5,7 +5,7 @@ import os
 
 from absl.testing import absltest
 
-from looped import testing
+import looped_testing as testing
 
 _SCRIPT = os.path.join(os.path.dirname(__file__), "..", "experiments", "composition_table.py")
 _spec = importlib.util.spec_from_file_location("composition_table", _SCRIPT)

@@ -7,8 +7,9 @@ import tempfile
 
 from absl.testing import absltest, parameterized
 
+import looped_testing as testing
 from configs import pretrain
-from looped import config_checks, programs, testing
+from looped import cli, config_checks, programs
 from looped.train import trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -118,6 +119,36 @@ class ConfigValidationTest(parameterized.TestCase):
       self.assertIn(text, proc.stderr)
     helped = self._cli("--help")
     self.assertIn("configs/benice.py", helped.stdout + helped.stderr)
+
+  def test_cli_help_with_a_config_lists_its_fields_defaults_and_comments(self):
+    proc = self._cli("--config=configs/pretrain.py:smoke", "--help")
+    self.assertEqual(proc.returncode, 0, proc.stderr)
+    self.assertIn("configs/pretrain.py:smoke: Stage 1", proc.stdout)
+    # The smoke variant's value, with the comment of the field in configs/pretrain.py.
+    self.assertRegex(proc.stdout, r"config\.data\.max_documents = 200  # \S")
+    self.assertIn("config.train.num_steps = 60", proc.stdout)
+    self.assertIn(":fixed", proc.stdout)
+    colab = self._cli("--config=configs/colab.py:small", "--help")  # Defines a dataclass.
+    self.assertEqual(colab.returncode, 0, colab.stderr)
+    self.assertIn("config.program = 'benice'", colab.stdout)
+    missing = self._cli("--config=configs/nope.py", "--help")
+    self.assertEqual(missing.returncode, 2)
+    self.assertEqual(missing.stderr.strip(), "error: --config: No such file: configs/nope.py")
+
+  def test_config_errors_are_structured(self):
+    _, config = cli.load_config("configs/pretrain.py:smoke")
+    with self.assertRaises(config_checks.ConfigError) as e:
+      cli.check_overrides(config, ["--config.train.num_step=5"])
+    self.assertEqual(e.exception.field, "config.train.num_step")
+    self.assertEqual(e.exception.suggestion, "num_steps")
+    with self.assertRaises(config_checks.ConfigError) as e:
+      cli.check_overrides(config, ["--config.train.num_steps=abc"])
+    self.assertEqual((e.exception.value, e.exception.requirement), ("abc", "must be an integer"))
+    cli.check_overrides(config, ["--config.train.num_steps=7", "--config.model.qk_norm=False"])
+    config.depth.sampler = "uniform"
+    with self.assertRaises(config_checks.ConfigError) as e:
+      trainer.validate(config)
+    self.assertEqual((e.exception.field, e.exception.value), ("config.depth.sampler", "uniform"))
 
   def test_cli_indivisible_batch_on_two_devices_fails_before_anything_is_created(self):
     workdir = os.path.join(self.enterContext(tempfile.TemporaryDirectory()), "run")

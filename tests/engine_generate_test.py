@@ -13,8 +13,9 @@ import jax
 import jax.numpy as jnp
 from absl.testing import absltest
 
+import looped_testing as testing
 from configs import generate as generate_config
-from looped import config_checks, programs, testing
+from looped import config_checks, programs
 from looped.data.tokenizers import BytesTokenizer
 from looped.model import config as model_lib
 from looped.model import init_params

@@ -14,7 +14,7 @@ from looped.engine.requests import GenRequest
 from looped.engine.sampling import SamplingParams
 from looped.model import init_params
 from looped.model.looped_lm import LoopedLM
-from looped.testing import TINY_MODEL
+from looped_testing import TINY_MODEL
 
 CFG = dataclasses.replace(TINY_MODEL, max_seq_len=40)
 

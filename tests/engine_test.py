@@ -17,7 +17,7 @@ from looped.model.kv_cache import init_cache
 from looped.model.looped_lm import LoopedLM
 from looped.model.sharing import decode_forward
 from looped.serving import cost_model, hardware, padding, pages, replay, scheduler, shape
-from looped.testing import TINY_MODEL
+from looped_testing import TINY_MODEL
 
 # head_dim 32 so that every KV format (mxfp8 blocks of 32) can store the cache.
 CFG = dataclasses.replace(TINY_MODEL, num_heads=2, num_kv_heads=1, head_dim=32, max_seq_len=48)

@@ -14,8 +14,9 @@ import jax
 import numpy as np
 from absl.testing import absltest
 
+import looped_testing as testing
 from looped import data as data_lib
-from looped import programs, testing
+from looped import programs
 from looped.config_checks import ConfigError
 from looped.train import checkpointing, trainer, workdir_lock
 

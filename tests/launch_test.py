@@ -18,7 +18,8 @@ import sys
 
 from absl.testing import absltest
 
-from looped import programs, testing
+import looped_testing as testing
+from looped import programs
 from looped.config_checks import ConfigError
 from looped.train import workdir_lock
 

@@ -16,8 +16,9 @@ import ml_collections
 import numpy as np
 from absl.testing import absltest, parameterized
 
+import looped_testing as testing
 from configs import pretrain
-from looped import config_checks, kv_quant, testing
+from looped import config_checks, kv_quant
 from looped.benice import evaluation
 from looped.model import LoopedLM, init_cache, init_params, mixers, validate
 from looped.model.attention import attend
@@ -130,14 +131,14 @@ class MixerModelTest(parameterized.TestCase):
     _, unshared = _decode("hybrid", False)(params, tokens)
     kda_shared, kda_unshared = shared.layers["core"][0], unshared.layers["core"][0]
     r = model.cfg.num_recurrences
-    self.assertEqual(kda_unshared.state_BxHxKxV.shape[0], r)
-    self.assertEqual(kda_shared.state_BxHxKxV.shape, kda_unshared.state_BxHxKxV.shape[1:])
+    self.assertEqual(kda_unshared.state_BxNxHxE.shape[0], r)
+    self.assertEqual(kda_shared.state_BxNxHxE.shape, kda_unshared.state_BxNxHxE.shape[1:])
     # Prelude/coda KDA layers are not looped: same state in both layouts (same inputs).
     np.testing.assert_allclose(
       shared.layers["prelude"][0][0], unshared.layers["prelude"][0][0], atol=1e-6
     )
     # The shared core state differs from the unshared final recurrence's (it read shared).
-    diff = jnp.abs(kda_shared.state_BxHxKxV - kda_unshared.state_BxHxKxV[-1]).max()
+    diff = jnp.abs(kda_shared.state_BxNxHxE - kda_unshared.state_BxNxHxE[-1]).max()
     self.assertGreater(float(diff), 1e-4)
 
 
@@ -159,7 +160,7 @@ class MixerKvFormatTest(parameterized.TestCase):
     # Per-token entries are stored packed; KDA states stay float32.
     mla_latent = cache.layers["prelude"][0][0]
     self.assertIsInstance(mla_latent, kv_quant.QuantizedKV)
-    self.assertEqual(cache.layers["core"][0].state_BxHxKxV.dtype, jnp.float32)
+    self.assertEqual(cache.layers["core"][0].state_BxNxHxE.dtype, jnp.float32)
 
 
 class CacheBytesTest(parameterized.TestCase):

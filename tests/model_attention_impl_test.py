@@ -20,7 +20,7 @@ import ml_collections
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from looped import testing
+import looped_testing as testing
 from looped.benice import objectives
 from looped.model import LoopedLM, init_cache
 from looped.model.sharing import decode_forward, jacobi_forward

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from looped import testing
+import looped_testing as testing
 from looped.model import LoopedLM, depth, init_cache, init_params
 from looped.model.kv_cache import num_cached_values
 from looped.model.sharing import decode_forward, jacobi_forward

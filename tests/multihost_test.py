@@ -1,4 +1,4 @@
-"""A multi-host run on one machine (issue 11, acceptance 3): two processes joined by
+"""A multi-host run on one machine: two processes joined by
 jax.distributed (launch/local.py) train the smoke config, are SIGKILLed after a checkpoint,
 resume, and end with the params of a single-process run on the same global batches."""
 
@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from absl.testing import absltest
 
-from looped import testing
+import looped_testing as testing
 from looped.model import LoopedLM, from_config
 from looped.train import objectives, trainer
 

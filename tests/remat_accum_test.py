@@ -1,4 +1,4 @@
-"""Memory knobs (issue 11): per-recurrence remat policies and gradient accumulation change what is
+"""Memory knobs: per-recurrence remat policies and gradient accumulation change what is
 stored or how the batch is walked, never the gradients."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from looped import testing
+import looped_testing as testing
 from looped.model import LoopedLM, init_params
 from looped.model.config import REMAT_POLICIES
 from looped.train import objectives, trainer

@@ -1,4 +1,4 @@
-"""Sharded training on a device mesh (issue 11): config checks, and on 8 fake CPU devices the
+"""Sharded training on a device mesh: config checks, and on 8 fake CPU devices the
 same losses as one device for data / fsdp / tensor / mixed meshes, FSDP's 1/8 shards, a
 checkpoint moving between meshes, and the BeNice! pipeline on a mesh.
 
@@ -18,8 +18,9 @@ import tempfile
 import numpy as np
 from absl.testing import absltest, parameterized
 
+import looped_testing as testing
 from configs import benice, pretrain
-from looped import config_checks, programs, sharding, testing
+from looped import config_checks, programs, sharding
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests"))

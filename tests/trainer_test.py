@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from absl.testing import absltest
 
-from looped import testing
+import looped_testing as testing
 from looped.train import checkpointing, trainer
 from looped.train.metrics_writer import read_metrics
 

@@ -93,7 +93,7 @@ def make_stats_fns(cfg: ModelConfig, kv_format: str | None = None) -> StatsFns:
     out = []
     # GQA: (K, V), each [R, B, S, K, H]; MLA: (latent, RoPE key); KDA: (state, conv tail).
     entries = [
-      (kv.state_BxHxKxV, kv.conv_BxWxC) if isinstance(kv, KDAState) else kv
+      (kv.state_BxNxHxE, kv.conv_BxWxM) if isinstance(kv, KDAState) else kv
       for kv in aux["cache"].layers["core"]
     ]
     for index in (0, 1):  # Per layer (entry sizes differ between mixers), then stacked.

@@ -7,7 +7,7 @@ softplus(x W_f1 W_f2 + dt_bias); beta = sigmoid(x W_b); the delta rule with deca
 
     S_t = (I - b_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + b_t k_t v_t^T,   o_t = S_t^T (q_t / sqrt(K))
 
-(fla's `naive_recurrent_kda`; S is [K, V] per head); then a sigmoid-gated RMSNorm per head
+(fla's `naive_recurrent_kda`; S is [H, E] per head); then a sigmoid-gated RMSNorm per head
 (gate x W_g1 W_g2 + bias, eps 1e-5) and the output projection.
 
 What a cache stores for KDA is not per token: decode keeps the state S and the conv tail (the
@@ -42,17 +42,17 @@ from looped.model.layers import projection
 class KDAState:
   """Decode cache of one KDA layer: the delta-rule state and the conv tail (raw float32)."""
 
-  state_BxHxKxV: jax.Array
-  conv_BxWxC: jax.Array  # Pre-conv q|k|v projections of the last conv_size - 1 tokens.
+  state_BxNxHxE: jax.Array
+  conv_BxWxM: jax.Array  # Pre-conv q|k|v projections of the last conv_size - 1 tokens.
 
 
 @flax.struct.dataclass
 class KDARecord:
   """Per-token quantities from which the final recurrence's states are recomputed."""
 
-  conv_in_BxTxC: jax.Array  # Pre-conv q|k|v projections.
-  g_BxTxHxK: jax.Array  # Log decay (float32).
-  beta_BxTxH: jax.Array  # float32.
+  conv_in_BxTxM: jax.Array  # Pre-conv q|k|v projections.
+  g_BxTxNxH: jax.Array  # Log decay (float32).
+  beta_BxTxN: jax.Array  # float32.
 
 
 def l2_normalize(x, eps: float = 1e-6):
@@ -62,31 +62,31 @@ def l2_normalize(x, eps: float = 1e-6):
 
 
 def kda_recurrent(
-  q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxK, beta_BxTxH, state_BxHxKxV=None, *, scale=None
+  q_BxTxNxH, k_BxTxNxH, v_BxTxNxE, g_BxTxNxH, beta_BxTxN, state_BxNxHxE=None, *, scale=None
 ):
-  """The delta rule one token at a time (decode form). Returns (o_BxTxHxV, final state), f32."""
-  b, _, h, kd = q_BxTxHxK.shape
-  vd = v_BxTxHxV.shape[-1]
+  """The delta rule one token at a time (decode form). Returns (o_BxTxNxE, final state), f32."""
+  b, _, h, kd = q_BxTxNxH.shape
+  vd = v_BxTxNxE.shape[-1]
   scale = kd**-0.5 if scale is None else scale
   f32 = lambda x: jnp.moveaxis(x.astype(jnp.float32), 1, 0)
-  if state_BxHxKxV is None:
-    state_BxHxKxV = jnp.zeros((b, h, kd, vd), jnp.float32)
+  if state_BxNxHxE is None:
+    state_BxNxHxE = jnp.zeros((b, h, kd, vd), jnp.float32)
 
-  def step(s_BxHxKxV, xs):
+  def step(s_BxNxHxE, xs):
     q, k, v, g, beta = xs
-    s_BxHxKxV = s_BxHxKxV * jnp.exp(g)[..., None]
-    delta_BxHxV = v - jnp.einsum("bhk,bhkv->bhv", k, s_BxHxKxV)
-    s_BxHxKxV = s_BxHxKxV + jnp.einsum("bhk,bhv->bhkv", beta[..., None] * k, delta_BxHxV)
-    return s_BxHxKxV, jnp.einsum("bhk,bhkv->bhv", q * scale, s_BxHxKxV)
+    s_BxNxHxE = s_BxNxHxE * jnp.exp(g)[..., None]
+    delta_BxNxE = v - jnp.einsum("bhk,bhkv->bhv", k, s_BxNxHxE)
+    s_BxNxHxE = s_BxNxHxE + jnp.einsum("bhk,bhv->bhkv", beta[..., None] * k, delta_BxNxE)
+    return s_BxNxHxE, jnp.einsum("bhk,bhkv->bhv", q * scale, s_BxNxHxE)
 
-  xs = tuple(map(f32, (q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxK, beta_BxTxH)))
-  state, o_TxBxHxV = jax.lax.scan(step, state_BxHxKxV.astype(jnp.float32), xs)
-  return jnp.moveaxis(o_TxBxHxV, 0, 1), state
+  xs = tuple(map(f32, (q_BxTxNxH, k_BxTxNxH, v_BxTxNxE, g_BxTxNxH, beta_BxTxN)))
+  state, o_TxBxNxE = jax.lax.scan(step, state_BxNxHxE.astype(jnp.float32), xs)
+  return jnp.moveaxis(o_TxBxNxE, 0, 1), state
 
 
-def _decayed_dot(a_CxK, b_CxK, decay_CxCxK):
+def _decayed_dot(a_CxH, b_CxH, decay_CxCxH):
   """sum_d a_id b_jd decay_ijd (elementwise + reduce: XLA:CPU fuses it, unlike the einsum)."""
-  return jnp.sum(a_CxK[..., :, None, :] * b_CxK[..., None, :, :] * decay_CxCxK, axis=-1)
+  return jnp.sum(a_CxH[..., :, None, :] * b_CxH[..., None, :, :] * decay_CxCxH, axis=-1)
 
 
 def _unit_lower_solve(lhs_CxC, rhs_CxC):
@@ -108,12 +108,12 @@ def _unit_lower_solve(lhs_CxC, rhs_CxC):
 
 
 def kda_chunkwise(
-  q_BxTxHxK,
-  k_BxTxHxK,
-  v_BxTxHxV,
-  g_BxTxHxK,
-  beta_BxTxH,
-  state_BxHxKxV=None,
+  q_BxTxNxH,
+  k_BxTxNxH,
+  v_BxTxNxE,
+  g_BxTxNxH,
+  beta_BxTxN,
+  state_BxNxHxE=None,
   *,
   scale=None,
   chunk_size: int = 64,
@@ -129,8 +129,8 @@ def kda_chunkwise(
   shared read queries the final recurrence's states that way.
   Padded tail tokens have k = v = g = b = 0, which leaves the state unchanged.
   """
-  b, t, h, kd = q_BxTxHxK.shape
-  vd = v_BxTxHxV.shape[-1]
+  b, t, h, kd = q_BxTxNxH.shape
+  vd = v_BxTxNxE.shape[-1]
   scale = kd**-0.5 if scale is None else scale
   c = min(chunk_size, t)
   n = -(-t // c)
@@ -141,57 +141,57 @@ def kda_chunkwise(
     x = x.reshape((b, n, c) + x.shape[2:])
     return jnp.moveaxis(x, 3, 1)
 
-  q, k, v, g = map(chunks, (q_BxTxHxK * scale, k_BxTxHxK, v_BxTxHxV, g_BxTxHxK))
-  beta_BxHxNxC = chunks(beta_BxTxH)
-  cum_G = jnp.cumsum(g, axis=-2)  # [B, H, N, C, K], inclusive.
-  q_G = cum_G - g if read_previous else cum_G
+  q, k, v, g = map(chunks, (q_BxTxNxH * scale, k_BxTxNxH, v_BxTxNxE, g_BxTxNxH))
+  beta_BxNxJxC = chunks(beta_BxTxN)
+  cum_g = jnp.cumsum(g, axis=-2)  # [B, N, J, C, H], inclusive.
+  q_g = cum_g - g if read_previous else cum_g
 
-  def pair_decay(rows_G, mask_CxC):  # exp(rows_G_i - cum_G_j) where mask, else 0: [.., C, C, K]
-    diff = rows_G[..., :, None, :] - cum_G[..., None, :, :]
+  def pair_decay(rows_g, mask_CxC):  # exp(rows_G_i - cum_G_j) where mask, else 0: [.., C, C, K]
+    diff = rows_g[..., :, None, :] - cum_g[..., None, :, :]
     mask = mask_CxC[..., None]
     return jnp.where(mask, jnp.exp(jnp.where(mask, diff, 0.0)), 0.0)
 
   strict_CxC = jnp.tril(jnp.ones((c, c), bool), -1)
-  m_CxC = _decayed_dot(k, k, pair_decay(cum_G, strict_CxC))
+  m_CxC = _decayed_dot(k, k, pair_decay(cum_g, strict_CxC))
   eye_CxC = jnp.eye(c, dtype=jnp.float32)
-  lhs = eye_CxC + beta_BxHxNxC[..., :, None] * m_CxC
-  rhs = jnp.broadcast_to(eye_CxC * beta_BxHxNxC[..., None, :], lhs.shape)
+  lhs = eye_CxC + beta_BxNxJxC[..., :, None] * m_CxC
+  rhs = jnp.broadcast_to(eye_CxC * beta_BxNxJxC[..., None, :], lhs.shape)
   t_CxC = _unit_lower_solve(lhs, rhs)
-  w_CxK = t_CxC @ (k * jnp.exp(cum_G))
-  u_CxV = t_CxC @ v
+  w_CxH = t_CxC @ (k * jnp.exp(cum_g))
+  u_CxE = t_CxC @ v
   qk_mask_CxC = strict_CxC if read_previous else jnp.tril(jnp.ones((c, c), bool))
-  a_qk_CxC = _decayed_dot(q, k, pair_decay(q_G, qk_mask_CxC))
-  q_decayed = q * jnp.exp(q_G)
-  last_G = cum_G[..., -1:, :]
-  k_to_end = k * jnp.exp(last_G - cum_G)
+  a_qk_CxC = _decayed_dot(q, k, pair_decay(q_g, qk_mask_CxC))
+  q_decayed = q * jnp.exp(q_g)
+  last_g = cum_g[..., -1:, :]
+  k_to_end = k * jnp.exp(last_g - cum_g)
 
-  def step(s_BxHxKxV, xs):
+  def step(s_BxNxHxE, xs):
     w, u, a_qk, q_dec, k_end, decay_end = xs
-    delta_BxHxCxV = u - w @ s_BxHxKxV
-    o_BxHxCxV = q_dec @ s_BxHxKxV + a_qk @ delta_BxHxCxV
-    s_BxHxKxV = decay_end[..., 0, :, None] * s_BxHxKxV + jnp.swapaxes(k_end, -1, -2) @ delta_BxHxCxV
-    return s_BxHxKxV, o_BxHxCxV
+    delta_BxNxCxE = u - w @ s_BxNxHxE
+    o_BxNxCxE = q_dec @ s_BxNxHxE + a_qk @ delta_BxNxCxE
+    s_BxNxHxE = decay_end[..., 0, :, None] * s_BxNxHxE + jnp.swapaxes(k_end, -1, -2) @ delta_BxNxCxE
+    return s_BxNxHxE, o_BxNxCxE
 
   per_chunk = lambda x: jnp.moveaxis(x, 2, 0)
-  xs = tuple(map(per_chunk, (w_CxK, u_CxV, a_qk_CxC, q_decayed, k_to_end, jnp.exp(last_G))))
-  if state_BxHxKxV is None:
-    state_BxHxKxV = jnp.zeros((b, h, kd, vd), jnp.float32)
-  state, o_NxBxHxCxV = jax.lax.scan(step, state_BxHxKxV.astype(jnp.float32), xs)
-  o_BxTxHxV = jnp.moveaxis(o_NxBxHxCxV, 0, 2).reshape(b, h, n * c, vd)[:, :, :t]
-  return jnp.swapaxes(o_BxTxHxV, 1, 2), state
+  xs = tuple(map(per_chunk, (w_CxH, u_CxE, a_qk_CxC, q_decayed, k_to_end, jnp.exp(last_g))))
+  if state_BxNxHxE is None:
+    state_BxNxHxE = jnp.zeros((b, h, kd, vd), jnp.float32)
+  state, o_JxBxNxCxE = jax.lax.scan(step, state_BxNxHxE.astype(jnp.float32), xs)
+  o_BxTxNxE = jnp.moveaxis(o_JxBxNxCxE, 0, 2).reshape(b, h, n * c, vd)[:, :, :t]
+  return jnp.swapaxes(o_BxTxNxE, 1, 2), state
 
 
 def shared_read(
-  q_BxTxHxK,
-  k_BxTxHxK,
-  v_BxTxHxV,
-  g_BxTxHxK,
-  beta_BxTxH,
+  q_BxTxNxH,
+  k_BxTxNxH,
+  v_BxTxNxE,
+  g_BxTxNxH,
+  beta_BxTxN,
   past,
   *,
   scale=None,
   chunk_size: int = 64,
-  state_BxHxKxV=None,
+  state_BxNxHxE=None,
 ):
   """Outputs of tokens that each start from the state S_{t-1} of a *past* sequence.
 
@@ -200,28 +200,28 @@ def shared_read(
   o_t = S_{t-1}^T Diag(e^(g_t)) (q_t - b_t (k_t.q_t) k_t) + b_t (k_t.q_t) v_t. With
   past = own this is the ordinary causal output.
   """
-  kd = q_BxTxHxK.shape[-1]
+  kd = q_BxTxNxH.shape[-1]
   scale = kd**-0.5 if scale is None else scale
-  q = q_BxTxHxK.astype(jnp.float32) * scale
-  k = k_BxTxHxK.astype(jnp.float32)
-  beta_BxTxHx1 = beta_BxTxH.astype(jnp.float32)[..., None]
-  kq_BxTxHx1 = jnp.sum(k * q, axis=-1, keepdims=True)
-  q_tilde = jnp.exp(g_BxTxHxK.astype(jnp.float32)) * (q - beta_BxTxHx1 * kq_BxTxHx1 * k)
+  q = q_BxTxNxH.astype(jnp.float32) * scale
+  k = k_BxTxNxH.astype(jnp.float32)
+  beta_BxTxNx1 = beta_BxTxN.astype(jnp.float32)[..., None]
+  kq_BxTxNx1 = jnp.sum(k * q, axis=-1, keepdims=True)
+  q_tilde = jnp.exp(g_BxTxNxH.astype(jnp.float32)) * (q - beta_BxTxNx1 * kq_BxTxNx1 * k)
   o_past, _ = kda_chunkwise(
-    q_tilde, *past, state_BxHxKxV, scale=1.0, chunk_size=chunk_size, read_previous=True
+    q_tilde, *past, state_BxNxHxE, scale=1.0, chunk_size=chunk_size, read_previous=True
   )
-  return o_past + beta_BxTxHx1 * kq_BxTxHx1 * v_BxTxHxV.astype(jnp.float32)
+  return o_past + beta_BxTxNx1 * kq_BxTxNx1 * v_BxTxNxE.astype(jnp.float32)
 
 
-def causal_conv(x_BxTxC, w_WxC, tail_BxWxC=None):
+def causal_conv(x_BxTxM, w_WxM, tail_BxWxM=None):
   """Depthwise causal conv: out_t = sum_i w_i x_{t - W + 1 + i}, with `tail` (W - 1 earlier
   inputs, zeros if None) before x."""
-  width = w_WxC.shape[0]
-  if tail_BxWxC is None:
-    tail_BxWxC = jnp.zeros((x_BxTxC.shape[0], width - 1, x_BxTxC.shape[2]), x_BxTxC.dtype)
-  xp = jnp.concatenate([tail_BxWxC.astype(x_BxTxC.dtype), x_BxTxC], axis=1)
-  t = x_BxTxC.shape[1]
-  return sum(xp[:, i : i + t] * w_WxC[i] for i in range(width))
+  width = w_WxM.shape[0]
+  if tail_BxWxM is None:
+    tail_BxWxM = jnp.zeros((x_BxTxM.shape[0], width - 1, x_BxTxM.shape[2]), x_BxTxM.dtype)
+  xp = jnp.concatenate([tail_BxWxM.astype(x_BxTxM.dtype), x_BxTxM], axis=1)
+  t = x_BxTxM.shape[1]
+  return sum(xp[:, i : i + t] * w_WxM[i] for i in range(width))
 
 
 def _conv_init(key, shape, dtype):
@@ -260,60 +260,60 @@ class KDA(nn.Module):
     h, kd = cfg.num_heads, cfg.head_dim
     b, t, _ = x_BxTxD.shape
     channels = 3 * h * kd
-    conv_in_BxTxC = projection(cfg, channels, cfg.init_std, "qkv", axes=("embed", None))(x_BxTxD)
+    conv_in_BxTxM = projection(cfg, channels, cfg.init_std, "qkv", axes=("embed", None))(x_BxTxD)
     conv_w = self.param("conv", _conv_init, (cfg.kda_conv_size, channels), cfg.weight_dtype)
-    f_BxTxR = projection(cfg, kd, cfg.init_std, "decay_down", axes=("embed", None))(x_BxTxD)
-    f_BxTxHxK = projection(cfg, (h, kd), cfg.init_std, "decay_up", axes=(None, "heads", None))(
-      f_BxTxR
+    f_BxTxA = projection(cfg, kd, cfg.init_std, "decay_down", axes=("embed", None))(x_BxTxD)
+    f_BxTxNxH = projection(cfg, (h, kd), cfg.init_std, "decay_up", axes=(None, "heads", None))(
+      f_BxTxA
     )
-    a_log_H = self.param("A_log", _a_log_init, (h,), jnp.float32)
-    dt_bias_HxK = self.param("dt_bias", _dt_bias_init, (h, kd), jnp.float32)
-    g_BxTxHxK = -jnp.exp(a_log_H)[:, None] * jax.nn.softplus(
-      f_BxTxHxK.astype(jnp.float32) + dt_bias_HxK
+    a_log_N = self.param("A_log", _a_log_init, (h,), jnp.float32)
+    dt_bias_NxH = self.param("dt_bias", _dt_bias_init, (h, kd), jnp.float32)
+    g_BxTxNxH = -jnp.exp(a_log_N)[:, None] * jax.nn.softplus(
+      f_BxTxNxH.astype(jnp.float32) + dt_bias_NxH
     )
-    beta_BxTxH = jax.nn.sigmoid(
+    beta_BxTxN = jax.nn.sigmoid(
       projection(cfg, h, cfg.init_std, "beta", axes=("embed", None))(x_BxTxD).astype(jnp.float32)
     )
-    own = KDARecord(conv_in_BxTxC, g_BxTxHxK, beta_BxTxH)
+    own = KDARecord(conv_in_BxTxM, g_BxTxNxH, beta_BxTxN)
     conv_w = conv_w.astype(jnp.float32)
     chunk = cfg.kda_chunk_size
 
-    def split(conv_out_BxTxC):
-      q, k, v = jnp.split(jax.nn.silu(conv_out_BxTxC).reshape(b, -1, 3 * h, kd), 3, axis=2)
+    def split(conv_out_BxTxM):
+      q, k, v = jnp.split(jax.nn.silu(conv_out_BxTxM).reshape(b, -1, 3 * h, kd), 3, axis=2)
       return l2_normalize(q), l2_normalize(k), v
 
     past = ctx.past(own) if callable(ctx.past) else ctx.past
-    conv_in32 = conv_in_BxTxC.astype(jnp.float32)
+    conv_in32 = conv_in_BxTxM.astype(jnp.float32)
     if past is None:
       q, k, v = split(causal_conv(conv_in32, conv_w))
-      o_BxTxHxV, _ = kda_chunkwise(q, k, v, g_BxTxHxK, beta_BxTxH, chunk_size=chunk)
+      o_BxTxNxE, _ = kda_chunkwise(q, k, v, g_BxTxNxH, beta_BxTxN, chunk_size=chunk)
       entry = own
     elif isinstance(past, KDAState):
-      q, k, v = split(causal_conv(conv_in32, conv_w, past.conv_BxWxC))
-      o_BxTxHxV, state = kda_recurrent(q, k, v, g_BxTxHxK, beta_BxTxH, past.state_BxHxKxV)
-      window = jnp.concatenate([past.conv_BxWxC, conv_in32], axis=1)
+      q, k, v = split(causal_conv(conv_in32, conv_w, past.conv_BxWxM))
+      o_BxTxNxE, state = kda_recurrent(q, k, v, g_BxTxNxH, beta_BxTxN, past.state_BxNxHxE)
+      window = jnp.concatenate([past.conv_BxWxM, conv_in32], axis=1)
       entry = KDAState(state, window[:, window.shape[1] - (cfg.kda_conv_size - 1) :])
     else:  # Shared read of past records (s < t); the diagonal is the token's own.
-      past_in32 = past.conv_in_BxTxC.astype(jnp.float32)
+      past_in32 = past.conv_in_BxTxM.astype(jnp.float32)
       past_conv = causal_conv(past_in32, conv_w)
       _, k_p, v_p = split(past_conv)
       q, k, v = split(past_conv + conv_w[-1] * (conv_in32 - past_in32))
-      past_seq = (k_p, v_p, past.g_BxTxHxK, past.beta_BxTxH)
-      o_BxTxHxV = shared_read(q, k, v, g_BxTxHxK, beta_BxTxH, past_seq, chunk_size=chunk)
+      past_seq = (k_p, v_p, past.g_BxTxNxH, past.beta_BxTxN)
+      o_BxTxNxE = shared_read(q, k, v, g_BxTxNxH, beta_BxTxN, past_seq, chunk_size=chunk)
       entry = own
 
-    gate_BxTxR = projection(cfg, kd, cfg.init_std, "gate_down", axes=("embed", None))(x_BxTxD)
-    gate_BxTxHxV = nn.DenseGeneral(
+    gate_BxTxA = projection(cfg, kd, cfg.init_std, "gate_down", axes=("embed", None))(x_BxTxD)
+    gate_BxTxNxE = nn.DenseGeneral(
       (h, kd),
       use_bias=True,
       kernel_init=nn.initializers.normal(cfg.init_std),
       dtype=cfg.compute_dtype,
       param_dtype=cfg.weight_dtype,
       name="gate_up",
-    )(gate_BxTxR)
+    )(gate_BxTxA)
     norm_scale = self.param("out_norm", nn.initializers.ones, (kd,), cfg.weight_dtype)
-    o32 = o_BxTxHxV * jax.lax.rsqrt(jnp.mean(jnp.square(o_BxTxHxV), -1, keepdims=True) + 1e-5)
-    o32 = o32 * norm_scale.astype(jnp.float32) * jax.nn.sigmoid(gate_BxTxHxV.astype(jnp.float32))
+    o32 = o_BxTxNxE * jax.lax.rsqrt(jnp.mean(jnp.square(o_BxTxNxE), -1, keepdims=True) + 1e-5)
+    o32 = o32 * norm_scale.astype(jnp.float32) * jax.nn.sigmoid(gate_BxTxNxE.astype(jnp.float32))
     out = o32.astype(cfg.compute_dtype)
     y_BxTxD = projection(
       cfg, cfg.d_model, self.out_std, "out", axis=(-2, -1), axes=("heads", "head_dim", "embed")

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from looped.model.config import ModelConfig
 from looped.model.layers import RMSNorm, normal_init, projection, rope
 
-Entry = tuple[jax.Array, jax.Array]  # (c_kv_BxSx1xC, k_rope_BxSx1xR)
+Entry = tuple[jax.Array, jax.Array]  # (c_kv_BxSx1xL, k_rope_BxSx1xY)
 
 
 def _softmax_rows(logits_BxNxTxS, mask_BxTxS):
@@ -40,16 +40,16 @@ def _f32(*xs):
 
 
 def mla_expanded(
-  q_nope_BxTxNxH, q_rope_BxTxNxR, c_BxSx1xC, k_rope_BxSx1xR, w_uk_CxNxH, w_uv_CxNxH, mask_BxTxS
+  q_nope_BxTxNxH, q_rope_BxTxNxY, c_BxSx1xL, k_rope_BxSx1xY, w_uk_LxNxH, w_uv_LxNxH, mask_BxTxS
 ):
   """MLA as ordinary multi-head attention on the up-projected keys and values."""
   q_nope, q_rope, c, k_rope, w_uk, w_uv = _f32(
     q_nope_BxTxNxH,
-    q_rope_BxTxNxR,
-    c_BxSx1xC[:, :, 0],
-    k_rope_BxSx1xR[:, :, 0],
-    w_uk_CxNxH,
-    w_uv_CxNxH,
+    q_rope_BxTxNxY,
+    c_BxSx1xL[:, :, 0],
+    k_rope_BxSx1xY[:, :, 0],
+    w_uk_LxNxH,
+    w_uv_LxNxH,
   )
   scale = (q_nope.shape[-1] + q_rope.shape[-1]) ** -0.5
   k_nope_BxSxNxH = jnp.einsum("bsc,cnh->bsnh", c, w_uk)
@@ -60,24 +60,24 @@ def mla_expanded(
 
 
 def mla_absorbed(
-  q_nope_BxTxNxH, q_rope_BxTxNxR, c_BxSx1xC, k_rope_BxSx1xR, w_uk_CxNxH, w_uv_CxNxH, mask_BxTxS
+  q_nope_BxTxNxH, q_rope_BxTxNxY, c_BxSx1xL, k_rope_BxSx1xY, w_uk_LxNxH, w_uv_LxNxH, mask_BxTxS
 ):
   """The same attention with W_UK absorbed into the query and W_UV applied after the sum, so
   the latents are read as they are cached (decode form)."""
   q_nope, q_rope, c, k_rope, w_uk, w_uv = _f32(
     q_nope_BxTxNxH,
-    q_rope_BxTxNxR,
-    c_BxSx1xC[:, :, 0],
-    k_rope_BxSx1xR[:, :, 0],
-    w_uk_CxNxH,
-    w_uv_CxNxH,
+    q_rope_BxTxNxY,
+    c_BxSx1xL[:, :, 0],
+    k_rope_BxSx1xY[:, :, 0],
+    w_uk_LxNxH,
+    w_uv_LxNxH,
   )
   scale = (q_nope.shape[-1] + q_rope.shape[-1]) ** -0.5
-  q_latent_BxTxNxC = jnp.einsum("btnh,cnh->btnc", q_nope, w_uk)
-  logits = jnp.einsum("btnc,bsc->bnts", q_latent_BxTxNxC, c)
+  q_latent_BxTxNxL = jnp.einsum("btnh,cnh->btnc", q_nope, w_uk)
+  logits = jnp.einsum("btnc,bsc->bnts", q_latent_BxTxNxL, c)
   logits = (logits + jnp.einsum("btnr,bsr->bnts", q_rope, k_rope)) * scale
-  out_latent_BxTxNxC = jnp.einsum("bnts,bsc->btnc", _softmax_rows(logits, mask_BxTxS), c)
-  return jnp.einsum("btnc,cnh->btnh", out_latent_BxTxNxC, w_uv)
+  out_latent_BxTxNxL = jnp.einsum("bnts,bsc->btnc", _softmax_rows(logits, mask_BxTxS), c)
+  return jnp.einsum("btnc,cnh->btnh", out_latent_BxTxNxL, w_uv)
 
 
 class MLA(nn.Module):
@@ -107,14 +107,14 @@ class MLA(nn.Module):
         x_BxTxD
       )
     q_nope_BxTxNxH = q_BxTxNxE[..., :h]
-    q_rope_BxTxNxR = rope(q_BxTxNxE[..., h:], positions_BxT, cfg.rope_base)
+    q_rope_BxTxNxY = rope(q_BxTxNxE[..., h:], positions_BxT, cfg.rope_base)
     kv_BxTxE = projection(cfg, c + r, cfg.init_std, "kv_down", axes=("embed", None))(x_BxTxD)
-    c_BxTx1xC = RMSNorm(cfg.weight_dtype, name="kv_norm")(kv_BxTxE[..., :c])[:, :, None, :]
-    k_rope_BxTx1xR = rope(kv_BxTxE[:, :, None, c:], positions_BxT, cfg.rope_base)
-    own = (c_BxTx1xC, k_rope_BxTx1xR)
+    c_BxTx1xL = RMSNorm(cfg.weight_dtype, name="kv_norm")(kv_BxTxE[..., :c])[:, :, None, :]
+    k_rope_BxTx1xY = rope(kv_BxTxE[:, :, None, c:], positions_BxT, cfg.rope_base)
+    own = (c_BxTx1xL, k_rope_BxTx1xY)
     up_init = nn.with_logical_partitioning(normal_init(cfg.init_std), (None, "heads", "head_dim"))
     up = lambda name: self.param(name, up_init, (c, n, h), cfg.weight_dtype)
-    w_uk_CxNxH, w_uv_CxNxH = up("key_up"), up("value_up")
+    w_uk_LxNxH, w_uv_LxNxH = up("key_up"), up("value_up")
 
     absorbed = ctx.past is not None and not callable(ctx.past)
     past = ctx.past(own) if callable(ctx.past) else ctx.past
@@ -127,7 +127,7 @@ class MLA(nn.Module):
       mask = jnp.concatenate([ctx.past_mask_BxTxS, mask], axis=-1)
     form = mla_absorbed if absorbed else mla_expanded
     out_BxTxNxH = form(
-      q_nope_BxTxNxH, q_rope_BxTxNxR, c_all, k_rope_all, w_uk_CxNxH, w_uv_CxNxH, mask
+      q_nope_BxTxNxH, q_rope_BxTxNxY, c_all, k_rope_all, w_uk_LxNxH, w_uv_LxNxH, mask
     ).astype(cfg.compute_dtype)
     y_BxTxD = projection(
       cfg, cfg.d_model, self.out_std, "out", axis=(-2, -1), axes=("heads", "head_dim", "embed")

@@ -20,7 +20,8 @@ L_kv the cached layers. Nothing here depends on the batch beyond its padded shap
 
 Fitted to this machine's CPU (hardware 'cpu_2core', benchmarks/engine.py) it predicts held-out
 step shapes with ~19-21% median error, up to ~70-85%: it under-prices context in the token-by-token
-path and does not price a format's dequantization arithmetic (README, cost-model calibration).
+path and does not price a format's dequantization arithmetic (docs/results.md, "Cost-model
+calibration").
 """
 
 from __future__ import annotations

@@ -63,8 +63,8 @@ PROFILES = {
   "h100_spec": Hardware("h100_spec", 989e12, 3.35e12, 80e9, _OVERHEAD_S, "datasheet (SXM)"),
   # looped/engine's CPU steps (fp32, raw pages, one XLA thread pinned to one core of this 2-core
   # machine), priced as the engine pads them, terms added. Fitted by benchmarks/engine.py on 64
-  # of 96 step shapes (unshared and shared); 18.9% median error on the 32 held out (README
-  # "Generation engine", cost-model calibration). Formats' dequantization is not priced.
+  # of 96 step shapes (unshared and shared); 18.9% median error on the 32 held out (docs/results.md,
+  # "Cost-model calibration"). Formats' dequantization is not priced.
   "cpu_2core": Hardware(
     "cpu_2core",
     4.21e10,

@@ -1,8 +1,13 @@
-"""Which accelerator a notebook runs on, and the BeNice! pipeline config that fits it.
+"""The BeNice! pipeline sized for the runtime it runs on (the Colab quickstart's config).
 
-The Colab notebooks (colabs/) call `detect()` then `benice_config()`; both take plain values so
-the choice can be tested with faked device lists (a TPU v2-8 runtime has 8 devices of kind
-'TPU v2', a GPU runtime one 'Tesla T4' or similar, a CPU runtime one 'cpu').
+  python -m looped.main --config=configs/colab.py --workdir=/tmp/colab          # this machine
+  python -m looped.main --config=configs/colab.py:small --workdir=/tmp/colab    # smoke, anywhere
+
+Args: `small` (the smoke pipeline on any runtime). Fields: those of configs/benice.py, resized
+by `benice_config` below. The Colab notebooks (colabs/) call `detect()` then `benice_config()`;
+both take plain values so the choice can be tested with faked device lists (a TPU v2-8 runtime
+has 8 devices of kind 'TPU v2', a GPU runtime one 'Tesla T4' or similar, a CPU runtime one
+'cpu').
 """
 
 from __future__ import annotations
@@ -12,7 +17,10 @@ from collections.abc import Sequence
 
 import ml_collections
 
+import configs
 from configs import benice
+
+VARIANTS = {"small": "the smoke pipeline on any runtime (the notebooks' SMALL = True)"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,3 +67,9 @@ def benice_config(runtime: Runtime, small: bool = False) -> ml_collections.Confi
     c.train.num_steps = 2000
     c.post.train.num_steps = 400
   return c
+
+
+def get_config(arg: str = "") -> ml_collections.ConfigDict:
+  """benice_config for the runtime this process sees (jax.devices())."""
+  args = configs.parse_args(arg, VARIANTS)
+  return benice_config(detect(), small="small" in args)

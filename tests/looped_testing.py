@@ -1,7 +1,7 @@
 """Shared test utilities: a tiny model, config overrides, temporary workdirs.
 
-Lives in the library (like flax.testing / chex) so every test file, and users' own tests of
-extensions, build the same fixtures.
+Lives beside the tests (it imports `configs`, which the library does not): every test file
+imports it as `import looped_testing as testing` (pytest puts tests/ on the path).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def smoke_config(overrides: dict):
 
 def saved_params(model_cfg, workdir: str, step: int | None = None):
   """The verified params of a run's checkpoint (the latest, or `step`), to compare runs."""
-  import jax  # Lazy, like configs above: importing looped.testing stays cheap.
+  import jax  # Lazy, like configs above: importing looped_testing stays cheap.
   import numpy as np
 
   from looped.model import LoopedLM, from_config, init_params

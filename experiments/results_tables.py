@@ -1,0 +1,317 @@
+r"""Every results table of README.md and docs/, printed from the reports in experiments/results/.
+
+  python experiments/results_tables.py                  # the names of the tables
+  python experiments/results_tables.py gap_sweep        # print one table
+  python experiments/results_tables.py --check          # do README.md and docs/ hold them? (exit 1)
+  python experiments/results_tables.py --write          # rewrite them in place
+
+A page holds a generated table between two marker lines, which Markdown does not render:
+
+  <!-- table: gap_sweep -->
+  | point | ... |
+  <!-- end table -->
+
+`--check` compares the text between each pair of markers with what this script prints for that
+name; tests/docs_test.py runs the same check, so a table edited by hand, or a report changed
+without regenerating its table, fails the tests. The tables are built by the scripts that own
+them (experiments/gap_table.py, experiments/composition_table.py,
+experiments/composition_memory.py) and, for the pipeline reports, by the functions below.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import sys
+from collections.abc import Callable
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _REPO)  # Run as a script from anywhere: the experiments/ scripts import too.
+sys.path.insert(0, os.path.join(_REPO, "experiments"))
+
+import composition_memory  # noqa: E402
+import composition_table  # noqa: E402
+import gap_table  # noqa: E402
+
+from configs import pretrain  # noqa: E402
+from looped import kv_quant  # noqa: E402
+from looped.benice import collect  # noqa: E402
+from looped.benice.report import gap_with_ci, pct  # noqa: E402
+from looped.model import from_config, mixers  # noqa: E402
+
+RESULTS = os.path.join(_REPO, "experiments", "results")
+# Pages that may hold generated tables, relative to the repository root.
+PAGES = ("README.md", "docs/*.md")
+_MARKER = re.compile(
+  r"^<!-- table: (?P<name>[a-z0-9_]+) -->\n(?P<body>.*?)^<!-- end table -->$", re.M | re.S
+)
+
+_MODEL_NAMES = {
+  "zero_shot": "zero-shot (pretrained)",
+  "finetune": "standard finetune",
+  "benice": "BeNice!",
+}
+
+
+def _results(*parts: str) -> str:
+  return os.path.join(RESULTS, *parts)
+
+
+def _report(run: str) -> dict:
+  return collect.load(_results(run))
+
+
+def _floats(xs, fmt: str = "{:.2f}") -> str:
+  return " ".join(fmt.format(x) for x in xs)
+
+
+def gap_sweep() -> str:
+  return gap_table.table(gap_table.points([_results("gap_sweep")]))
+
+
+def _composition_runs() -> dict:
+  return composition_table.load_runs(sorted(glob.glob(_results("composition", "*_s[0-9]"))))
+
+
+def composition() -> str:
+  return composition_table.table(_composition_runs())
+
+
+def composition_per_seed() -> str:
+  return composition_table.per_seed_table(_composition_runs())
+
+
+def composition_memory_table() -> str:
+  return composition_memory.table(4096)
+
+
+def kv_bytes() -> str:
+  """Bytes per token of the default model's cache in each KV format (scales included, nvfp4's
+  per-token tensor scale not), shared and unshared; computed from the code, not a report."""
+  cfg = from_config(pretrain.get_config().model)
+  base = mixers.cache_bytes(cfg, "bf16")["per_token"]["unshared"]
+  lines = [
+    "| format | bytes/value | shared B/token | unshared B/token | shared / (bf16 unshared) |",
+    "|---|---:|---:|---:|---:|",
+  ]
+  for fmt in kv_quant.FORMATS:
+    b = mixers.cache_bytes(cfg, fmt)["per_token"]
+    lines.append(
+      f"| {fmt} | {kv_quant.bytes_per_value(fmt, cfg.head_dim):g} | {b['shared']:.0f} | "
+      f"{b['unshared']:.0f} | {b['shared'] / base:.3f} |"
+    )
+  return "\n".join(lines)
+
+
+def default_command() -> str:
+  """The main command's report (default_command/default_s0): one row per model."""
+  models = _report("default_command/default_s0")["models"]
+  rows = next(iter(models.values()))["decode_subset"]["rows"]
+  lines = [
+    f"| model | ppl unshared | ppl shared exact ({rows} rows) | gap exact [95% CI] | "
+    "gap J4 [95% CI] | K drift r=1..R (core layer 0) | contraction r=2..R |",
+    "|---|---:|---:|---:|---:|---|---|",
+  ]
+  for name, m in models.items():
+    lines.append(
+      f"| {_MODEL_NAMES[name]} | {m['ppl_unshared_subset']:.3f} | "
+      f"{m['ppl_shared_exact_subset']:.3f} | {gap_with_ci(m['gap_exact'], m['gap_exact_ci95'])} | "
+      f"{gap_with_ci(m['gap_jacobi_eval']['4'], m['gap_jacobi_eval_ci95']['4'])} | "
+      f"{_floats(m['kv_drift']['k'][0])} | {_floats(m['contraction_ratios'])} |"
+    )
+  return "\n".join(lines)
+
+
+def default_command_kv_formats() -> str:
+  """The main command's models read through each KV format; bytes relative to bf16 unshared."""
+  models = _report("default_command/default_s0")["models"]
+  lines = [
+    "| model | KV format | ppl unshared | ppl shared exact | gap exact [95% CI] | "
+    "KV B/token shared / unshared (x bf16 unshared) |",
+    "|---|---|---:|---:|---:|---|",
+  ]
+  for name, m in models.items():
+    base = m["kv_bytes_per_token"]["unshared"]
+    for fmt, f in [("fp32 (none)", m)] + list(m["kv_formats"].items()):
+      kv = f["kv_bytes_per_token"]
+      size = (
+        "-"
+        if fmt == "fp32 (none)"
+        else f"{kv['shared']:.0f} / {kv['unshared']:.0f} "
+        f"({kv['shared'] / base:.3f} / {kv['unshared'] / base:.3f})"
+      )
+      lines.append(
+        f"| {_MODEL_NAMES[name]} | {fmt} | {f['ppl_unshared_subset']:.3f} | "
+        f"{f['ppl_shared_exact_subset']:.3f} | {gap_with_ci(f['gap_exact'], f['gap_exact_ci95'])} "
+        f"| {size} |"
+      )
+  return "\n".join(lines)
+
+
+# The `:fixed` regime's rows: (label, run prefix, model); each run exists per seed (_s0, _s1).
+_FIXED_ROWS = (
+  ("zero-shot (pretrained)", "fixed", "zero_shot"),
+  ("standard finetune", "fixed", "finetune"),
+  ("BeNice! (`all`, kv_passes 3: the `:fixed` default)", "fixed", "benice"),
+  ("BeNice! (`all`, kv_passes 0: the paper's)", "benice_kv0_all", "benice"),
+  ("BeNice! (`first`, kv_passes 0: the paper's wording)", "benice_kv0_first", "benice"),
+  ("BeNice! (`first`, kv_passes 3; on the rerun pretraining)", "benice_kv3_first", "benice"),
+  ("stochastic-depth pretraining, same architecture (zero-shot)", "poisson", "zero_shot"),
+)
+
+
+def fixed_regime() -> str:
+  """BeNice! in the `:fixed` regime, seeds 0 and 1 (experiments/results/fixed_regime/)."""
+  lines = [
+    "| model | seed | ppl unshared | ppl shared exact | gap exact [95% CI] | gap J1 [95% CI] | "
+    "gap J4 [95% CI] |",
+    "|---|---|---:|---:|---:|---:|---:|",
+  ]
+  for label, run, model in _FIXED_ROWS:
+    for seed in (0, 1):
+      m = _report(f"fixed_regime/{run}_s{seed}")["models"][model]
+      jacobi = [gap_with_ci(m["gap_jacobi_eval"][n], m["gap_jacobi_eval_ci95"][n]) for n in "14"]
+      lines.append(
+        f"| {label} | {seed} | {m['ppl_unshared_subset']:.3f} | "
+        f"{m['ppl_shared_exact_subset']:.3f} | {gap_with_ci(m['gap_exact'], m['gap_exact_ci95'])} "
+        f"| {jacobi[0]} | {jacobi[1]} |"
+      )
+  return "\n".join(lines)
+
+
+def fixed_regime_reruns() -> str:
+  """Seed 0's and seed 1's `:fixed` pipelines run twice: the exact gaps side by side."""
+  lines = [
+    "| seed | model | ppl unshared (first run / rerun) | gap exact, first run | gap exact, rerun |",
+    "|---|---|---|---:|---:|",
+  ]
+  for seed in (0, 1):
+    first = _report(f"fixed_regime/fixed_s{seed}")["models"]
+    rerun = _report(f"fixed_regime/fixed_s{seed}_rerun")["models"]
+    for model in ("zero_shot", "finetune", "benice"):
+      a, b = first[model], rerun[model]
+      lines.append(
+        f"| {seed} | {_MODEL_NAMES[model]} | {a['ppl_unshared_subset']:.5f} / "
+        f"{b['ppl_unshared_subset']:.5f} | {gap_with_ci(a['gap_exact'], a['gap_exact_ci95'])} | "
+        f"{gap_with_ci(b['gap_exact'], b['gap_exact_ci95'])} |"
+      )
+  return "\n".join(lines)
+
+
+def headline() -> str:
+  """README's results table: the exact-decode sharing gap of each model, with where it is from."""
+  default = _report("default_command/default_s0")["models"]
+  fixed = [_report(f"fixed_regime/fixed_s{s}")["models"] for s in (0, 1)]
+  poisson = [_report(f"fixed_regime/poisson_s{s}")["models"] for s in (0, 1)]
+  runs = _composition_runs()
+
+  def seeds(ms: list[dict], model: str) -> str:
+    return " / ".join(pct(m[model]["gap_exact"]) for m in ms)
+
+  lines = [
+    "| setting | zero-shot | standard finetune | BeNice! | from |",
+    "|---|---:|---:|---:|---|",
+    f"| main command: stochastic depth, default model, seed 0 | "
+    f"{pct(default['zero_shot']['gap_exact'])} | {pct(default['finetune']['gap_exact'])} | "
+    f"{pct(default['benice']['gap_exact'])} | "
+    "[default command](docs/results.md#the-default-command) |",
+    f"| `:fixed` regime (fixed depth), seeds 0 / 1 | {seeds(fixed, 'zero_shot')} | "
+    f"{seeds(fixed, 'finetune')} | {seeds(fixed, 'benice')} | "
+    "[`:fixed` regime](docs/results.md#benice-in-the-fixed-regime) |",
+    f"| same architecture, stochastic depth, seeds 0 / 1 | {seeds(poisson, 'zero_shot')} | - | - "
+    "| [`:fixed` regime](docs/results.md#benice-in-the-fixed-regime) |",
+  ]
+  for mixer in composition_table.MIXERS:
+    reports = [r["models"] for r in runs[("fixed", mixer)]]
+    lines.append(
+      f"| {mixer.upper() if mixer != 'hybrid' else 'KDA:MLA hybrid'}, fixed depth (smaller "
+      f"scale), seeds 0 / 1 | {seeds(reports, 'zero_shot')} | {seeds(reports, 'finetune')} | "
+      f"{seeds(reports, 'benice')} | [composition](docs/results.md#mixers-the-composition-table) |"
+    )
+  return "\n".join(lines)
+
+
+TABLES: dict[str, Callable[[], str]] = {
+  "headline": headline,
+  "default_command": default_command,
+  "default_command_kv_formats": default_command_kv_formats,
+  "gap_sweep": gap_sweep,
+  "fixed_regime": fixed_regime,
+  "fixed_regime_reruns": fixed_regime_reruns,
+  "composition": composition,
+  "composition_per_seed": composition_per_seed,
+  "composition_memory": composition_memory_table,
+  "kv_bytes": kv_bytes,
+}
+
+
+def pages(root: str = _REPO) -> list[str]:
+  out = []
+  for pattern in PAGES:
+    out += sorted(glob.glob(os.path.join(root, pattern)))
+  return out
+
+
+def blocks(text: str) -> list[tuple[str, str]]:
+  """(name, body) of every generated table in a page, body without its trailing newline."""
+  return [(m["name"], m["body"].rstrip("\n")) for m in _MARKER.finditer(text)]
+
+
+def check(root: str = _REPO) -> list[str]:
+  """One line per generated table that differs from this script's output (or is unknown)."""
+  problems, cache = [], {}
+  for path in pages(root):
+    with open(path, encoding="utf-8") as f:
+      text = f.read()
+    for name, body in blocks(text):
+      rel = os.path.relpath(path, root)
+      if name not in TABLES:
+        problems.append(f"{rel}: unknown table '{name}' (known: {', '.join(TABLES)})")
+        continue
+      if name not in cache:
+        cache[name] = TABLES[name]()
+      if body != cache[name]:
+        problems.append(
+          f"{rel}: table '{name}' differs from `python experiments/results_tables.py {name}`"
+        )
+  return problems
+
+
+def write(root: str = _REPO) -> list[str]:
+  """Rewrite every generated table in place; returns the pages changed."""
+  changed = []
+  for path in pages(root):
+    with open(path, encoding="utf-8") as f:
+      text = f.read()
+    new = _MARKER.sub(
+      lambda m: f"<!-- table: {m['name']} -->\n{TABLES[m['name']]()}\n<!-- end table -->", text
+    )
+    if new != text:
+      with open(path, "w", encoding="utf-8") as f:
+        f.write(new)
+      changed.append(os.path.relpath(path, root))
+  return changed
+
+
+def main(argv: list[str]) -> int:
+  if not argv:
+    print("\n".join(TABLES))
+    return 0
+  if argv == ["--check"]:
+    problems = check()
+    print("\n".join(problems) if problems else "every generated table is up to date")
+    return 1 if problems else 0
+  if argv == ["--write"]:
+    print("\n".join(write()) or "nothing to rewrite")
+    return 0
+  unknown = [a for a in argv if a not in TABLES]
+  if unknown:
+    print(__doc__ + f"\nunknown table(s): {', '.join(unknown)}", file=sys.stderr)
+    return 2
+  print("\n\n".join(TABLES[a]() for a in argv))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
