@@ -10,8 +10,8 @@ from unittest import mock
 import numpy as np
 from absl.testing import absltest
 
+import looped_testing as testing
 from configs import benice as benice_config
-from looped import testing
 from looped.benice import curves, evaluation, pipeline
 
 

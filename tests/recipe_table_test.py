@@ -6,7 +6,7 @@ import os
 
 from absl.testing import absltest
 
-from looped import testing
+import looped_testing as testing
 
 _SPEC = importlib.util.spec_from_file_location(
   "recipe_table",

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from looped import testing
+import looped_testing as testing
 from looped.engine.engine import Engine
 from looped.engine.requests import GenRequest
 from looped.engine.sampling import SamplingParams

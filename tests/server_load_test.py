@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
 
-from looped import testing
+import looped_testing as testing
 from looped.data.tokenizers import BytesTokenizer
 from looped.engine.engine import Engine
 from looped.engine.requests import GenRequest

@@ -13,8 +13,9 @@ import time
 
 from absl.testing import absltest
 
+import looped_testing as testing
 from configs import serve as serve_config
-from looped import config_checks, programs, testing
+from looped import config_checks, programs
 from looped.server import client
 from looped.train import trainer
 

@@ -20,9 +20,10 @@ import numpy as np
 import openai
 from absl.testing import absltest, parameterized
 
+import looped_testing as testing
 from configs import generate as generate_config
 from configs import serve as serve_config
-from looped import programs, testing
+from looped import programs
 from looped.data.tokenizers import BytesTokenizer
 from looped.model import config as model_lib
 from looped.model.kv_cache import init_cache
