@@ -7,14 +7,14 @@
       --config.pipeline.finetune_workdir=/tmp/fixed/finetune --config.benice.read_recurrences=first
 
 Args (comma-separated): `smoke` (tiny, runs in about a minute on a CPU, for tests), `fixed`
-(the regime where sharing breaks, README "Where sharing breaks": fixed-depth pretraining of a
+(the regime where sharing breaks, docs/results.md: fixed-depth pretraining of a
 non-contracting loop, linear injection and no prelude/coda layers, so the core's attention does
 all the sequence mixing; its BeNice! reads the K/V after 3 Jacobi passes),
 `zero_shot` (pretraining and its zero-shot shareability evaluation only, no KV formats),
 `composition` (the composition table's scale: 300 pretraining and 100 post-training steps, exact
 decode on 32 rows, bf16 / fp8 / nvfp4 caches), and
 at most one mixer: `gqa` (the default), `mla`, `kda` (every layer that mixer) or `hybrid` (KDA
-and MLA 3:1 over the distinct layers: prelude KDA, core KDA + MLA, coda KDA; README "Mixers").
+and MLA 3:1 over the distinct layers: prelude KDA, core KDA + MLA, coda KDA; docs/mixers.md).
 
   python -m looped.main --config=configs/benice.py:smoke,kda --workdir=/tmp/benice_kda
 
@@ -41,7 +41,7 @@ VARIANTS = {
   "smoke": "tiny, the whole pipeline in about a minute on a CPU (tests)",
   "fixed": "the regime where sharing breaks: fixed depth, linear injection, no prelude/coda",
   "zero_shot": "pretraining and its zero-shot shareability evaluation only",
-  "composition": 'the composition table\'s smaller scale (README "Mixers"): 300 + 100 steps',
+  "composition": "the composition table's smaller scale (docs/mixers.md): 300 + 100 steps",
   "gqa": "every layer grouped-query attention (the default)",
   "mla": "every layer multi-head latent attention (cached: latent + RoPE key)",
   "kda": "every layer Kimi delta attention (cached: a state per sequence)",
@@ -89,7 +89,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.benice.residual_weight = 0.0  # Weight of shared-vs-unshared state matching (0: off).
   c.benice.kv_passes = 0  # Shared Jacobi passes (no gradient) before the broadcast K/V are
   # taken: 0 = the unshared pass's final K/V (the paper); n = trained pass is Jacobi pass n + 1.
-  # 3 closed the fixed-depth gap where 0 did not (README Results (c)), at +25% BeNice! time.
+  # 3 closed the fixed-depth gap where 0 did not (docs/results.md, ablation (c)), at +25% time.
   c.benice.kv_passes_ramp_steps = 0  # Curriculum: kv_passes grows 0 -> kv_passes over these
   # steps, each count an equal share (0: kv_passes from the first step).
   c.benice.distill_weight = 0.0  # Weight of KL(sg(unshared pass) || shared pass) (0: off).
@@ -124,11 +124,12 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.eval.samples = 1
     c.eval.sample_prompt_tokens = 8
     c.eval.sample_new_tokens = 8
-  if "fixed" in args:  # Chosen by experiments/gap_sweep.sh (README "Where sharing breaks").
+  if "fixed" in args:  # Chosen by experiments/gap_sweep.sh (docs/results.md, the gap sweep).
     c.model.injection = "linear"
     c.model.num_prelude_layers = 0
     c.model.num_coda_layers = 0
-    c.benice.kv_passes = 3  # Recommended where there is a gap (README Results (c)).
+    c.benice.kv_passes = 3  # Recommended where there is a gap (docs/results.md, ablation (c)).
+    # The 200-step recipe stays: no recipe of docs/benice_recipe.md meets all its targets yet.
   if "composition" in args:  # 4 mixers x 2 arms x 2 seeds (experiments/composition.sh).
     c.train.num_steps = 300
     c.train.eval_every = 150

@@ -15,7 +15,8 @@ A page holds a generated table between two marker lines, which Markdown does not
 name; tests/docs_test.py runs the same check, so a table edited by hand, or a report changed
 without regenerating its table, fails the tests. The tables are built by the scripts that own
 them (experiments/gap_table.py, experiments/composition_table.py,
-experiments/composition_memory.py) and, for the pipeline reports, by the functions below.
+experiments/composition_memory.py, experiments/recipe_table.py) and, for the pipeline reports,
+by the functions below.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ sys.path.insert(0, os.path.join(_REPO, "experiments"))
 import composition_memory  # noqa: E402
 import composition_table  # noqa: E402
 import gap_table  # noqa: E402
+import recipe_table  # noqa: E402
 
 from configs import pretrain  # noqa: E402
 from looped import kv_quant  # noqa: E402
@@ -232,6 +234,16 @@ def headline() -> str:
   return "\n".join(lines)
 
 
+def recipe_sweep() -> str:
+  """The BeNice! recipe sweep in the `:fixed` regime (experiments/results/recipe/)."""
+  return recipe_table.markdown(recipe_table.rows(recipe_table.load_runs(_results("recipe"))))
+
+
+def recipe_curves() -> str:
+  """Seed 0's finetune and BeNice! learning curves to 1,000 steps."""
+  return recipe_table.curves_table(_results("recipe_curves", "curves_s0"))
+
+
 TABLES: dict[str, Callable[[], str]] = {
   "headline": headline,
   "default_command": default_command,
@@ -243,6 +255,8 @@ TABLES: dict[str, Callable[[], str]] = {
   "composition_per_seed": composition_per_seed,
   "composition_memory": composition_memory_table,
   "kv_bytes": kv_bytes,
+  "recipe_sweep": recipe_sweep,
+  "recipe_curves": recipe_curves,
 }
 
 
