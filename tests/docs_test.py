@@ -11,6 +11,8 @@ import tempfile
 
 from absl.testing import absltest
 
+import looped_testing as testing
+
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(_REPO, "experiments"))
 
@@ -42,18 +44,7 @@ _QUICK = re.compile(r"^<!-- quick -->\n```bash\n(?P<body>.*?)^```$", re.M | re.S
 
 
 def _tracked_files() -> list[str]:
-  try:
-    out = subprocess.run(
-      ["git", "ls-files"], cwd=_REPO, capture_output=True, text=True, check=True
-    ).stdout.splitlines()
-  except (OSError, subprocess.CalledProcessError):  # Not a git checkout: walk the tree.
-    out = [
-      os.path.relpath(os.path.join(d, f), _REPO)
-      for d, dirs, files in os.walk(_REPO)
-      if ".git" not in d.split(os.sep)
-      for f in files
-    ]
-  return [p for p in out if os.path.isfile(os.path.join(_REPO, p))]
+  return testing.tracked_files(_REPO)
 
 
 def _read(path: str) -> str:

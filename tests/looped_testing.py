@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import tempfile
 
 from absl.testing import absltest
@@ -96,3 +97,19 @@ class TempDirTestCase(absltest.TestCase):
     with open(os.path.join(self.tmp, run, "report", "shareability.json"), "w") as f:
       json.dump({"models": models}, f)
     return os.path.join(self.tmp, run)
+
+
+def tracked_files(repo: str) -> list[str]:
+  """Files of the repository that exist, relative to it: git's list, or a walk outside git."""
+  try:
+    out = subprocess.run(
+      ["git", "ls-files"], cwd=repo, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+  except (OSError, subprocess.CalledProcessError):  # Not a git checkout: walk the tree.
+    out = [
+      os.path.relpath(os.path.join(d, f), repo)
+      for d, dirs, files in os.walk(repo)
+      if ".git" not in d.split(os.sep)
+      for f in files
+    ]
+  return [p for p in out if os.path.isfile(os.path.join(repo, p))]

@@ -2,9 +2,10 @@
 
 import os
 import re
-import subprocess
 
 from absl.testing import absltest
+
+import looped_testing as testing
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A parent-directory reference to the workplace's reference folder, or to its design brief.
@@ -12,17 +13,7 @@ _OUTSIDE = re.compile(r"\.\./shared|shared/data/|DESIGN\.md")
 
 
 def _tracked_text_files():
-  try:
-    out = subprocess.run(
-      ["git", "ls-files"], cwd=_REPO, capture_output=True, text=True, check=True
-    ).stdout.split()
-  except (OSError, subprocess.CalledProcessError):  # Not a git checkout: walk the tree.
-    out = [
-      os.path.relpath(os.path.join(d, f), _REPO)
-      for d, dirs, files in os.walk(_REPO)
-      if ".git" not in d.split(os.sep)
-      for f in files
-    ]
+  out = testing.tracked_files(_REPO)
   for path in out:
     if path.endswith((".py", ".md", ".sh", ".toml", ".cfg", ".txt", ".ipynb", ".sbatch")) or (
       path.startswith(".ci/")
