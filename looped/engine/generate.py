@@ -122,29 +122,43 @@ def sampling_params(config, tokenizer, index: int) -> SamplingParams:
   )
 
 
-def validate(config) -> None:
-  """Checks every field before any compute; raises ConfigError naming the field."""
-  cc.choice(config, "program", ("generate",))
-  checkpoint = cc.string(config, "gen.checkpoint")
+def check_checkpoint(config, section: str) -> None:
+  """`{section}.checkpoint` holds a checkpoint and `{section}.step` is valid (generation and
+  the server read a checkpoint alike)."""
+  checkpoint = cc.string(config, f"{section}.checkpoint")
   if not os.path.isdir(checkpoint):
-    cc.fail("gen.checkpoint", checkpoint, "must be an existing trainer workdir or stage dir")
+    cc.fail(f"{section}.checkpoint", checkpoint, "must be an existing trainer workdir or stage dir")
   if not has_checkpoint(checkpoint):
-    cc.fail("gen.checkpoint", checkpoint, "holds no checkpoint (no checkpoints/STEP directory)")
-  cc.integer(config, "gen.step", min_value=-1)
-  model_cfg, data_cfg = model_and_data(config)
+    cc.fail(
+      f"{section}.checkpoint", checkpoint, "holds no checkpoint (no checkpoints/STEP directory)"
+    )
+  cc.integer(config, f"{section}.step", min_value=-1)
+
+
+def check_model_and_format(config, section: str, model_cfg):
+  """The model the engine can page, and `{section}.kv_format` for it: (ModelConfig, format)."""
   model_lib.validate(ml_collections.ConfigDict({"model": model_cfg}))
   cfg = model_lib.from_config(model_cfg)
   try:
     paged_cache.check_model(cfg)
   except ValueError as e:
     raise cc.ConfigError(f"config.model: {e}") from None
-  fmt = cc.string(config, "gen.kv_format", allow_empty=True)
+  fmt = cc.string(config, f"{section}.kv_format", allow_empty=True)
   if fmt:
-    cc.choice(config, "gen.kv_format", ("",) + kv_quant.FORMATS)
+    cc.choice(config, f"{section}.kv_format", ("",) + kv_quant.FORMATS)
     try:
       mixers.check_kv_format(cfg, fmt)
     except ValueError as e:
-      cc.fail("gen.kv_format", fmt, str(e).rstrip("."))
+      cc.fail(f"{section}.kv_format", fmt, str(e).rstrip("."))
+  return cfg, fmt
+
+
+def validate(config) -> None:
+  """Checks every field before any compute; raises ConfigError naming the field."""
+  cc.choice(config, "program", ("generate",))
+  check_checkpoint(config, "gen")
+  model_cfg, data_cfg = model_and_data(config)
+  cfg, fmt = check_model_and_format(config, "gen", model_cfg)
   cc.boolean(config, "gen.share_kv")
   page_size = cc.integer(config, "gen.page_size", min_value=1)
   cc.integer(config, "gen.max_num_batched_tokens", min_value=1)

@@ -20,12 +20,10 @@ import ml_collections
 from absl import logging
 
 from looped import config_checks as cc
-from looped import kv_quant
 from looped.data import tokenizers
 from looped.engine import generate, paged_cache
 from looped.engine.engine import Engine, pages_for_budget
 from looped.model import config as model_lib
-from looped.model import mixers
 from looped.model.looped_lm import LoopedLM
 from looped.server import protocol
 from looped.server.app import create_app
@@ -54,30 +52,13 @@ def _buckets(config, field: str, reach: int | None) -> tuple[int, ...]:
 def validate(config) -> None:
   """Checks every field before any compute; raises ConfigError naming the field."""
   cc.choice(config, "program", ("server",))
-  checkpoint = cc.string(config, "serve.checkpoint")
-  if not os.path.isdir(checkpoint):
-    cc.fail("serve.checkpoint", checkpoint, "must be an existing trainer workdir or stage dir")
-  if not generate.has_checkpoint(checkpoint):
-    cc.fail("serve.checkpoint", checkpoint, "holds no checkpoint (no checkpoints/STEP directory)")
-  cc.integer(config, "serve.step", min_value=-1)
+  generate.check_checkpoint(config, "serve")
   cc.string(config, "serve.model_name", allow_empty=True)
   cc.string(config, "serve.host")
   cc.integer(config, "serve.port", min_value=0, max_value=65535)
   model_cfg, data_cfg = _model(config)
-  model_lib.validate(ml_collections.ConfigDict({"model": model_cfg}))
-  cfg = model_lib.from_config(model_cfg)
-  try:
-    paged_cache.check_model(cfg)
-  except ValueError as e:
-    raise cc.ConfigError(f"config.model: {e}") from None
+  cfg, fmt = generate.check_model_and_format(config, "serve", model_cfg)
   tokenizers.get(data_cfg)
-  fmt = cc.string(config, "serve.kv_format", allow_empty=True)
-  if fmt:
-    cc.choice(config, "serve.kv_format", ("",) + kv_quant.FORMATS)
-    try:
-      mixers.check_kv_format(cfg, fmt)
-    except ValueError as e:
-      cc.fail("serve.kv_format", fmt, str(e).rstrip("."))
   share = cc.boolean(config, "serve.share_kv")
   page_size = cc.integer(config, "serve.page_size", min_value=1)
   cc.integer(config, "serve.max_num_batched_tokens", min_value=1)
