@@ -12,6 +12,7 @@ import looped_testing as testing
 from looped.benice import evaluation
 from looped.model import LoopedLM, init_params
 from looped.model.kv_cache import init_cache
+from looped.model.sharing import jacobi_forward
 
 TINY = testing.TINY_MODEL
 
@@ -70,6 +71,16 @@ class EvaluateTest(absltest.TestCase):
     ]
     np.testing.assert_allclose(m["ppl_unshared_eval"], math.exp(sum(ce) / (6 * t)), rtol=1e-5)
     np.testing.assert_allclose(m["ppl_unshared_subset"], math.exp(sum(ce[:2]) / (4 * t)), rtol=1e-5)
+    # One Jacobi pass, from its own forward (the evaluation takes it along one chain of passes).
+    ce1 = [
+      -jax.nn.log_softmax(jacobi_forward(model, params, b["inputs"], 1)[0])[
+        np.arange(2)[:, None], np.arange(t)[None, :], b["targets"]
+      ].sum()
+      for b in batches
+    ]
+    np.testing.assert_allclose(
+      m["ppl_shared_jacobi_eval"]["1"], math.exp(sum(ce1) / (6 * t)), rtol=1e-5
+    )
     self.assertLen(m["residual_norms"], TINY.num_recurrences)
     self.assertLen(m["contraction_ratios"], TINY.num_recurrences - 1)
 
@@ -118,6 +129,20 @@ class EvaluateTest(absltest.TestCase):
     np.testing.assert_allclose(
       fp8["ppl_shared_jacobi_subset"][str(t)], fp8["ppl_shared_exact_subset"], rtol=1e-5
     )
+    # A format's own evaluation (no Jacobi passes, no drift) gives the same perplexities.
+    fast = evaluation.evaluate(
+      evaluation.make_stats_fns(TINY, "fp8"),
+      TINY,
+      params,
+      batches,
+      (),
+      1,
+      kv_format="fp8",
+      drift=False,
+    )
+    for key in ("ppl_unshared_eval", "ppl_shared_exact_subset", "gap_exact"):
+      np.testing.assert_allclose(fast[key], fp8[key], rtol=1e-6)
+    self.assertEqual((fast["ppl_shared_jacobi_eval"], "kv_drift" in fast), ({}, False))
     # ... and differ from float32 K/V; fp8 stores 1 byte per value + a 4-byte scale per head.
     self.assertGreater(abs(fp8["ppl_unshared_eval"] - exact["ppl_unshared_eval"]), 1e-6)
     self.assertEqual(

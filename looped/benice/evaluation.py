@@ -32,10 +32,13 @@ With a `kv_format` (looped.kv_quant.FORMATS) every read of an earlier position's
 forward above (unshared included), goes through that format's per-token quantize/dequantize,
 and exact decode stores the packed bytes in its cache.
 
-One compilation serves every Jacobi pass count (the count is a traced argument; 0 passes is
-the unshared forward). Exact decode runs on `decode_rows` rows at a time (0: the whole subset in
-one call), since a token-by-token scan is cheaper per token on a wider batch: on 2 CPU cores all
-128 default eval rows in one call take about as long as 2 batches of 16 one after the other.
+Every Jacobi pass count comes from one chain of passes: pass n + 1 reads pass n's final K/V,
+so the CE after passes 0 (the unshared forward), 1, ..., max is taken along a single scan
+instead of rerunning the chain per count. A KV format's evaluation (`jacobi_passes=()`,
+`drift=False`) takes only what its table reports: the unshared forward and exact decode.
+Exact decode runs on `decode_rows` rows at a time (0: the whole subset in one call), since a
+token-by-token scan is cheaper per token on a wider batch: on 2 CPU cores all 128
+default eval rows in one call take about as long as 2 batches of 16 one after the other.
 """
 
 from __future__ import annotations
@@ -54,18 +57,18 @@ from looped.model.config import ModelConfig
 from looped.model.kda import KDAState
 from looped.model.kv_cache import init_cache
 from looped.model.looped_lm import LoopedLM
-from looped.model.sharing import decode_forward, jacobi_forward
+from looped.model.sharing import decode_forward, jacobi_forward, shared_pass
 from looped.train.objectives import token_cross_entropy
 
 KV_FORMAT = "bf16"  # The cache format the byte counts assume when none is evaluated.
 
 
 BOOTSTRAP_SAMPLES = 2000  # Resamples for every gap's 95% interval.
-METRICS_VERSION = 2  # Bumped when the metrics change, so cached evaluations are recomputed.
+METRICS_VERSION = 3  # Bumped when the metrics change, so cached evaluations are recomputed.
 
 
 class StatsFns(NamedTuple):
-  jacobi: Callable  # (params, inputs, targets, num_passes) -> (ce_B, residual_R, relative_R)
+  jacobi: Callable  # (params, inputs, targets, max_passes) -> (ce_PxB, residual_R, relative_R)
   decode: Callable  # (params, inputs, targets) -> ce_B of exact shared decode
   drift: Callable  # (params, inputs) -> (dk_LxR, dv_LxR, k_L, v_L) squared norms
 
@@ -76,10 +79,18 @@ def make_stats_fns(cfg: ModelConfig, kv_format: str | None = None) -> StatsFns:
   evaluations in one process (several models, several pipeline runs) compile once."""
   model = LoopedLM(cfg)
 
-  def jacobi(params, inputs_BxT, targets_BxT, num_passes):
-    logits, aux = jacobi_forward(model, params, inputs_BxT, num_passes, kv_format=kv_format)
-    ce_B = jnp.sum(token_cross_entropy(logits, targets_BxT), axis=1)
-    return ce_B, aux["residual_norm_R"], aux["relative_residual_R"]
+  def jacobi(params, inputs_BxT, targets_BxT, max_passes):
+    """Row CE after 0, 1, ..., max_passes shared passes (P = max_passes + 1 rows)."""
+    ce = lambda logits: jnp.sum(token_cross_entropy(logits, targets_BxT), axis=1)
+    logits, aux = jacobi_forward(model, params, inputs_BxT, 0, kv_format=kv_format)
+
+    def next_pass(final_kv, _):
+      logits, aux = shared_pass(model, params, inputs_BxT, final_kv, kv_format=kv_format)
+      return aux["final_kv"], ce(logits)
+
+    _, ce_NxB = jax.lax.scan(next_pass, aux["final_kv"], None, length=max_passes)
+    ce_PxB = jnp.concatenate([ce(logits)[None], ce_NxB])
+    return ce_PxB, aux["residual_norm_R"], aux["relative_residual_R"]
 
   def decode(params, inputs_BxT, targets_BxT):
     logits, _ = decode_forward(model, params, inputs_BxT, share_kv=True, kv_format=kv_format)
@@ -103,7 +114,7 @@ def make_stats_fns(cfg: ModelConfig, kv_format: str | None = None) -> StatsFns:
     dk, k, dv, v = out
     return dk, dv, k, v
 
-  return StatsFns(jax.jit(jacobi), jax.jit(decode), jax.jit(drift))
+  return StatsFns(jax.jit(jacobi, static_argnums=3), jax.jit(decode), jax.jit(drift))
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_format: str | None = None) -> dict:
@@ -144,23 +155,26 @@ def evaluate(
   decode_batches: int = 0,
   kv_format: str | None = None,
   decode_rows: int = 0,
+  drift: bool = True,
 ) -> dict:
   """Shareability metrics (module docstring) of `params`; JSON-ready (pass counts as str).
 
+  jacobi_passes: shared-pass counts reported (may be empty: the unshared forward only).
   decode_batches: eval batches in the exact-decode subset (0: all).
   decode_rows: rows per exact-decode call (a multiple of the eval batch size; 0: the subset).
+  drift: also measure K/V drift (an unshared forward that does not depend on the KV format).
   """
   passes = sorted({0, *(int(n) for n in jacobi_passes)})
   ce_rows = {n: [] for n in passes}
   residual_R, relative_R = 0.0, 0.0
   for batch in eval_batches:
     inputs, targets = jnp.asarray(batch["inputs"]), jnp.asarray(batch["targets"])
+    ce_PxB, res_R, rel_R = fns.jacobi(params, inputs, targets, passes[-1])
+    ce_PxB = np.asarray(ce_PxB, np.float64)
     for n in passes:
-      ce_B, res_R, rel_R = fns.jacobi(params, inputs, targets, jnp.int32(n))
-      ce_rows[n].append(np.asarray(ce_B, np.float64))
-      if n == 0:
-        residual_R = residual_R + np.asarray(res_R, np.float64)
-        relative_R = relative_R + np.asarray(rel_R, np.float64)
+      ce_rows[n].append(ce_PxB[n])
+    residual_R = residual_R + np.asarray(res_R, np.float64)
+    relative_R = relative_R + np.asarray(rel_R, np.float64)
   ce_rows = {n: np.concatenate(v) for n, v in ce_rows.items()}
   tokens_per_row = int(eval_batches[0]["targets"].shape[1])
 
@@ -169,23 +183,23 @@ def evaluate(
   sub_targets = np.concatenate([b["targets"] for b in subset])
   rows = len(sub_inputs)
   group = decode_rows or rows
-  decode_ce, drift = [], None
+  decode_ce, drift_sums = [], None
   for start in range(0, rows, group):
     inputs = jnp.asarray(sub_inputs[start : start + group])
     targets = jnp.asarray(sub_targets[start : start + group])
     decode_ce.append(np.asarray(fns.decode(params, inputs, targets), np.float64))
-    part = [np.asarray(x, np.float64) for x in fns.drift(params, inputs)]
-    drift = part if drift is None else [a + b for a, b in zip(drift, part)]
+    if drift:
+      part = [np.asarray(x, np.float64) for x in fns.drift(params, inputs)]
+      drift_sums = part if drift_sums is None else [a + b for a, b in zip(drift_sums, part)]
   decode_ce = np.concatenate(decode_ce)
   unshared_sub = ce_rows[0][:rows]
-  dk, dv, k, v = drift
   num = len(eval_batches)
   residual_norms = (residual_R / num).tolist()
   ppl_un = _ppl(ce_rows[0], tokens_per_row)
   jacobi = {str(n): _ppl(ce_rows[n], tokens_per_row) for n in passes if n}
   sub_un = _ppl(unshared_sub, tokens_per_row)
   sub_exact = _ppl(decode_ce, tokens_per_row)
-  return {
+  metrics = {
     "metrics_version": METRICS_VERSION,
     "eval_rows": int(len(ce_rows[0])),
     "eval_tokens": int(len(ce_rows[0]) * tokens_per_row),
@@ -203,13 +217,16 @@ def evaluate(
     },
     "gap_exact": sub_exact / sub_un - 1.0,
     "gap_exact_ci95": gap_ci95(decode_ce, unshared_sub, tokens_per_row),
-    "kv_drift": {
-      "k": np.sqrt(dk / k[:, None]).tolist(),
-      "v": np.sqrt(dv / v[:, None]).tolist(),
-    },
     "residual_norms": residual_norms,
     "relative_residuals": (relative_R / num).tolist(),
     "contraction_ratios": contraction_ratios(residual_norms),
     "kv_bytes_per_token": kv_bytes_per_token(model_cfg, kv_format),
     "cache_bytes": cache_bytes(model_cfg, kv_format),
   }
+  if drift:
+    dk, dv, k, v = drift_sums
+    metrics["kv_drift"] = {
+      "k": np.sqrt(dk / k[:, None]).tolist(),
+      "v": np.sqrt(dv / v[:, None]).tolist(),
+    }
+  return metrics

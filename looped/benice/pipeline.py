@@ -194,8 +194,15 @@ def _evaluate(config, workdir: str, model: LoopedLM, abstract, stage_dirs: dict)
       decode_rows=config.eval.decode_rows,
     )
     metrics = evaluate(evaluation.make_stats_fns(model.cfg), model.cfg)
+    # Per format only what its table reports: unshared and exact shared perplexities.
     metrics["kv_formats"] = {
-      fmt: evaluate(evaluation.make_stats_fns(model.cfg, fmt), model.cfg, kv_format=fmt)
+      fmt: evaluate(
+        evaluation.make_stats_fns(model.cfg, fmt),
+        model.cfg,
+        kv_format=fmt,
+        jacobi_passes=(),
+        drift=False,
+      )
       for fmt in config.eval.kv_formats
     }
     if config.eval.samples and samples.supported(model):

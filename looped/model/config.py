@@ -48,6 +48,7 @@ class ModelConfig:
   dtype: str = "float32"
   param_dtype: str = "float32"
   scan_recurrences: bool = True
+  scan_unroll: int = 1
   remat: str = "none"
   attention_impl: str = "xla"
   prelude_mixers: tuple[str, ...] = ("gqa",)
@@ -125,6 +126,7 @@ def validate(config, prefix: str = "model") -> None:
   cc.number(config, p + "rope_base", min_value=1.0, min_exclusive=True)
   cc.number(config, p + "init_std", min_value=0.0, min_exclusive=True)
   cc.choice(config, p + "remat", REMAT_POLICIES)
+  cc.integer(config, p + "scan_unroll", min_value=1)
   for name in ("prelude_norm", "qk_norm", "tie_embeddings", "scan_recurrences"):
     cc.boolean(config, p + name)
   cc.divides(config, p + "num_heads", cc.get(config, p + "num_kv_heads"), p + "num_kv_heads")

@@ -33,17 +33,33 @@ def jacobi_forward(
   """
   out = model.apply(params, tokens_BxT, kv_format=kv_format, **kwargs)
 
-  def shared_pass(_, out):
-    return model.apply(
-      params,
-      tokens_BxT,
-      shared_kv=out[1]["final_kv"],
-      read_shared_R=read_shared_R,
-      kv_format=kv_format,
-      **kwargs,
+  def next_pass(_, out):
+    return shared_pass(
+      model, params, tokens_BxT, out[1]["final_kv"], read_shared_R, kv_format, **kwargs
     )
 
-  return jax.lax.fori_loop(0, num_passes, shared_pass, out)
+  return jax.lax.fori_loop(0, num_passes, next_pass, out)
+
+
+def shared_pass(
+  model: LoopedLM,
+  params,
+  tokens_BxT: jax.Array,
+  final_kv,
+  read_shared_R: jax.Array | None = None,
+  kv_format: str | None = None,
+  **kwargs,
+):
+  """One Jacobi pass: every core attention reads `final_kv` (the previous pass's final K/V)
+  for s < t. Returns (logits, aux)."""
+  return model.apply(
+    params,
+    tokens_BxT,
+    shared_kv=final_kv,
+    read_shared_R=read_shared_R,
+    kv_format=kv_format,
+    **kwargs,
+  )
 
 
 def decode_forward(
