@@ -14,7 +14,7 @@ from absl.testing import absltest, parameterized
 import looped_testing as testing
 from configs import benice as benice_config
 from looped import config_checks, programs
-from looped.benice import collect, evaluation, pipeline, stages
+from looped.benice import collect, evaluation, pipeline, stages, timing
 from looped.train import trainer
 
 BAD_VALUES = [
@@ -166,6 +166,27 @@ class PipelineTest(testing.TempDirTestCase):
     self.assertIn("gap exact [95% CI]", printed)
     # Post-training stages record the pretraining they started from.
     self.assertEqual(report["stages"]["finetune"]["parent"]["step"], config.train.num_steps)
+    # The stage table: every stage's wall time, split into parts that add up to it.
+    with open(os.path.join(workdir, "timing.json")) as f:
+      times = json.load(f)
+    rows = {row["stage"]: row for row in times["stages"]}
+    self.assertEqual(
+      list(rows),
+      ["pretrain", "finetune", "benice", "eval zero_shot", "eval finetune", "eval benice"],
+    )
+    for stage, steps in (("pretrain", 20), ("finetune", 6), ("benice", 6)):
+      row = rows[stage]
+      self.assertEqual((row["status"], row["steps_trained"]), ("trained", steps))
+      self.assertEqual(set(row["parts"]), set(timing.TRAIN_PARTS))
+      self.assertAlmostEqual(sum(row["parts"].values()), row["wall_s"], places=3)
+      self.assertGreater(row["parts"]["compile"], 0.0)
+      self.assertGreater(row["parts"]["steps"], 0.0)
+    for name in models:
+      row = rows[f"eval {name}"]
+      self.assertEqual((row["status"], set(row["parts"])), ("evaluated", set(timing.EVAL_PARTS)))
+      self.assertTrue(all(v > 0 for v in row["parts"].values()), row)
+    self.assertGreaterEqual(times["invocation_wall_s"], sum(r["wall_s"] for r in rows.values()))
+    self.assertIn("| benice | trained |", printed)
 
     # Rerun: no training, no evaluation; the same report is printed again.
     no_train = mock.patch.object(trainer, "train", side_effect=AssertionError("trained"))
@@ -173,7 +194,15 @@ class PipelineTest(testing.TempDirTestCase):
     with no_train, no_eval:
       again, printed_again = self._run(config, workdir)
     self.assertEqual(again["models"], models)
-    self.assertEqual(printed_again, printed)
+    table_start = "| stage | this run |"
+    self.assertEqual(printed_again.split(table_start)[0], printed.split(table_start)[0])
+    # The stage table keeps the seconds of the run that did the work.
+    with open(os.path.join(workdir, "timing.json")) as f:
+      rows_again = {row["stage"]: row for row in json.load(f)["stages"]}
+    self.assertEqual([r["status"] for r in rows_again.values()], ["skipped"] * 3 + ["cached"] * 3)
+    self.assertEqual(
+      {k: r["wall_s"] for k, r in rows_again.items()}, {k: r["wall_s"] for k, r in rows.items()}
+    )
 
     # More pretraining in the same workdir would pair a new zero-shot model with post-training
     # from the old checkpoint: refused before anything trains.
@@ -202,7 +231,7 @@ class PipelineTest(testing.TempDirTestCase):
     with no_train:
       reused, _ = self._run(config, ablation)
     self.assertEqual(reused["stages"]["pretrain"]["workdir"], config.pipeline.pretrain_workdir)
-    self.assertEqual(sorted(os.listdir(ablation)), ["benice", "eval", "report"])
+    self.assertEqual(sorted(os.listdir(ablation)), ["benice", "eval", "report", "timing.json"])
     for name, m in models.items():
       self.assertAlmostEqual(
         reused["models"][name]["ppl_shared_exact_subset"], m["ppl_shared_exact_subset"], places=4

@@ -27,7 +27,7 @@ from looped import config_checks as cc
 from looped import data as data_lib
 from looped import kv_quant, sharding
 from looped import model as model_lib
-from looped.benice import evaluation, objectives, report, samples, stages
+from looped.benice import evaluation, objectives, report, samples, stages, timing
 from looped.data import tokenizers
 from looped.model.looped_lm import LoopedLM
 from looped.train import checkpointing, trainer
@@ -142,27 +142,36 @@ def _train_stage(
   make_objective,
   init_params=None,
   parent: dict | None = None,
-) -> None:
-  """Trains one stage unless its done-marker says it finished; resumes an interrupted one."""
+) -> str:
+  """Trains one stage unless its done-marker says it finished; resumes an interrupted one.
+  Returns what this invocation did: 'trained', 'resumed' or 'skipped'."""
   stage_cfg = stages.stage_config(config, stage)
   stages.begin(stage_dir, stage_cfg, parent)
   num_steps = stage_cfg.train.num_steps
   done = stages.done_step(stage_dir)
   if done is not None and done >= num_steps:
     logging.info("Stage %s: done (step %d) in %s; skipped.", stage, done, stage_dir)
-    return
+    return "skipped"
   logging.info("Stage %s: training to step %d in %s", stage, num_steps, stage_dir)
   start = time.time()
   objective = make_objective(stage_cfg)
   init = init_params() if init_params is not None else None
   result = trainer.train(stage_cfg, stage_dir, model, objective, init_params=init)
-  stages.mark_done(stage_dir, int(result.state.step), time.time() - start)
+  resumed = result.resumed_from or 0
+  wall = time.time() - start
+  parts = {k: v for k, v in result.timing.items() if k != "total"}
+  # Setup also covers what ran before the trainer: the objective and the initial params.
+  parts["setup"] = parts.get("setup", 0.0) + wall - result.timing.get("total", 0.0)
+  step = int(result.state.step)
+  stages.mark_done(stage_dir, step, wall, parts, step - resumed)
+  return "resumed" if resumed else "trained"
 
 
-def _evaluate(config, workdir: str, model: LoopedLM, abstract, stage_dirs: dict) -> dict:
-  """Shareability metrics of each model, from cache where checkpoint and settings match."""
+def _evaluate(config, workdir: str, model: LoopedLM, abstract, stage_dirs: dict):
+  """Shareability metrics of each model, from cache where checkpoint and settings match;
+  returns (metrics by model, their timing rows)."""
   eval_batches = data_lib.make_eval_batches(config, process_index=0, process_count=1)
-  results = {}
+  results, timings = {}, []
   for name in config.pipeline.models:
     stage = MODELS[name]
     stage_dir = stage_dirs[stage]
@@ -181,10 +190,11 @@ def _evaluate(config, workdir: str, model: LoopedLM, abstract, stage_dirs: dict)
       if cached["key"] == key:
         logging.info("Evaluation %s: cached in %s", name, path)
         results[name] = cached["metrics"]
+        timings.append(timing.eval_row(name, cached.get("timing"), "cached"))
         continue
     logging.info("Evaluation %s: %s step %d", name, stage_dir, key["step"])
-    params = checkpointing.restore_params(stage_dir, abstract)
     start = time.time()
+    params = checkpointing.restore_params(stage_dir, abstract)
     evaluate = functools.partial(
       evaluation.evaluate,
       params=params,
@@ -194,6 +204,7 @@ def _evaluate(config, workdir: str, model: LoopedLM, abstract, stage_dirs: dict)
       decode_rows=config.eval.decode_rows,
     )
     metrics = evaluate(evaluation.make_stats_fns(model.cfg), model.cfg)
+    seconds = {"fp32": time.time() - start}
     # Per format only what its table reports: unshared and exact shared perplexities.
     metrics["kv_formats"] = {
       fmt: evaluate(
@@ -205,6 +216,7 @@ def _evaluate(config, workdir: str, model: LoopedLM, abstract, stage_dirs: dict)
       )
       for fmt in config.eval.kv_formats
     }
+    seconds["kv_formats"] = time.time() - start - sum(seconds.values())
     if config.eval.samples and samples.supported(model):
       metrics["samples"] = samples.generate(
         model,
@@ -213,17 +225,20 @@ def _evaluate(config, workdir: str, model: LoopedLM, abstract, stage_dirs: dict)
         config.eval.sample_new_tokens,
         tokenizers.get(config.data).decode,
       )
+    seconds["samples"] = time.time() - start - sum(seconds.values())
     logging.info("Evaluation %s: %.1f s, %s", name, time.time() - start, report.summary(metrics))
     if jax.process_index() == 0:
       os.makedirs(os.path.dirname(path), exist_ok=True)
       with open(path, "w") as f:
-        json.dump({"key": key, "metrics": metrics}, f, indent=1)
+        json.dump({"key": key, "metrics": metrics, "timing": seconds}, f, indent=1)
     results[name] = metrics
-  return results
+    timings.append(timing.eval_row(name, seconds, "evaluated"))
+  return results, timings
 
 
 def run(config, workdir: str) -> dict:
   """Runs (or skips) every stage, then writes and prints the report. Returns the report."""
+  invocation_start = time.time()
   model = LoopedLM(model_lib.from_config(config.model))
   mesh = sharding.make_mesh(config)  # Training, evaluation and decode all run on it.
   rules = sharding.rules(config, mesh)
@@ -244,18 +259,23 @@ def run(config, workdir: str) -> dict:
     if MODELS_OF_STAGE[stage] in config.pipeline.models:
       stages.check_parent(stage, stage_dirs[stage], parent)
 
+  status = {}
   if config.pipeline.pretrain_workdir:
     logging.info("Stage pretrain: reusing %s", config.pipeline.pretrain_workdir)
+    status[stages.PRETRAIN] = "reused"
   else:
-    _train_stage(config, stages.PRETRAIN, stage_dirs[stages.PRETRAIN], model, language_modeling)
+    status[stages.PRETRAIN] = _train_stage(
+      config, stages.PRETRAIN, stage_dirs[stages.PRETRAIN], model, language_modeling
+    )
 
   models = tuple(config.pipeline.models)
   if "finetune" not in models:
     stage_dirs.pop(stages.FINETUNE)
   elif config.pipeline.finetune_workdir:
     logging.info("Stage finetune: reusing %s", config.pipeline.finetune_workdir)
+    status[stages.FINETUNE] = "reused"
   else:
-    _train_stage(
+    status[stages.FINETUNE] = _train_stage(
       config,
       stages.FINETUNE,
       stage_dirs[stages.FINETUNE],
@@ -270,18 +290,21 @@ def run(config, workdir: str) -> dict:
     return objectives.benice(model, c.depth, c.benice, frozen)
 
   if "benice" in models:
-    _train_stage(
+    status[stages.BENICE] = _train_stage(
       config, stages.BENICE, stage_dirs[stages.BENICE], model, benice_objective, pretrained, parent
     )
   else:
     stage_dirs.pop(stages.BENICE)
 
   with sharding.context(mesh, rules):
-    results = _evaluate(config, workdir, model, abstract, stage_dirs)
+    results, eval_timings = _evaluate(config, workdir, model, abstract, stage_dirs)
   out = report.build(config, results, stage_dirs)
   if jax.process_index() == 0:
     report_dir = os.path.join(workdir, "report")
     report.write(report_dir, out, stage_dirs)
     print(report.markdown(out), flush=True)
     logging.info("Report: %s (table: shareability.md, plots: *.png)", report_dir)
+    rows = [timing.train_row(s, stage_dirs[s], status[s]) for s in status]
+    times = timing.write(workdir, rows + eval_timings, time.time() - invocation_start)
+    print("\n" + timing.markdown(times), flush=True)
   return out

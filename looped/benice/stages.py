@@ -207,6 +207,15 @@ def done_step(stage_dir: str) -> int | None:
     return json.load(f)["step"]
 
 
-def mark_done(stage_dir: str, step: int, wall_s: float) -> None:
-  with open(os.path.join(stage_dir, "done.json"), "w") as f:
-    json.dump({"step": int(step), "wall_s": wall_s}, f)
+def mark_done(
+  stage_dir: str, step: int, wall_s: float, timing: dict | None = None, steps_trained: int = 0
+) -> None:
+  """Writes the done-marker: the step reached, and the wall seconds of the run that finished
+  it (split by part, looped.benice.timing) with the steps that run trained."""
+  done = {"step": int(step), "wall_s": wall_s, "steps_trained": int(steps_trained)}
+  if timing:
+    done["timing"] = timing
+  tmp = os.path.join(stage_dir, "done.json.tmp")
+  with open(tmp, "w") as f:
+    json.dump(done, f)
+  os.replace(tmp, os.path.join(stage_dir, "done.json"))

@@ -1,5 +1,6 @@
 """The looped LM, its decode cache and its KV-sharing forwards."""
 
+from looped.model import flops
 from looped.model.config import ModelConfig, from_config, validate
 from looped.model.kv_cache import KVCache, init_cache
 from looped.model.looped_lm import LoopedLM, init_params
@@ -10,6 +11,7 @@ __all__ = [
   "ModelConfig",
   "from_config",
   "init_cache",
+  "flops",
   "init_params",
   "validate",
 ]

@@ -44,6 +44,33 @@ class TrainResult:
   state: TrainState
   final_metrics: dict
   resumed_from: int | None
+  timing: dict = dataclasses.field(default_factory=dict)  # Wall seconds by part (_Timing).
+
+
+class _Timing:
+  """Wall seconds of one training run by part, for the pipeline's stage table.
+
+  setup: data, state init and restore; compile: the first step (tracing, XLA compilation and
+  that step); steps: every later step, to the next host sync (dispatch is asynchronous, so a
+  step's compute lands where the host next waits: logging, evaluation or saving); data: host
+  batches; eval: validation passes; checkpoint: the finiteness check and saving, until the
+  last write is on disk.
+  """
+
+  PARTS = ("setup", "compile", "steps", "data", "eval", "checkpoint")
+
+  def __init__(self):
+    self.seconds = dict.fromkeys(self.PARTS, 0.0)
+    self._last = time.perf_counter()
+
+  def lap(self, part: str) -> None:
+    """Charges the time since the previous lap to `part`."""
+    now = time.perf_counter()
+    self.seconds[part] += now - self._last
+    self._last = now
+
+  def as_dict(self) -> dict:
+    return {**self.seconds, "total": sum(self.seconds.values())}
 
 
 def validate(config) -> None:
@@ -213,6 +240,7 @@ def train(
 
 def _train(config, workdir, model, objective, init_params, mesh, rules) -> TrainResult:
   tc = config.train
+  timing = _Timing()
   os.makedirs(workdir, exist_ok=True)
   is_chief = jax.process_index() == 0
   logging.info("Mesh %s over %d devices", dict(mesh.shape), mesh.size)
@@ -257,7 +285,8 @@ def _train(config, workdir, model, objective, init_params, mesh, rules) -> Train
     )
     ckpt.close()
     writer.close()
-    return TrainResult(state, {}, resumed_from)
+    timing.lap("setup")
+    return TrainResult(state, {}, resumed_from, timing.as_dict())
 
   frozen = _on_mesh(objective.frozen, state.params, param_shardings, mesh)
   train_step = jit_train_step(make_train_step(objective, optimizer, schedule, tc), state)
@@ -283,19 +312,24 @@ def _train(config, workdir, model, objective, init_params, mesh, rules) -> Train
 
   t_last, step_last, t_start, start_timed = time.time(), start, time.time(), start
   record: dict = {}
+  timing.lap("setup")
   for step in range(start + 1, tc.num_steps + 1):
     batch = sharding.global_batch(next(data_iter), mesh)
+    timing.lap("data")
     state, metrics = train_step(state, frozen, batch)
     if step == start + 1:  # Throughput and ETA exclude the first step's compilation.
       jax.block_until_ready(metrics["loss"])
+      timing.lap("compile")
       t_last, step_last, t_start = time.time(), step, time.time()
       start_timed = step
     log_now = _is_due(step, tc.log_every, tc.num_steps)
     eval_now = _is_due(step, tc.eval_every, tc.num_steps)
     save_now = _is_due(step, tc.checkpoint_every, tc.num_steps)
     if not (log_now or eval_now or save_now):
+      timing.lap("steps")
       continue
     metrics = jax.device_get(metrics)
+    timing.lap("steps")
     if not (np.isfinite(metrics["loss"]) and np.isfinite(metrics["grad_norm"])):
       ckpt.wait()
       raise FloatingPointError(
@@ -308,6 +342,7 @@ def _train(config, workdir, model, objective, init_params, mesh, rules) -> Train
     metrics["elapsed_s"] = now - t_start
     if eval_now:
       metrics.update(evaluate(eval_fn, state.params, eval_batches, mesh, bytes_per_token))
+      timing.lap("eval")
     record = writer.write(step, metrics)
     eta = (tc.num_steps - step) * (now - t_start) / max(step - start_timed, 1)
     terms = ", ".join(f"{t} {float(metrics[t]):.4f}" for t in objective.log_terms)
@@ -330,9 +365,12 @@ def _train(config, workdir, model, objective, init_params, mesh, rules) -> Train
           f"not saved. The last good checkpoint is step {ckpt.latest_step()} in {ckpt.directory}."
         )
       ckpt.save(step, state, data_iter)
+      timing.lap("checkpoint")
     t_last, step_last = time.time(), step
+    timing.lap("steps")
 
   ckpt.wait()
   ckpt.close()
   writer.close()
-  return TrainResult(state, record, resumed_from)
+  timing.lap("checkpoint")
+  return TrainResult(state, record, resumed_from, timing.as_dict())
