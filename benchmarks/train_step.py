@@ -1,5 +1,6 @@
-r"""Training-step speed: the scanned looped model vs the Python-unrolled one (same FLOPs), or
-the trainer's own step on several device meshes (--mesh, docs/scaling.md).
+r"""Training-step speed: the scanned looped model (one recurrence per scan iteration, and all R
+unrolled inside the scan) vs the Python-unrolled one, same math, timed in interleaved rounds;
+or the trainer's own step on several device meshes (--mesh, docs/scaling.md).
 
   python benchmarks/train_step.py                       # default pretrain model, CPU
   python benchmarks/train_step.py --config_arg=smoke --steps=20
@@ -7,10 +8,12 @@ the trainer's own step on several device meshes (--mesh, docs/scaling.md).
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/train_step.py \
       --mesh=data=8 --mesh=fsdp=8 --mesh=fsdp=4,tensor=2 --mesh=data=2,fsdp=2,tensor=2
 
-Reports compile time, median step time, tokens/s, model FLOPs utilisation against --peak_tflops
-(when given) and XLA's compiled memory estimate (arguments + temporaries), for each variant;
-with --mesh also the bytes of params + optimizer state each device holds (the largest over the
-devices, from the arrays' addressable shards) and that as a fraction of the whole state.
+Reports compile time, median step time, tokens/s, executed matmul FLOP/s (looped.model.flops) as
+a fraction of this machine's float32 matmul throughput measured in the same run, utilisation
+against --peak_tflops (when given) and XLA's compiled memory estimate (arguments +
+temporaries), for each variant; with --mesh also the bytes of params + optimizer state each
+device holds (the largest over the devices, from the arrays' addressable shards) and that as a
+fraction of the whole state.
 Prints a Markdown table and writes JSON.
 """
 
@@ -28,7 +31,7 @@ from absl import app, flags
 
 from configs import pretrain
 from looped import sharding
-from looped.model import LoopedLM, from_config, init_params
+from looped.model import LoopedLM, flops, from_config, init_params
 from looped.train import objectives, optim, trainer
 
 _CONFIG_ARG = flags.DEFINE_string("config_arg", "", "Arg for configs/pretrain.py get_config.")
@@ -124,7 +127,7 @@ def _bench_mesh(config, spec: str) -> dict:
     run = lambda state, batch: (lambda out: (out[0], out[1]["loss"]))(compiled(state, None, batch))
     step_s, step_min, loss = _timed(run, state, batch)
   mem = compiled.memory_analysis()
-  flops = model_flops_per_token(cfg, t) * b * t
+  step_flops = flops.train_flops_per_token(cfg, t) * b * t
   row = {
     "variant": spec,
     "devices": mesh.size,
@@ -132,7 +135,7 @@ def _bench_mesh(config, spec: str) -> dict:
     "step_s_median": step_s,
     "step_s_min": step_min,
     "tokens_per_s": b * t / step_s,
-    "model_tflops_per_s": flops / step_s / 1e12,
+    "model_tflops_per_s": step_flops / step_s / 1e12,
     "state_bytes_per_device": max(held.values()),
     "state_fraction_per_device": max(held.values()) / total,
     "xla_memory_bytes": None
@@ -142,27 +145,21 @@ def _bench_mesh(config, spec: str) -> dict:
     "final_loss": loss,
   }
   if _PEAK.value:
-    row["mfu"] = flops / step_s / (_PEAK.value * 1e12 * mesh.size)
+    row["mfu"] = step_flops / step_s / (_PEAK.value * 1e12 * mesh.size)
   return row
 
 
-def model_flops_per_token(cfg, seq_len: int) -> float:
-  """Forward+backward FLOPs per token: 6 x matmul params applied + attention (PaLM-style)."""
-  d, hd = cfg.d_model, cfg.head_dim
-  attn = d * hd * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
-  mlp = d * cfg.mlp_dim * (3 if cfg.mlp_type == "swiglu" else 2)
-  per_layer = attn + mlp
-  applied_layers = cfg.num_prelude_layers + cfg.num_coda_layers
-  applied_layers += cfg.num_core_layers * cfg.num_recurrences
-  inject = {"diagonal": d * d, "linear": 2 * d * d, "additive": 0}[cfg.injection]
-  matmul_params = applied_layers * per_layer + cfg.num_recurrences * inject + d * cfg.vocab_size
-  attention = applied_layers * 2 * cfg.num_heads * hd * seq_len  # QK^T and PV, causal half x2
-  return 6 * matmul_params + 6 * attention
+VARIANTS = {  # name -> model overrides; every variant computes the same math.
+  "scan": {"scan_recurrences": True, "scan_unroll": 1},
+  "scan_unroll_R": {"scan_recurrences": True, "scan_unroll": 1 << 30},  # Clipped to R.
+  "unrolled": {"scan_recurrences": False},
+}
 
 
-def _bench_variant(config, scan: bool) -> dict:
+def _build_variant(config, overrides: dict):
+  """(compiled step, params, opt_state, batch, compile s, XLA memory bytes, cfg) of a variant."""
   config = config.copy_and_resolve_references()
-  config.model.scan_recurrences = scan
+  config.model.update(overrides)
   cfg = from_config(config.model)
   model = LoopedLM(cfg)
   objective = objectives.language_modeling(model, config.depth)
@@ -186,31 +183,61 @@ def _bench_variant(config, scan: bool) -> dict:
   peak_bytes = None
   if mem is not None:
     peak_bytes = int(mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes)
-  params, opt_state, loss = compiled(params, opt_state, batch, key)
-  jax.block_until_ready(loss)
-  times = []
-  for i in range(_STEPS.value):
-    t0 = time.perf_counter()
-    params, opt_state, loss = compiled(params, opt_state, batch, jax.random.fold_in(key, i))
+  return [compiled, params, opt_state, batch, compile_s, peak_bytes, cfg]
+
+
+def _bench_variants(config) -> list[dict]:
+  """Every variant's step, timed in interleaved rounds (one step of each per round), so load
+  that changes during the run hits every variant alike; medians."""
+  built = {name: _build_variant(config, o) for name, o in VARIANTS.items()}
+  key = jax.random.PRNGKey(2)
+  for b in built.values():  # Warmup.
+    b[1], b[2], loss = b[0](b[1], b[2], b[3], key)
     jax.block_until_ready(loss)
+  times = {name: [] for name in built}
+  losses = {}
+  for i in range(_STEPS.value):
+    for name, b in built.items():
+      t0 = time.perf_counter()
+      b[1], b[2], loss = b[0](b[1], b[2], b[3], jax.random.fold_in(key, i))
+      jax.block_until_ready(loss)
+      times[name].append(time.perf_counter() - t0)
+      losses[name] = float(loss)
+  limit = _matmul_limit()
+  rows = []
+  for name, (_, params, _, batch, compile_s, peak_bytes, cfg) in built.items():
+    b, t = batch["inputs"].shape
+    step_s = statistics.median(times[name])
+    step_flops = flops.train_flops_per_token(cfg, t) * b * t
+    row = {
+      "variant": name,
+      "compile_s": compile_s,
+      "step_s_median": step_s,
+      "step_s_min": min(times[name]),
+      "tokens_per_s": b * t / step_s,
+      "model_tflops_per_s": step_flops / step_s / 1e12,
+      "of_matmul_limit": step_flops / step_s / limit,
+      "xla_memory_bytes": peak_bytes,
+      "params": int(sum(x.size for x in jax.tree.leaves(params))),
+      "final_loss": losses[name],
+    }
+    if _PEAK.value:
+      row["mfu"] = step_flops / step_s / (_PEAK.value * 1e12)
+    rows.append(row)
+  return rows, limit
+
+
+def _matmul_limit(n: int = 1024, repeats: int = 10) -> float:
+  """FLOP/s of an n^3 float32 matmul on the default device (median): the throughput limit."""
+  x = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
+  f = jax.jit(lambda a: a @ a)
+  jax.block_until_ready(f(x))
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(x))
     times.append(time.perf_counter() - t0)
-  step_s = statistics.median(times)
-  tokens_per_s = b * t / step_s
-  flops = model_flops_per_token(cfg, t) * b * t
-  row = {
-    "variant": "scan" if scan else "unrolled",
-    "compile_s": compile_s,
-    "step_s_median": step_s,
-    "step_s_min": min(times),
-    "tokens_per_s": tokens_per_s,
-    "model_tflops_per_s": flops / step_s / 1e12,
-    "xla_memory_bytes": peak_bytes,
-    "params": int(sum(x.size for x in jax.tree.leaves(params))),
-    "final_loss": float(loss),
-  }
-  if _PEAK.value:
-    row["mfu"] = flops / step_s / (_PEAK.value * 1e12)
-  return row
+  return 2 * n**3 / statistics.median(times)
 
 
 def main(argv):
@@ -219,7 +246,7 @@ def main(argv):
   if _MESH.value:
     rows = [_bench_mesh(config, spec) for spec in _MESH.value]
   else:
-    rows = [_bench_variant(config, scan) for scan in (True, False)]
+    rows, limit = _bench_variants(config)
   header = {
     "device": str(jax.devices()[0].device_kind),
     "device_count": jax.device_count(),
@@ -232,6 +259,8 @@ def main(argv):
   cols = ["variant", "compile_s", "step_s_median", "tokens_per_s", "model_tflops_per_s"]
   if _MESH.value:
     cols += ["state_bytes_per_device", "state_fraction_per_device"]
+  else:
+    cols += ["of_matmul_limit"]
   cols += ["xla_memory_bytes"] + (["mfu"] if _PEAK.value else [])
   print(
     f"\ndevice={header['device']} batch={header['batch']} seq_len={header['seq_len']} "
@@ -248,8 +277,14 @@ def main(argv):
     print("| " + " | ".join(cells) + " |")
   summary = {"setup": header, "rows": rows}
   if not _MESH.value:
-    summary["unrolled_over_scan"] = rows[1]["step_s_median"] / rows[0]["step_s_median"]
-    print(f"unrolled/scan step-time ratio: {summary['unrolled_over_scan']:.3f}")
+    step = {row["variant"]: row["step_s_median"] for row in rows}
+    summary["matmul_limit_gflops"] = limit / 1e9
+    summary["scan_over_unrolled"] = step["scan"] / step["unrolled"]
+    summary["scan_unroll_R_over_unrolled"] = step["scan_unroll_R"] / step["unrolled"]
+    print(
+      f"scan / unrolled step time: {summary['scan_over_unrolled']:.3f}; scan_unroll_R / unrolled:"
+      f" {summary['scan_unroll_R_over_unrolled']:.3f}; matmul limit {limit / 1e9:.1f} GFLOP/s"
+    )
   os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
   with open(_OUT.value, "w") as f:
     json.dump(summary, f, indent=2)
