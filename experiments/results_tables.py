@@ -239,6 +239,16 @@ def recipe_sweep() -> str:
   return recipe_table.markdown(recipe_table.rows(recipe_table.load_runs(_results("recipe"))))
 
 
+def recipe_mla() -> str:
+  """The configured recipe and distillation with every layer MLA (`:fixed,mla`)."""
+  return recipe_table.markdown(recipe_table.rows(recipe_table.load_runs(_results("recipe_mla"))))
+
+
+def recipe_wide() -> str:
+  """The capacity test: the configured recipe on a 1.5x wider `:fixed` model."""
+  return recipe_table.markdown(recipe_table.rows(recipe_table.load_runs(_results("recipe_wide"))))
+
+
 def recipe_curves() -> str:
   """Seed 0's finetune and BeNice! learning curves to 1,000 steps."""
   return recipe_table.curves_table(_results("recipe_curves", "curves_s0"))
@@ -257,6 +267,8 @@ TABLES: dict[str, Callable[[], str]] = {
   "kv_bytes": kv_bytes,
   "recipe_sweep": recipe_sweep,
   "recipe_curves": recipe_curves,
+  "recipe_mla": recipe_mla,
+  "recipe_wide": recipe_wide,
 }
 
 

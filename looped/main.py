@@ -38,6 +38,12 @@ _NUM_PROCESSES = flags.DEFINE_integer(
 _PROCESS_ID = flags.DEFINE_integer(
   "process_id", None, "This process's index in [0, num_processes).", lower_bound=0
 )
+_CACHE = flags.DEFINE_string(
+  "compilation_cache",
+  "~/.cache/looped/xla",
+  "Persistent XLA compilation cache, so a rerun or a similar config skips compiling what it "
+  "compiled before ('' = off; JAX_COMPILATION_CACHE_DIR, when set, wins).",
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -60,7 +66,7 @@ def main(argv):
     process_id=_PROCESS_ID.value,
   )
   try:
-    programs.main(_CONFIG.value, _WORKDIR.value, **distributed)
+    programs.main(_CONFIG.value, _WORKDIR.value, compilation_cache=_CACHE.value, **distributed)
   except config_checks.ConfigError as e:
     import jax
 

@@ -8,6 +8,7 @@ pay for importing the trainer.
 import hashlib
 import importlib
 import json
+import os
 
 import jax
 import numpy as np
@@ -146,10 +147,26 @@ def initialize_distributed(
   return True
 
 
-def main(config, workdir: str, **distributed):
+def enable_compilation_cache(path: str) -> str | None:
+  """Points jax's persistent compilation cache at `path` (user dirs expanded) unless the
+  environment already chose one (JAX_COMPILATION_CACHE_DIR) or `path` is ''. Returns the
+  directory in use, or None when the cache is off."""
+  chosen = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+  if chosen:
+    return chosen
+  if not path:
+    return None
+  path = os.path.expanduser(path)
+  jax.config.update("jax_compilation_cache_dir", path)
+  return path
+
+
+def main(config, workdir: str, compilation_cache: str = "", **distributed):
   """What `python -m looped.main` runs: starts jax.distributed when asked (`distributed`: the
-  arguments of initialize_distributed), validates the config once with only warnings logged, so
-  that a bad value prints one line and not backend chatter, then runs the program."""
+  arguments of initialize_distributed), turns on the persistent compilation cache (see
+  enable_compilation_cache), validates the config once with only warnings logged, so that a bad
+  value prints one line and not backend chatter, then runs the program."""
+  enable_compilation_cache(compilation_cache)
   initialize_distributed(**distributed)
   with cli.quiet_logs():
     module = validate(config, workdir)
