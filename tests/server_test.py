@@ -234,6 +234,7 @@ class ServerTest(parameterized.TestCase):
     status, info = client.request(url + "/tokenizer_info")
     self.assertEqual(status, 200)
     self.assertIn("eos_token", info)
+    self.assertEqual(info["eos_token_id"], self.tok.eos_id)  # lm-eval's prefix token.
     self.assertEqual(info["model_max_length"], 32)
     text = "déf f(x):"
     status, out = client.request(

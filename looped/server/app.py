@@ -136,6 +136,9 @@ def create_app(
       {
         "tokenizer_class": type(tokenizer).__name__,
         "eos_token": eos,
+        # Not vLLM's: lm-eval finds the EOS id by tokenizing eos_token, which the bytes and
+        # SentencePiece EOS lack, so a client passes this one (its custom_prefix_token_id).
+        "eos_token_id": int(tokenizer.eos_id),
         "bos_token": None,
         "pad_token": None,
         "model_max_length": limits.max_model_len,
