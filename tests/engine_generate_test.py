@@ -3,6 +3,7 @@ model (trainer workdir and stage dir): streamed text, generations.jsonl, summary
 greedy tokens equal to decoding the restored params directly."""
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -17,6 +18,7 @@ import looped_testing as testing
 from configs import generate as generate_config
 from looped import config_checks, programs
 from looped.data.tokenizers import BytesTokenizer
+from looped.engine import generate
 from looped.model import config as model_lib
 from looped.model import init_params
 from looped.model.kv_cache import init_cache
@@ -56,6 +58,23 @@ def _greedy(model, params, prompt, n, share_kv):
       token = int(jnp.argmax(logits[0, 0]))
       out.append(token)
   return out
+
+
+class RecordedModelTest(testing.TempDirTestCase):
+  def test_stage_recorded_before_a_model_field_existed(self):
+    # A pipeline stage dir records its model; a field added to looped later is absent there and
+    # takes its default (the behaviour the stage was trained with), the others stay as recorded.
+    model = dataclasses.asdict(testing.TINY_MODEL)
+    model.pop("scan_unroll")
+    with open(os.path.join(self.tmp, "stage_config.json"), "w") as f:
+      json.dump({"model": model, "data": {"tokenizer": "bytes"}}, f)
+    config = generate_config.get_config()
+    recorded, data = generate.model_and_data(config, self.tmp)
+    self.assertEqual(recorded.scan_unroll, 1)
+    self.assertEqual(recorded.d_model, model["d_model"])
+    self.assertEqual(recorded.num_recurrences, model["num_recurrences"])
+    model_lib.from_config(recorded)  # Every field known, none missing.
+    self.assertEqual(data.tokenizer, "bytes")
 
 
 class GenerateProgramTest(absltest.TestCase):

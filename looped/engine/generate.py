@@ -8,6 +8,7 @@ streams the text of a single prompt as it is produced, and writes WORKDIR/genera
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -50,7 +51,10 @@ def model_and_data(
   if recorded is None:
     return config.model, config.data
   data = {k: recorded["data"].get(k, config.data[k]) for k in ("tokenizer", "spm_path")}
-  return ml_collections.ConfigDict(recorded["model"]), ml_collections.ConfigDict(data)
+  # A model field added to looped after the stage was recorded is absent there; the stage was
+  # trained with the behaviour the field's default keeps.
+  model = {f.name: f.default for f in dataclasses.fields(model_lib.ModelConfig)} | recorded["model"]
+  return ml_collections.ConfigDict(model), ml_collections.ConfigDict(data)
 
 
 def has_checkpoint(path: str) -> bool:
