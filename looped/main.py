@@ -60,7 +60,8 @@ def main(argv):
     process_id=_PROCESS_ID.value,
   )
   try:
-    programs.main(_CONFIG.value, _WORKDIR.value, **distributed)
+    overrides = tuple(config_flags.get_override_values(flags.FLAGS["config"]))
+    programs.main(_CONFIG.value, _WORKDIR.value, overrides, **distributed)
   except config_checks.ConfigError as e:
     import jax
 
