@@ -90,11 +90,10 @@ class ModelRecordTest(absltest.TestCase):
     # The tokens are those of the recorded model decoding the restored params.
     model = LoopedLM(from_config(self.train_config.model))
     params = testing.saved_params(self.train_config.model, self.train_dir)
-    step = jax.jit(lambda p, x: model.apply(p, x)[0])
-    tokens = [100, 101, 102]  # 'def'
-    for _ in range(4):
-      tokens.append(int(jnp.argmax(step(params, jnp.asarray([tokens]))[0, -1])))
-    self.assertEqual(result["generations"][0].tokens, tokens[3:])
+    generated = result["generations"][0].tokens
+    tokens = jnp.asarray([[100, 101, 102] + list(generated)])  # 'def' + the output.
+    logits, _ = jax.jit(model.apply)(params, tokens)  # Causal: each position's greedy token.
+    self.assertEqual(generated, [int(t) for t in jnp.argmax(logits[0, 2:-1], axis=-1)])
 
   def test_disagreeing_override_fails_naming_field_and_values(self):
     config = _new_user_gen_config(self.train_dir, **{"model.num_heads": 8})
