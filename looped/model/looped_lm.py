@@ -180,6 +180,7 @@ class LoopedLM(nn.Module):
     cache: KVCache | None = None,
     collect_states: bool = False,
     kv_format: str | None = None,
+    initial_state_BxTxD: jax.Array | None = None,
   ):
     """Returns (logits_BxTxV float32, aux).
 
@@ -197,6 +198,8 @@ class LoopedLM(nn.Module):
       kv_format: parallel mode: every attention read of an earlier position's K/V goes
         through this format's per-token quantize/dequantize round trip, as a cache stored in
         the format would return it (decode mode takes the format from the cache).
+      initial_state_BxTxD: h_0 of the new tokens instead of cfg.state_init's (a reference's
+        own noise draw, to compare with it exactly).
     aux: 'final_kv' (parallel) or 'cache' (decode), 'residual_norm_R',
       'relative_residual_R' (means over active sequences), optionally 'states_RxBxTxD', and
       with cfg.exit_gate 'exit_logits_RxBxT' (each recurrence's exit-gate logit per token).
@@ -255,7 +258,10 @@ class LoopedLM(nn.Module):
 
     x, prelude_kvs = run_plain_layers(x, "prelude")
     e = RMSNorm(cfg.weight_dtype, name="prelude_norm")(x) if cfg.prelude_norm else x
-    h0 = self._initial_state(e, positions_BxT)
+    if initial_state_BxTxD is None:
+      h0 = self._initial_state(e, positions_BxT)
+    else:
+      h0 = initial_state_BxTxD.astype(e.dtype)
 
     if depth_mask_BxR is None:
       depth_mask_BxR = jnp.ones((b, r), bool)
