@@ -95,45 +95,6 @@ class ModelRecordTest(absltest.TestCase):
     logits, _ = jax.jit(model.apply)(params, tokens)  # Causal: each position's greedy token.
     self.assertEqual(generated, [int(t) for t in jnp.argmax(logits[0, 2:-1], axis=-1)])
 
-  def test_disagreeing_override_fails_naming_field_and_values(self):
-    config = _new_user_gen_config(self.train_dir, **{"model.num_heads": 8})
-    with self.assertRaisesRegex(
-      config_checks.ConfigError,
-      r"^--config.model.num_heads = 8 disagrees with the checkpoint's num_heads = 2 ",
-    ):
-      programs.validate(config, os.path.join(self.tmp, "w"), overrides=("model.num_heads",))
-    # An override that agrees with the record, and one of how to compute, are accepted.
-    config = _new_user_gen_config(self.train_dir, **{"model.d_model": 64, "model.remat": "full"})
-    programs.validate(config, os.path.join(self.tmp, "w"), ("model.d_model", "model.remat"))
-    self.assertEqual(generate.model_and_data(config)[0].remat, "full")
-
-  def test_disagreeing_override_on_the_command_line_is_one_line(self):
-    command = [
-      sys.executable,
-      "-m",
-      "looped.main",
-      "--config=configs/generate.py",
-      f"--workdir={os.path.join(self.tmp, 'cli')}",
-      f"--config.gen.checkpoint={self.train_dir}",
-      "--config.gen.prompts=def",
-      "--config.model.d_model=96",
-    ]
-    done = subprocess.run(command, cwd=_REPO, capture_output=True, text=True, timeout=600)
-    self.assertEqual(done.returncode, 2, done.stderr)
-    lines = done.stderr.strip().splitlines()
-    self.assertLen(lines, 1, done.stderr)
-    self.assertRegex(
-      lines[0], r"^error: --config.model.d_model = 96 disagrees with the checkpoint's d_model = 64"
-    )
-    self.assertFalse(os.path.exists(os.path.join(self.tmp, "cli")))
-
-  def test_trainer_refuses_a_workdir_recorded_with_another_model(self):
-    config = testing.smoke_config({**_TRAIN, "train.num_steps": 4, "model.mlp_dim": 96})
-    with self.assertRaisesRegex(
-      config_checks.ConfigError, r"config.model.mlp_dim = 96 disagrees with .* mlp_dim = 128"
-    ):
-      trainer.run(config, self.train_dir)
-
   def test_old_workdir_without_record_works_as_before(self):
     old = self._old_workdir()
     config = _new_user_gen_config(old)
@@ -169,6 +130,66 @@ class ModelRecordTest(absltest.TestCase):
       trainer.run(bigger, old)
     self.assertFalse(os.path.exists(checkpointing.corrupt_dir(checkpointing.checkpoint_dir(old))))
     self.assertEqual(os.listdir(checkpointing.checkpoint_dir(old)), ["2"])
+
+
+class RecordedWorkdirTest(testing.TempDirTestCase):
+  """What needs only a workdir's record (no training, no compile): the record of the smoke
+  model and an empty checkpoint step, as a trainer writes them."""
+
+  def setUp(self):
+    super().setUp()
+    self.recorded = os.path.join(self.tmp, "smoke")
+    config = testing.smoke_config(_TRAIN)
+    model_record.write(self.recorded, model_record.make(config.model, config.data))
+    os.makedirs(os.path.join(checkpointing.checkpoint_dir(self.recorded), "2"))
+
+  def test_model_and_data_come_from_the_record(self):
+    config = _new_user_gen_config(self.recorded)
+    model_cfg, data_cfg = generate.model_and_data(config)
+    self.assertEqual((model_cfg.d_model, model_cfg.max_seq_len), (64, 32))
+    self.assertEqual(data_cfg.tokenizer, "bytes")
+    programs.validate(config, os.path.join(self.tmp, "w"))  # The default model's flags: fine.
+
+  def test_disagreeing_override_fails_naming_field_and_values(self):
+    config = _new_user_gen_config(self.recorded, **{"model.num_heads": 8})
+    with self.assertRaisesRegex(
+      config_checks.ConfigError,
+      r"^--config.model.num_heads = 8 disagrees with the checkpoint's num_heads = 2 ",
+    ):
+      programs.validate(config, os.path.join(self.tmp, "w"), overrides=("model.num_heads",))
+    # An override that agrees with the record, and one of how to compute, are accepted.
+    config = _new_user_gen_config(self.recorded, **{"model.d_model": 64, "model.remat": "full"})
+    programs.validate(config, os.path.join(self.tmp, "w"), ("model.d_model", "model.remat"))
+    self.assertEqual(generate.model_and_data(config)[0].remat, "full")
+
+  def test_disagreeing_override_on_the_command_line_is_one_line(self):
+    command = [
+      sys.executable,
+      "-m",
+      "looped.main",
+      "--config=configs/generate.py",
+      f"--workdir={os.path.join(self.tmp, 'cli')}",
+      f"--config.gen.checkpoint={self.recorded}",
+      "--config.gen.prompts=def",
+      "--config.model.d_model=96",
+    ]
+    done = subprocess.run(command, cwd=_REPO, capture_output=True, text=True, timeout=600)
+    self.assertEqual(done.returncode, 2, done.stderr)
+    lines = done.stderr.strip().splitlines()
+    self.assertLen(lines, 1, done.stderr)
+    self.assertRegex(
+      lines[0], r"^error: --config.model.d_model = 96 disagrees with the checkpoint's d_model = 64"
+    )
+    self.assertFalse(os.path.exists(os.path.join(self.tmp, "cli")))
+
+  def test_trainer_refuses_a_workdir_recorded_with_another_model(self):
+    config = testing.smoke_config({**_TRAIN, "train.num_steps": 4, "model.mlp_dim": 96})
+    before = sorted(os.listdir(self.recorded))
+    with self.assertRaisesRegex(
+      config_checks.ConfigError, r"config.model.mlp_dim = 96 disagrees with .* mlp_dim = 128"
+    ):
+      trainer.run(config, self.recorded)
+    self.assertEqual(sorted(os.listdir(self.recorded)), before)  # Nothing was written.
 
 
 if __name__ == "__main__":
