@@ -27,6 +27,8 @@ setuptools.setup(
     "matplotlib>=3.8",  # PNG plots of evaluations and simulations.
     "fastapi>=0.110",  # The HTTP server (configs/serve.py): routing, streaming responses.
     "uvicorn>=0.30",  # Its ASGI server.
+    "safetensors>=0.4",  # Reads imported checkpoints' weights (looped/convert), numpy API.
+    "tokenizers>=0.15",  # Imported checkpoints' own tokenizer.json (data.tokenizer='huggingface').
   ],
   extras_require={
     "test": [

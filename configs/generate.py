@@ -9,9 +9,11 @@ docs/design.md §5).
 
 Args: `smoke` (the model of configs/pretrain.py:smoke, for its trainer workdirs; short outputs).
 
-A pipeline stage directory (WORKDIR/pretrain, finetune, benice) records its model and tokenizer
-in stage_config.json, which then override `model` and `data` here; a plain trainer workdir has
-no record, so `model` and `data` must describe the model it trained.
+A checkpoint directory records its model and tokenizer (model_config.json beside the
+checkpoints of a trainer workdir or a converted model, stage_config.json in a pipeline stage
+dir); they are used whatever `model` and `data` say here, and a `--config.model.*` flag that
+disagrees with the record fails naming the field. Only a workdir written before records
+existed needs `model` and `data` to describe it (`:smoke` for configs/pretrain.py:smoke).
 """
 
 import ml_collections
@@ -29,13 +31,14 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
 
   c = ml_collections.ConfigDict()
   c.program = "generate"  # Which program main runs.
-  c.model = pretrain.model_config()  # The trained model (ignored for a stage dir: its record).
+  c.model = pretrain.model_config()  # The model, if the checkpoint records none (old workdirs).
   c.data = ml_collections.ConfigDict()
-  c.data.tokenizer = "bytes"  # 'bytes' or 'sentencepiece' (ignored for a stage dir).
+  c.data.tokenizer = "bytes"  # 'bytes', 'sentencepiece' or 'huggingface' (recorded: ignored).
   c.data.spm_path = ""  # SentencePiece model file for tokenizer='sentencepiece'.
+  c.data.tokenizer_json = ""  # Hugging Face tokenizer.json for tokenizer='huggingface'.
 
   c.gen = ml_collections.ConfigDict()
-  c.gen.checkpoint = ""  # Trainer workdir or BeNice! pipeline stage dir holding checkpoints/.
+  c.gen.checkpoint = ""  # Trainer workdir, pipeline stage dir or converted model (checkpoints/).
   c.gen.step = -1  # Checkpoint step to load (-1: the latest).
   c.gen.prompts = ""  # One prompt, a tuple of prompts, or a file: .jsonl ({"prompt": ...} per
   # line) or text (one prompt per line; '\n' in a line stands for a newline).

@@ -31,7 +31,8 @@ def model_config() -> ml_collections.ConfigDict:
   m.num_core_layers = 2  # B: layers of the looped core block (one set of weights).
   m.num_coda_layers = 1  # C: layers after the loop (run once, ordinary KV-cache).
   m.num_recurrences = 4  # R: core-block recurrences at evaluation (and the training maximum).
-  m.injection = "diagonal"  # How e enters each recurrence: 'diagonal', 'linear', 'additive'.
+  m.injection = "diagonal"  # How e enters each recurrence: 'diagonal', 'linear', 'additive',
+  # 'none' (h alone: a stack looped as a whole, as Ouro).
   m.diagonal_decay_init = 0.5  # injection='diagonal': per-channel decay of h at init, in (0, 1).
   m.state_init = "like_init"  # h_0: 'like_init' (scaled noise), 'zeros', 'embed' (h_0 = e).
   m.state_init_std = 0.02  # Std of h_0 noise for state_init='like_init'.
@@ -56,6 +57,12 @@ def model_config() -> ml_collections.ConfigDict:
   m.kda_conv_size = 4  # KDA: short causal conv width on q, k, v.
   m.kda_chunk_size = 16  # KDA: chunk length of the chunkwise-parallel (training) form (16: 3x
   # faster training steps than 64 on CPU, same math; docs/mixers.md).
+  m.block_norm = "pre"  # Layer norms: 'pre', 'sandwich' (x + n(f(n(x))), Ouro), 'post' (Huginn).
+  m.qk_bias = False  # GQA: a learned per-head bias on queries and keys before RoPE (Huginn).
+  m.embed_scale = 1.0  # Token embeddings are multiplied by this (Huginn: sqrt(d_model)).
+  m.core_out_norm = "none"  # 'final': the final norm also on h_R before the coda (Huginn);
+  # 'every': a norm ends every recurrence and is the final norm (Ouro; no coda).
+  m.exit_gate = False  # A per-recurrence exit logit w.h_r + b (Ouro's early-exit gate), in aux.
   return m
 
 
@@ -88,8 +95,9 @@ def data_config() -> ml_collections.ConfigDict:
   d.tfds_train_split = "train"  # TFDS split for training.
   d.tfds_eval_split = "validation"  # TFDS split for evaluation.
   d.tfds_text_key = "text"  # Feature holding the document text.
-  d.tokenizer = "bytes"  # 'bytes' (UTF-8 bytes + EOS) or 'sentencepiece'.
+  d.tokenizer = "bytes"  # 'bytes' (UTF-8 bytes + EOS), 'sentencepiece' or 'huggingface'.
   d.spm_path = ""  # SentencePiece model file for tokenizer='sentencepiece'.
+  d.tokenizer_json = ""  # Hugging Face tokenizer.json for tokenizer='huggingface'.
   d.val_fraction = 0.05  # Fraction of documents (files) held out for validation.
   d.segment_bytes = 4096  # Files longer than this are split train/val in segments (0: whole).
   d.max_documents = 0  # Use only the first N documents after the split hash (0 = all).

@@ -9,8 +9,9 @@ Args: `smoke` (the model of configs/pretrain.py:smoke, for its trainer workdirs)
 
 The server listens on serve.host:serve.port (port 0: a free port) and writes the address to
 WORKDIR/server.json once it accepts connections. SIGTERM (or Ctrl-C) stops accepting, finishes
-the requests in flight and exits. `model` and `data` are read as by configs/generate.py: a
-pipeline stage dir's stage_config.json overrides them.
+the requests in flight and exits. `model` and `data` are read as by configs/generate.py: the
+model and tokenizer the checkpoint records are used (only a directory without a record needs
+them to describe it).
 """
 
 import ml_collections
@@ -29,11 +30,11 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.program = "server"  # Which program main runs.
   base = generate.get_config("smoke" if "smoke" in args else "")
-  c.model = base.model  # The trained model (ignored for a stage dir: its record).
-  c.data = base.data  # Its tokenizer: data.tokenizer and data.spm_path (as configs/generate.py).
+  c.model = base.model  # The model, if the checkpoint records none (old workdirs).
+  c.data = base.data  # Its tokenizer, likewise: data.tokenizer, spm_path, tokenizer_json.
 
   c.serve = ml_collections.ConfigDict()
-  c.serve.checkpoint = ""  # Trainer workdir or BeNice! pipeline stage dir holding checkpoints/.
+  c.serve.checkpoint = ""  # Trainer workdir, pipeline stage dir or converted model (checkpoints/).
   c.serve.step = -1  # Checkpoint step to load (-1: the latest).
   c.serve.model_name = ""  # Name in /v1/models and responses ('': the checkpoint dir's name).
   c.serve.host = "127.0.0.1"  # Address to listen on.

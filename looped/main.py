@@ -66,7 +66,10 @@ def main(argv):
     process_id=_PROCESS_ID.value,
   )
   try:
-    programs.main(_CONFIG.value, _WORKDIR.value, compilation_cache=_CACHE.value, **distributed)
+    overrides = tuple(config_flags.get_override_values(flags.FLAGS["config"]))
+    programs.main(
+      _CONFIG.value, _WORKDIR.value, overrides, compilation_cache=_CACHE.value, **distributed
+    )
   except config_checks.ConfigError as e:
     import jax
 

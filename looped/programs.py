@@ -1,8 +1,10 @@
 """Maps `config.program` to the library function that runs it.
 
 Each program module exposes `validate(config)` (raises ConfigError before any compute) and
-`run(config, workdir)`. Modules are imported lazily so that, e.g., the serving simulator does not
-pay for importing the trainer.
+`run(config, workdir)`; one that reads a checkpoint's recorded model also exposes
+`model_source(config)` (the directory), so that a command-line override disagreeing with that
+record fails here (looped.train.model_record). Modules are imported lazily so that, e.g., the
+serving simulator does not pay for importing the trainer.
 """
 
 import hashlib
@@ -15,7 +17,7 @@ import numpy as np
 from absl import logging
 
 from looped import cli, config_checks
-from looped.train import workdir_lock
+from looped.train import model_record, workdir_lock
 
 PROGRAMS = {
   "train": "looped.train.trainer",
@@ -23,6 +25,7 @@ PROGRAMS = {
   "benice": "looped.benice.pipeline",
   "generate": "looped.engine.generate",
   "server": "looped.server.program",
+  "convert": "looped.convert.program",
 }
 
 
@@ -32,15 +35,18 @@ def load(config):
   return importlib.import_module(PROGRAMS[name])
 
 
-def validate(config, workdir: str):
+def validate(config, workdir: str, overrides=()):
   """Checks the config and workdir (the same on every process) before any compute; returns the
-  program module."""
+  program module. overrides: the config fields set on the command line ('model.d_model', ...)."""
   if not workdir:
     raise config_checks.ConfigError("--workdir must be a non-empty path.")
   # First: a process with a stray flag would otherwise fail validation alone (or pass it
   # alone) and leave the others waiting for it.
   check_processes_agree(config, workdir)
   module = load(config)
+  source = getattr(module, "model_source", None)
+  if source is not None and isinstance(source(config), str):
+    model_record.check_overrides(source(config), config, overrides)
   module.validate(config)
   return module
 
@@ -161,15 +167,16 @@ def enable_compilation_cache(path: str) -> str | None:
   return path
 
 
-def main(config, workdir: str, compilation_cache: str = "", **distributed):
+def main(config, workdir: str, overrides=(), compilation_cache: str = "", **distributed):
   """What `python -m looped.main` runs: starts jax.distributed when asked (`distributed`: the
   arguments of initialize_distributed), turns on the persistent compilation cache (see
   enable_compilation_cache), validates the config once with only warnings logged, so that a bad
-  value prints one line and not backend chatter, then runs the program."""
+  value prints one line and not backend chatter, then runs the program.
+  overrides: the config fields set on the command line."""
   enable_compilation_cache(compilation_cache)
   initialize_distributed(**distributed)
   with cli.quiet_logs():
-    module = validate(config, workdir)
+    module = validate(config, workdir, overrides)
   return _run_validated(module, config, workdir)
 
 

@@ -78,6 +78,20 @@ def set_field(config, dotted: str, value) -> None:
     node[leaf] = value
 
 
+def write_byte_level_tokenizer(path: str) -> None:
+  """A Hugging Face tokenizer.json without merges: the 256 byte-level symbols (ids 0..255, so
+  any text round-trips) and '<|end_of_text|>' (id 256)."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+  vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+  vocab["<|end_of_text|>"] = len(vocab)
+  tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+  tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tokenizer.decoder = decoders.ByteLevel()
+  tokenizer.add_special_tokens(["<|end_of_text|>"])
+  tokenizer.save(path)
+
+
 class TempDirTestCase(absltest.TestCase):
   """self.tmp: a fresh directory per test (absltest's create_tempdir needs parsed flags,
   which pytest does not provide)."""

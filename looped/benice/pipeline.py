@@ -8,7 +8,9 @@
 
 Stages resume and skip (stages.py); evaluations are cached by checkpoint step and eval config.
 `config.pipeline.pretrain_workdir` / `finetune_workdir` take those stages read-only from
-another run, so BeNice! ablations share one pretraining and one finetuning baseline.
+another run, so BeNice! ablations share one pretraining and one finetuning baseline. A reused
+pretraining run (or a converted checkpoint) supplies the model and tokenizer it records
+(looped.train.model_record), whatever config.model says.
 """
 
 from __future__ import annotations
@@ -30,16 +32,28 @@ from looped import model as model_lib
 from looped.benice import evaluation, objectives, report, samples, stages, timing
 from looped.data import tokenizers
 from looped.model.looped_lm import LoopedLM
-from looped.train import checkpointing, trainer
+from looped.train import checkpointing, model_record, trainer
 from looped.train import objectives as train_objectives
 
 MODELS = {"zero_shot": stages.PRETRAIN, "finetune": stages.FINETUNE, "benice": stages.BENICE}
 MODELS_OF_STAGE = {stage: name for name, stage in MODELS.items()}
 
 
+def model_source(config) -> str:
+  """The reused pretraining run whose recorded model this program uses (looped.programs)."""
+  return config.pipeline.pretrain_workdir
+
+
+def _with_source_model(config):
+  """config with the model and tokenizer recorded by pipeline.pretrain_workdir, if any."""
+  source = cc.string(config, "pipeline.pretrain_workdir", allow_empty=True)
+  return model_record.with_recorded_model(config, source) if source else config
+
+
 def validate(config) -> None:
   """The whole config, every stage's effective training config included; no compute."""
   cc.choice(config, "program", ("benice",))
+  config = _with_source_model(config)
   for stage in stages.STAGES:
     stages.validate_stage(config, stage)
   models = cc.get(config, "pipeline.models")
@@ -239,6 +253,7 @@ def _evaluate(config, workdir: str, model: LoopedLM, abstract, stage_dirs: dict)
 def run(config, workdir: str) -> dict:
   """Runs (or skips) every stage, then writes and prints the report. Returns the report."""
   invocation_start = time.time()
+  config = _with_source_model(config)
   model = LoopedLM(model_lib.from_config(config.model))
   mesh = sharding.make_mesh(config)  # Training, evaluation and decode all run on it.
   rules = sharding.rules(config, mesh)

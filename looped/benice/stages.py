@@ -101,10 +101,12 @@ def _fingerprint(stage_cfg) -> dict:
 _MODEL_DEFAULTS = json.loads(
   json.dumps({f"model.{f.name}": f.default for f in dataclasses.fields(ModelConfig)})
 )
-# BeNice! recipe fields added later, at the values that leave the objective unchanged.
+# BeNice! recipe fields added later, at the values that leave the objective unchanged, and data
+# fields added later at the values that leave the data unchanged.
 _MODEL_DEFAULTS.update(
   {"benice.distill_weight": 0.0, "benice.shared_ramp_steps": 0, "benice.kv_passes_ramp_steps": 0}
 )
+_MODEL_DEFAULTS.update({"data.tokenizer_json": ""})
 _ABSENT = object()
 
 

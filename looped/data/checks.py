@@ -15,7 +15,7 @@ from looped import config_checks as cc
 from looped.data import sources, tokenizers
 
 SOURCES = ("stdlib", "text", "tfds")
-TOKENIZERS = ("bytes", "sentencepiece")
+TOKENIZERS = ("bytes", "sentencepiece", "huggingface")
 FIELDS = (
   "source",
   "text_glob",
@@ -26,6 +26,7 @@ FIELDS = (
   "tfds_text_key",
   "tokenizer",
   "spm_path",
+  "tokenizer_json",
   "val_fraction",
   "max_documents",
   "segment_bytes",
@@ -48,7 +49,7 @@ def validate(config) -> None:
     )
   source = cc.choice(config, "data.source", SOURCES)
   tokenizer = cc.choice(config, "data.tokenizer", TOKENIZERS)
-  for field in ("text_glob", "tfds_name", "tfds_data_dir", "spm_path"):
+  for field in ("text_glob", "tfds_name", "tfds_data_dir", "spm_path", "tokenizer_json"):
     cc.string(config, f"data.{field}", allow_empty=True)
   for field in ("tfds_train_split", "tfds_eval_split", "tfds_text_key"):
     cc.string(config, f"data.{field}", allow_empty=source != "tfds")
@@ -78,6 +79,8 @@ def validate(config) -> None:
     _check_tfds(data)
   if tokenizer == "sentencepiece" and not os.path.isfile(cc.string(config, "data.spm_path")):
     cc.fail("data.spm_path", data.spm_path, "must name an existing SentencePiece model file")
+  if tokenizer == "huggingface" and not os.path.isfile(cc.string(config, "data.tokenizer_json")):
+    cc.fail("data.tokenizer_json", data.tokenizer_json, "must name an existing tokenizer.json")
 
   vocab = cc.integer(config, "model.vocab_size", min_value=1)
   needed = tokenizers.get(data).vocab_size

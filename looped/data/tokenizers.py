@@ -1,7 +1,7 @@
 """Tokenizers: text -> int token ids, each document followed by one EOS id.
 
-Both tokenizers are small picklable objects (a SentencePiece model is loaded lazily from its path)
-so that Grain worker processes can receive them.
+The tokenizers are small picklable objects (a SentencePiece model or a Hugging Face
+`tokenizer.json` is loaded lazily from its path) so that Grain worker processes can receive them.
 """
 
 from __future__ import annotations
@@ -113,12 +113,70 @@ class SentencePieceTokenizer:
     return self.processor.encode("a", out_type=str)[0].startswith("\u2581")
 
 
-Tokenizer = BytesTokenizer | SentencePieceTokenizer
+class HuggingFaceTokenizer:
+  """A Hugging Face `tokenizer.json` (the `tokenizers` package): what an imported checkpoint
+  brings (looped/convert). EOS: the first of _EOS_NAMES the vocabulary has (the end-of-text
+  token of the supported families first), else one past the vocabulary."""
+
+  _EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<|im_end|>", "<|end_turn|>")
+
+  def __init__(self, path: str):
+    self.path = path
+    self._tokenizer = None
+
+  def __getstate__(self):
+    return {"path": self.path}
+
+  def __setstate__(self, state):
+    self.__init__(state["path"])
+
+  @property
+  def tokenizer(self):
+    if self._tokenizer is None:
+      import tokenizers as hf_tokenizers  # Lazy: only imported models need it.
+
+      self._tokenizer = hf_tokenizers.Tokenizer.from_file(self.path)
+    return self._tokenizer
+
+  @functools.cached_property
+  def eos_id(self) -> int:
+    for name in self._EOS_NAMES:
+      token_id = self.tokenizer.token_to_id(name)
+      if token_id is not None:
+        return int(token_id)
+    return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+  @property
+  def vocab_size(self) -> int:
+    return max(self.tokenizer.get_vocab_size(with_added_tokens=True), self.eos_id + 1)
+
+  def encode(self, text: str) -> np.ndarray:
+    """Ids of `text` without special tokens (no BOS/EOS added)."""
+    dtype = np.uint16 if self.vocab_size <= 2**16 else np.int32
+    return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, dtype=dtype)
+
+  def decode(self, ids) -> str:
+    """Inverse of encode; EOS ids are dropped."""
+    ids = np.asarray(ids).reshape(-1)
+    return self.tokenizer.decode(ids[ids != self.eos_id].tolist(), skip_special_tokens=False)
+
+  def num_bytes(self, ids, previous: int | None = None) -> int:
+    """UTF-8 bytes of the text the ids decode to (EOS ids spell none)."""
+    del previous
+    return len(self.decode(ids).encode("utf-8"))
+
+
+Tokenizer = BytesTokenizer | SentencePieceTokenizer | HuggingFaceTokenizer
 
 
 @functools.lru_cache(maxsize=8)
 def _spm(path: str) -> SentencePieceTokenizer:
   return SentencePieceTokenizer(path)
+
+
+@functools.lru_cache(maxsize=8)
+def _hf(path: str) -> HuggingFaceTokenizer:
+  return HuggingFaceTokenizer(path)
 
 
 def get(data_cfg) -> Tokenizer:
@@ -131,7 +189,16 @@ def get(data_cfg) -> Tokenizer:
     if not path or not os.path.isfile(path):
       config_checks.fail("data.spm_path", path, "must name an existing SentencePiece model file")
     return _spm(path)
-  config_checks.fail("data.tokenizer", kind, "must be one of 'bytes', 'sentencepiece'")
+  if kind == "huggingface":
+    path = data_cfg.get("tokenizer_json", "")
+    if not path or not os.path.isfile(path):
+      config_checks.fail(
+        "data.tokenizer_json", path, "must name an existing Hugging Face tokenizer.json file"
+      )
+    return _hf(path)
+  config_checks.fail(
+    "data.tokenizer", kind, "must be one of 'bytes', 'sentencepiece', 'huggingface'"
+  )
 
 
 def encode_document(tokenizer: Tokenizer, text: str) -> np.ndarray:

@@ -8,7 +8,6 @@ streams the text of a single prompt as it is produced, and writes WORKDIR/genera
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
 import os
@@ -30,31 +29,18 @@ from looped.engine.sampling import SamplingParams
 from looped.model import config as model_lib
 from looped.model import init_params, mixers
 from looped.model.looped_lm import LoopedLM
-from looped.train import checkpointing
-
-
-def _recorded(checkpoint: str) -> dict | None:
-  """The stage_config.json a BeNice! pipeline stage dir holds (None for a trainer workdir)."""
-  path = os.path.join(checkpoint, "stage_config.json")
-  if not os.path.isfile(path):
-    return None
-  with open(path) as f:
-    return json.load(f)
+from looped.train import checkpointing, model_record
 
 
 def model_and_data(
   config, checkpoint: str | None = None
 ) -> tuple[ml_collections.ConfigDict, ml_collections.ConfigDict]:
-  """`model` and `data` sections describing the checkpoint's model (module docstring);
-  checkpoint defaults to gen.checkpoint."""
-  recorded = _recorded(config.gen.checkpoint if checkpoint is None else checkpoint)
-  if recorded is None:
-    return config.model, config.data
-  data = {k: recorded["data"].get(k, config.data[k]) for k in ("tokenizer", "spm_path")}
-  # A model field added to looped after the stage was recorded is absent there; the stage was
-  # trained with the behaviour the field's default keeps.
-  model = {f.name: f.default for f in dataclasses.fields(model_lib.ModelConfig)} | recorded["model"]
-  return ml_collections.ConfigDict(model), ml_collections.ConfigDict(data)
+  """`model` and `data` sections describing the checkpoint's model: those recorded beside it
+  (model_config.json or a stage dir's stage_config.json), else config's (a directory written
+  before records existed); checkpoint defaults to gen.checkpoint."""
+  return model_record.model_and_data(
+    config, config.gen.checkpoint if checkpoint is None else checkpoint
+  )
 
 
 def has_checkpoint(path: str) -> bool:
@@ -155,6 +141,11 @@ def check_model_and_format(config, section: str, model_cfg):
     except ValueError as e:
       cc.fail(f"{section}.kv_format", fmt, str(e).rstrip("."))
   return cfg, fmt
+
+
+def model_source(config) -> str:
+  """The checkpoint directory whose recorded model this program uses (looped.programs)."""
+  return config.gen.checkpoint
 
 
 def validate(config) -> None:

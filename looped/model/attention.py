@@ -98,6 +98,15 @@ class Attention(nn.Module):
     k_BxTxKxH = proj(cfg.num_kv_heads, "key", "kv_heads")(x_BxTxD)
     v_BxTxKxH = proj(cfg.num_kv_heads, "value", "kv_heads")(x_BxTxD)
     q_BxTxNxH = nn.with_logical_constraint(q_BxTxNxH, ("batch", "length", "heads", "head_dim"))
+    if cfg.qk_bias:
+      bias = lambda name, heads, axis: self.param(
+        name,
+        nn.with_logical_partitioning(nn.initializers.zeros, (axis, "head_dim")),
+        (heads, cfg.head_dim),
+        cfg.weight_dtype,
+      )
+      q_BxTxNxH = q_BxTxNxH + bias("query_bias", cfg.num_heads, "heads").astype(q_BxTxNxH.dtype)
+      k_BxTxKxH = k_BxTxKxH + bias("key_bias", cfg.num_kv_heads, "kv_heads").astype(k_BxTxKxH.dtype)
     if cfg.qk_norm:
       q_BxTxNxH = RMSNorm(cfg.weight_dtype, name="query_norm")(q_BxTxNxH)
       k_BxTxKxH = RMSNorm(cfg.weight_dtype, name="key_norm")(k_BxTxKxH)

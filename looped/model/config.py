@@ -13,7 +13,14 @@ import jax.numpy as jnp
 from looped import config_checks as cc
 
 MLP_TYPES = ("swiglu", "relu2")
-INJECTIONS = ("diagonal", "linear", "additive")
+INJECTIONS = ("diagonal", "linear", "additive", "none")
+# Where a layer normalizes: 'pre' x + f(n(x)); 'sandwich' x + n'(f(n(x))) (Ouro, Gemma 2);
+# 'post' n'(x + f(n(x))) (Huginn's SandwichBlock).
+BLOCK_NORMS = ("pre", "sandwich", "post")
+# A norm on the core's output: 'none'; 'final' (the final norm's own weights on h_R before the
+# coda, as Huginn's ln_f, used twice); 'every' (a norm ends every recurrence, so each h_r is
+# normalized and the final norm is that one, as Ouro's).
+CORE_OUT_NORMS = ("none", "final", "every")
 STATE_INITS = ("like_init", "zeros", "embed")
 DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("xla", "pallas")
@@ -59,6 +66,11 @@ class ModelConfig:
   mla_rope_dim: int = 32
   kda_conv_size: int = 4
   kda_chunk_size: int = 16
+  block_norm: str = "pre"
+  qk_bias: bool = False
+  embed_scale: float = 1.0
+  core_out_norm: str = "none"
+  exit_gate: bool = False
 
   def mixers(self, stage: str) -> tuple[str, ...]:
     """The mixer of each layer of a stage: its pattern repeated over the stage's layers."""
@@ -110,6 +122,9 @@ def validate(config, prefix: str = "model") -> None:
   cc.integer(config, p + "max_seq_len", min_value=1)
   cc.choice(config, p + "mlp_type", MLP_TYPES)
   cc.choice(config, p + "injection", INJECTIONS)
+  cc.choice(config, p + "block_norm", BLOCK_NORMS)
+  cc.choice(config, p + "core_out_norm", CORE_OUT_NORMS)
+  cc.number(config, p + "embed_scale", min_value=0.0, min_exclusive=True)
   cc.choice(config, p + "state_init", STATE_INITS)
   cc.choice(config, p + "dtype", DTYPES)
   cc.choice(config, p + "param_dtype", DTYPES)
@@ -127,8 +142,15 @@ def validate(config, prefix: str = "model") -> None:
   cc.number(config, p + "init_std", min_value=0.0, min_exclusive=True)
   cc.choice(config, p + "remat", REMAT_POLICIES)
   cc.integer(config, p + "scan_unroll", min_value=1)
-  for name in ("prelude_norm", "qk_norm", "tie_embeddings", "scan_recurrences"):
+  for name in ("prelude_norm", "qk_norm", "tie_embeddings", "scan_recurrences", "qk_bias"):
     cc.boolean(config, p + name)
+  cc.boolean(config, p + "exit_gate")
+  if cc.get(config, p + "core_out_norm") == "every" and cc.get(config, p + "num_coda_layers"):
+    cc.fail(
+      p + "core_out_norm",
+      "every",
+      "needs num_coda_layers = 0 (the recurrence's norm is the final norm)",
+    )
   cc.divides(config, p + "num_heads", cc.get(config, p + "num_kv_heads"), p + "num_kv_heads")
   if cc.get(config, p + "head_dim") % 2:
     cc.fail(p + "head_dim", cc.get(config, p + "head_dim"), "must be even (RoPE rotates pairs)")

@@ -13,7 +13,7 @@ from looped.model.layers import projection
 
 class Injection(nn.Module):
   """diagonal (Parcae): h <- exp(-softplus(dt) exp(A_log)) h + softplus(dt) e B^T;
-  linear: h <- [h; e] W; additive: h <- h + e.
+  linear: h <- [h; e] W (Huginn's adapter); additive: h <- h + e; none: h <- h.
 
   The diagonal form keeps the recurrence's linear part a per-channel contraction (decay in
   (0, 1)), which is Parcae's argument for stable looping.
@@ -25,6 +25,8 @@ class Injection(nn.Module):
   def __call__(self, h_BxTxD, e_BxTxD):
     cfg = self.cfg
     d = cfg.d_model
+    if cfg.injection == "none":
+      return h_BxTxD
     if cfg.injection == "additive":
       return h_BxTxD + e_BxTxD
     if cfg.injection == "linear":

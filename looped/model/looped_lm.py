@@ -36,7 +36,8 @@ def diagonal_mask(t: int, batch: int) -> jax.Array:
 
 
 class Block(nn.Module):
-  """Pre-norm transformer layer: x + mixer(norm(x)), then x + mlp(norm(x)).
+  """Transformer layer: x + mixer(norm(x)), then x + mlp(norm(x)) (cfg.block_norm 'pre');
+  'sandwich' also normalizes each branch's output, 'post' each sum.
 
   mixer: 'gqa', 'mla' or 'kda' (looped.model.mixers); returns its cache entry with the output.
   """
@@ -52,11 +53,19 @@ class Block(nn.Module):
     y_BxTxD, kv = module(cfg, self.out_std, name=name)(
       RMSNorm(cfg.weight_dtype, name="attn_norm")(x_BxTxD), positions_BxT, ctx
     )
-    x_BxTxD = x_BxTxD + y_BxTxD
-    x_BxTxD = x_BxTxD + Mlp(cfg, self.out_std, name="mlp")(
+    x_BxTxD = self._residual(x_BxTxD, y_BxTxD, "attn_out_norm")
+    y_BxTxD = Mlp(cfg, self.out_std, name="mlp")(
       RMSNorm(cfg.weight_dtype, name="mlp_norm")(x_BxTxD)
     )
+    x_BxTxD = self._residual(x_BxTxD, y_BxTxD, "mlp_out_norm")
     return nn.with_logical_constraint(x_BxTxD, ("batch", "length", "embed")), kv
+
+  def _residual(self, x_BxTxD, y_BxTxD, norm: str):
+    if self.cfg.block_norm == "pre":
+      return x_BxTxD + y_BxTxD
+    if self.cfg.block_norm == "sandwich":
+      return x_BxTxD + RMSNorm(self.cfg.weight_dtype, name=norm)(y_BxTxD)
+    return RMSNorm(self.cfg.weight_dtype, name=norm)(x_BxTxD + y_BxTxD)
 
 
 def _out_std(cfg: ModelConfig) -> float:
@@ -98,6 +107,8 @@ class Recurrence(nn.Module):
         x, bcast["positions"], self._context(layer, xs, bcast)
       )
       kvs.append(kv)
+    if cfg.core_out_norm == "every":
+      x = RMSNorm(cfg.weight_dtype, name="out_norm")(x)
     active_B11 = xs["active_B"][:, None, None]
     h_new = jnp.where(active_B11, x, h_in)
 
@@ -108,6 +119,10 @@ class Recurrence(nn.Module):
     }
     if self.collect_states:
       ys["h"] = h_new
+    if cfg.exit_gate:
+      gate = projection(cfg, 1, cfg.init_std, "exit_gate", axes=("embed", None))(h_new)
+      bias = self.param("exit_gate_bias", nn.initializers.zeros, (1,), jnp.float32)
+      ys["exit_logit_BxT"] = (gate.astype(jnp.float32) + bias)[..., 0]
     new_carry = {"h": h_new}
     if self.decode:
       ys["kv"] = kvs
@@ -165,6 +180,7 @@ class LoopedLM(nn.Module):
     cache: KVCache | None = None,
     collect_states: bool = False,
     kv_format: str | None = None,
+    initial_state_BxTxD: jax.Array | None = None,
   ):
     """Returns (logits_BxTxV float32, aux).
 
@@ -177,11 +193,16 @@ class LoopedLM(nn.Module):
       read_shared_R: which recurrences read `shared_kv` (default: all).
       cache: a KVCache: decode mode (prefill a chunk or decode tokens; returned updated).
       collect_states: also return every recurrence's state h_r (aux['states_RxBxTxD']).
+        With core_out_norm 'every' and no coda, the head on h_r gives recurrence r's logits
+        (`head_logits`).
       kv_format: parallel mode: every attention read of an earlier position's K/V goes
         through this format's per-token quantize/dequantize round trip, as a cache stored in
         the format would return it (decode mode takes the format from the cache).
+      initial_state_BxTxD: h_0 of the new tokens instead of cfg.state_init's (a reference's
+        own noise draw, to compare with it exactly).
     aux: 'final_kv' (parallel) or 'cache' (decode), 'residual_norm_R',
-      'relative_residual_R' (means over active sequences), optionally 'states_RxBxTxD'.
+      'relative_residual_R' (means over active sequences), optionally 'states_RxBxTxD', and
+      with cfg.exit_gate 'exit_logits_RxBxT' (each recurrence's exit-gate logit per token).
     """
     cfg = self.cfg
     b, t = tokens_BxT.shape
@@ -216,7 +237,10 @@ class LoopedLM(nn.Module):
       param_dtype=cfg.weight_dtype,
       name="embed",
     )
-    x = nn.with_logical_constraint(embed(tokens_BxT), ("batch", "length", "embed"))
+    x = embed(tokens_BxT)
+    if cfg.embed_scale != 1.0:
+      x = x * jnp.asarray(cfg.embed_scale, x.dtype)
+    x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
     new_cache = {}
 
     def run_plain_layers(x, prefix: str):
@@ -234,7 +258,10 @@ class LoopedLM(nn.Module):
 
     x, prelude_kvs = run_plain_layers(x, "prelude")
     e = RMSNorm(cfg.weight_dtype, name="prelude_norm")(x) if cfg.prelude_norm else x
-    h0 = self._initial_state(e, positions_BxT)
+    if initial_state_BxTxD is None:
+      h0 = self._initial_state(e, positions_BxT)
+    else:
+      h0 = initial_state_BxTxD.astype(e.dtype)
 
     if depth_mask_BxR is None:
       depth_mask_BxR = jnp.ones((b, r), bool)
@@ -264,8 +291,12 @@ class LoopedLM(nn.Module):
 
     carry, ys = self._recurrences(decode, collect_states)(carry, xs, bcast)
     x = carry["h"]
+    final_norm = RMSNorm(cfg.weight_dtype, name="final_norm")
+    if cfg.core_out_norm == "final":
+      x = final_norm(x)
     x, coda_kvs = run_plain_layers(x, "coda")
-    x = RMSNorm(cfg.weight_dtype, name="final_norm")(x)
+    if cfg.core_out_norm != "every":  # 'every': h_R is already normalized by its recurrence.
+      x = final_norm(x)
     if cfg.tie_embeddings:
       logits = embed.attend(x.astype(cfg.compute_dtype))
     else:
@@ -280,6 +311,8 @@ class LoopedLM(nn.Module):
     }
     if collect_states:
       aux["states_RxBxTxD"] = ys["h"]
+    if cfg.exit_gate:
+      aux["exit_logits_RxBxT"] = ys["exit_logit_BxT"]
     if decode:
       if cache.share_kv:
         core_new = [jax.tree.map(lambda a: a[-1], kv) for kv in ys["kv"]]
@@ -333,3 +366,15 @@ class LoopedLM(nn.Module):
       return carry, jax.tree.map(lambda *a: jnp.stack(a), *ys)
 
     return unrolled
+
+
+def recurrence_logits(cfg: ModelConfig, params, states_RxBxTxD: jax.Array) -> jax.Array:
+  """Every recurrence's logits (float32), the LM head on each state h_r: a model whose
+  recurrences end in its final norm and that has no coda (core_out_norm 'every', as Ouro's
+  per-step outputs) predicts from each h_r directly."""
+  if cfg.core_out_norm != "every" or cfg.num_coda_layers:
+    raise ValueError("recurrence_logits needs core_out_norm='every' and num_coda_layers=0.")
+  p = params["params"]
+  head_DxV = p["embed"]["embedding"].T if cfg.tie_embeddings else p["head"]["kernel"]
+  states = states_RxBxTxD.astype(cfg.compute_dtype)
+  return jnp.einsum("rbtd,dv->rbtv", states, head_DxV.astype(cfg.compute_dtype)).astype(jnp.float32)

@@ -35,6 +35,11 @@ def _model(config) -> tuple[ml_collections.ConfigDict, ml_collections.ConfigDict
   return generate.model_and_data(config, config.serve.checkpoint)
 
 
+def model_source(config) -> str:
+  """The checkpoint directory whose recorded model this program uses (looped.programs)."""
+  return config.serve.checkpoint
+
+
 def _buckets(config, field: str, reach: int | None) -> tuple[int, ...]:
   """A bucket tuple: () (the engine's powers of two) or positive sizes, the largest >= reach."""
   value = cc.get(config, field)

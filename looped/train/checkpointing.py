@@ -23,10 +23,16 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
+from etils import epath
 
 
 class CorruptCheckpointError(RuntimeError):
   """A checkpoint that does not restore, or whose arrays do not match their checksums."""
+
+
+class CheckpointMismatchError(ValueError):
+  """A sound checkpoint of another model: an array's stored shape, or the set of arrays,
+  differs from what the requested model expects. Not corruption: nothing is quarantined."""
 
 
 def checkpoint_dir(workdir: str) -> str:
@@ -108,6 +114,7 @@ class Checkpointer:
       train=ocp.args.StandardRestore(abstract_train),
       data=grain.checkpoint.CheckpointRestore(data_iter),
     )
+    check_fits(where, "params", abstract_params)
     verified = _has_checksums(where)
     if verified:
       items["checksums"] = ocp.args.JsonRestore()
@@ -172,6 +179,11 @@ def restore_params(workdir_or_dir: str, abstract_params, step: int | None = None
   logging.info("Loading params from %s step %d", directory, step)
   where = os.path.join(directory, str(step))
   items = dict(params=ocp.args.StandardRestore(_placed(abstract_params)))
+  try:
+    check_fits(where, "params", abstract_params)
+  except CheckpointMismatchError:
+    manager.close()
+    raise
   verified = _has_checksums(where)
   if verified:
     items["checksums"] = ocp.args.JsonRestore()
@@ -184,6 +196,65 @@ def restore_params(workdir_or_dir: str, abstract_params, step: int | None = None
   if verified:
     _verify("params", restored["params"], (restored["checksums"] or {}).get("params", {}), where)
   return restored["params"]
+
+
+def has_any(workdir: str) -> bool:
+  """Whether workdir holds any checkpoint step."""
+  directory = checkpoint_dir(workdir)
+  return os.path.isdir(directory) and any(name.isdigit() for name in os.listdir(directory))
+
+
+def save_params(workdir: str, step: int, params) -> str:
+  """Writes params alone (with their checksums) as checkpoint `step` of workdir, as a trainer
+  checkpoint's 'params' item: what `restore_params` reads (e.g. a converted model)."""
+  manager = ocp.CheckpointManager(
+    checkpoint_dir(workdir), options=ocp.CheckpointManagerOptions(create=True)
+  )
+  try:
+    manager.save(
+      step,
+      args=ocp.args.Composite(
+        params=ocp.args.StandardSave(params),
+        checksums=ocp.args.JsonSave({"params": checksums(params)}),
+      ),
+    )
+    manager.wait_until_finished()
+  finally:
+    manager.close()
+  return os.path.join(checkpoint_dir(workdir), str(step))
+
+
+def _stored_shapes(item_dir: str) -> dict[str, tuple] | None:
+  """{pytree path: shape} of a saved item from its metadata (None if that cannot be read: a
+  damaged checkpoint is then reported by the restore itself, as corrupt)."""
+  handler = ocp.StandardCheckpointHandler()
+  try:
+    metadata = handler.metadata(epath.Path(item_dir))
+    leaves = jax.tree_util.tree_leaves_with_path(metadata, is_leaf=lambda x: hasattr(x, "shape"))
+    return {jax.tree_util.keystr(p): tuple(leaf.shape) for p, leaf in leaves}
+  except Exception:  # noqa: BLE001  Any unreadable metadata.
+    return None
+  finally:
+    handler.close()
+
+
+def check_fits(step_dir: str, item: str, abstract) -> None:
+  """CheckpointMismatchError naming the first array whose stored shape differs from the one
+  `abstract` expects (or that only one side has): the checkpoint is of another model."""
+  stored = _stored_shapes(os.path.join(step_dir, item))
+  if stored is None:
+    return
+  wanted = {
+    jax.tree_util.keystr(p): tuple(x.shape)
+    for p, x in jax.tree_util.tree_leaves_with_path(abstract)
+  }
+  for key in sorted(wanted.keys() | stored.keys()):
+    if wanted.get(key) != stored.get(key):
+      show = lambda s: "absent" if s is None else f"shape {s}"
+      raise CheckpointMismatchError(
+        f"{step_dir} holds a different model: {item}{key} is {show(stored.get(key))} in the "
+        f"checkpoint but {show(wanted.get(key))} in the requested model."
+      )
 
 
 def _placed(abstract):

@@ -27,7 +27,7 @@ from looped import model as model_lib
 from looped import sharding
 from looped.model import depth as depth_lib
 from looped.model.looped_lm import LoopedLM
-from looped.train import checkpointing, objectives, optim
+from looped.train import checkpointing, model_record, objectives, optim
 from looped.train.metrics_writer import MetricsWriter
 
 
@@ -241,6 +241,7 @@ def train(
 def _train(config, workdir, model, objective, init_params, mesh, rules) -> TrainResult:
   tc = config.train
   timing = _Timing()
+  model_record.check(workdir, config)  # Another model's workdir fails here, before compute.
   os.makedirs(workdir, exist_ok=True)
   is_chief = jax.process_index() == 0
   logging.info("Mesh %s over %d devices", dict(mesh.shape), mesh.size)
@@ -258,7 +259,13 @@ def _train(config, workdir, model, objective, init_params, mesh, rules) -> Train
   state = init_state(config, model, optimizer, mesh, rules)
   param_shardings = jax.tree.map(lambda x: x.sharding, state.params)
   ckpt = checkpointing.Checkpointer(workdir, tc.keep_checkpoints)
-  restored, resumed_from = ckpt.restore_latest(state, data_iter)
+  try:
+    restored, resumed_from = ckpt.restore_latest(state, data_iter)
+  except checkpointing.CheckpointMismatchError as e:
+    ckpt.close()
+    raise cc.ConfigError(f"config.model does not describe {workdir}'s checkpoints: {e}") from None
+  if is_chief:  # Before the first checkpoint of a new workdir (an old one gets one too).
+    model_record.write_if_absent(workdir, config)
   if resumed_from is not None:
     logging.info("Resuming from checkpoint at step %d in %s", resumed_from, ckpt.directory)
     state = restored
@@ -268,7 +275,10 @@ def _train(config, workdir, model, objective, init_params, mesh, rules) -> Train
     )
   if resumed_from is None and (init_params is not None or tc.init_from):
     if init_params is None:
-      init_params = checkpointing.restore_params(tc.init_from, state.params)
+      try:
+        init_params = checkpointing.restore_params(tc.init_from, state.params)
+      except checkpointing.CheckpointMismatchError as e:
+        raise cc.ConfigError(f"config.train.init_from = {tc.init_from!r}: {e}") from None
     # Copy: the train state is donated to the step, and the caller may keep using its params
     # (e.g. as a frozen teacher).
     copied = jax.tree.map(lambda x: jnp.array(x, copy=True), init_params)

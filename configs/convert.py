@@ -1,0 +1,25 @@
+"""Convert: import a looped checkpoint in the Hugging Face layout (Huginn-0125, Ouro) as a
+LoopedLM checkpoint directory (docs/convert.md).
+
+  python -m looped.main --config=configs/convert.py --workdir=/tmp/huginn \
+      --config.convert.source=/path/to/huginn-0125
+  python -m looped.main --config=configs/generate.py --workdir=/tmp/gen \
+      --config.gen.checkpoint=/tmp/huginn --config.gen.prompts='The capital of France is'
+
+The source folder holds config.json, model.safetensors (or shards listed in
+model.safetensors.index.json) and tokenizer.json. The workdir gets model_config.json (the
+model and tokenizer, read by every program that takes the checkpoint), tokenizer.json and
+checkpoints/0.
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.program = "convert"  # Which program main runs.
+  c.convert = ml_collections.ConfigDict()
+  c.convert.source = ""  # Hugging Face folder: config.json, *.safetensors, tokenizer.json.
+  c.convert.num_recurrences = 0  # R recorded for the model (0: the family's default depth).
+  c.convert.max_seq_len = 0  # Longest sequence recorded for the model (0: config.json's).
+  return c

@@ -1,0 +1,54 @@
+"""What every family module shares: reading config.json fields, one-line errors, checking the
+checkpoint's tensor names and shapes against the config, and building the params tree."""
+
+from __future__ import annotations
+
+from looped import config_checks as cc
+
+_MISSING = object()
+
+
+def unsupported(name: str, value, why: str):
+  raise cc.ConfigError(f"config.json {name} = {value!r} is not supported: {why}.")
+
+
+def field(hf: dict, name: str, kind: type, *, alias: str | None = None, default=_MISSING):
+  """config.json's `name` (or `alias`) as `kind`; ConfigError if absent without a default or
+  of another type."""
+  value = hf.get(name, hf.get(alias, default) if alias else default)
+  if value is _MISSING:
+    raise cc.ConfigError(f"config.json has no field {name!r}; it is needed to convert the model.")
+  if kind is float and isinstance(value, int) and not isinstance(value, bool):
+    value = float(value)
+  if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+    unsupported(name, value, f"must be {kind.__name__}")
+  return value
+
+
+def check_tensors(shapes: dict, expected: dict, optional: tuple[str, ...]) -> None:
+  """ConfigError naming the first tensor that is missing, unexpected, or whose shape differs
+  from the one config.json implies (tensor, expected and found shape)."""
+  for name in sorted(expected):
+    if name not in shapes:
+      raise cc.ConfigError(
+        f"the checkpoint lacks tensor {name} (shape {expected[name]} for its config.json)."
+      )
+    if tuple(shapes[name]) != tuple(expected[name]):
+      raise cc.ConfigError(
+        f"tensor {name} has shape {tuple(shapes[name])}, but config.json implies "
+        f"{tuple(expected[name])}."
+      )
+  unused = sorted(n for n in shapes if n not in expected and not n.endswith(optional))
+  if unused:
+    raise cc.ConfigError(
+      f"the checkpoint holds tensor {unused[0]} that its architecture does not use "
+      f"({len(unused)} such tensor(s)); it may be another variant of the family."
+    )
+
+
+def put(tree: dict, scope: str, value: dict) -> None:
+  """tree[a][b]... = value for scope 'a/b/...'."""
+  *parents, leaf = scope.split("/")
+  for name in parents:
+    tree = tree.setdefault(name, {})
+  tree[leaf] = value
