@@ -23,7 +23,7 @@ from looped.model import config as model_lib
 from looped.model import init_params
 from looped.model.kv_cache import init_cache
 from looped.model.looped_lm import LoopedLM
-from looped.train import checkpointing, trainer
+from looped.train import checkpointing, model_record, trainer
 
 _TRAIN = {
   "train.num_steps": 3,
@@ -128,8 +128,13 @@ class GenerateProgramTest(absltest.TestCase):
       _gen_config(self.train_dir, **{"gen.prompts": "x" * 30}), "gen.max_new_tokens.*max_seq_len 32"
     )
     self._fails(_gen_config(self.train_dir, **{"gen.prompts": "x", "gen.top_p": 0.0}), "gen.top_p")
+    # The engine cannot page KDA state: refused for a workdir without a recorded model (with
+    # one, the recorded model is used; tests/model_record_test.py covers overrides).
+    unrecorded = os.path.join(self.tmp, "unrecorded")
+    shutil.copytree(self.train_dir, unrecorded)
+    os.remove(os.path.join(unrecorded, model_record.FILENAME))
     self._fails(
-      _gen_config(self.train_dir, **{"gen.prompts": "x", "model.core_mixers": ("kda",)}),
+      _gen_config(unrecorded, **{"gen.prompts": "x", "model.core_mixers": ("kda",)}),
       "config.model.*kda",
     )
     # A prompt that alone fills the context is the prompt's fault, not max_new_tokens'.
