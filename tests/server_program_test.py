@@ -5,6 +5,7 @@ every page free. Also the batch program's one-line error for a prompts file that
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import looped_testing as testing
 from configs import serve as serve_config
 from looped import config_checks, programs
 from looped.server import client
-from looped.train import trainer
+from looped.train import model_record, trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TIMEOUT_S = 240
@@ -76,10 +77,15 @@ class ServerProgramTest(absltest.TestCase):
       ("serve.row_buckets", (4,), "serve.row_buckets.*must reach 8"),
       ("serve.token_buckets", (0, 64), "serve.token_buckets.*positive integers"),
       ("serve.drain_timeout_s", float("nan"), "serve.drain_timeout_s"),
-      ("model.core_mixers", ("kda",), "config.model.*kda"),
     ):
       with self.subTest(field=field, value=value):
         self._fails(_config(self.train_dir, **{field: value}), pattern)
+    # The engine cannot page KDA state: refused for a workdir without a recorded model (with
+    # one, the recorded model is used; tests/model_record_test.py covers overrides).
+    unrecorded = os.path.join(self._tmp.name, "unrecorded")
+    shutil.copytree(self.train_dir, unrecorded, dirs_exist_ok=True)
+    os.remove(os.path.join(unrecorded, model_record.FILENAME))
+    self._fails(_config(unrecorded, **{"model.core_mixers": ("kda",)}), "config.model.*kda")
 
   def test_sigterm_drains_the_stream_in_flight_and_exits(self):
     workdir = os.path.join(self._tmp.name, "serve")

@@ -25,7 +25,14 @@ from looped.model.config import ModelConfig
 
 FILENAME = "model_config.json"
 STAGE_FILENAME = "stage_config.json"
-EXECUTION_FIELDS = ("scan_recurrences", "remat", "attention_impl", "kda_chunk_size", "dtype")
+EXECUTION_FIELDS = (
+  "scan_recurrences",
+  "scan_unroll",
+  "remat",
+  "attention_impl",
+  "kda_chunk_size",
+  "dtype",
+)
 TOKENIZER_FIELDS = ("tokenizer", "spm_path", "tokenizer_json")
 # Paths a record may hold relative to its directory (a converted checkpoint's tokenizer.json).
 _PATH_FIELDS = ("spm_path", "tokenizer_json")
