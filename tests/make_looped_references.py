@@ -1,0 +1,346 @@
+"""Writes tests/testdata/{huginn,ouro}_tiny/: tiny random checkpoints of two public looped LMs,
+saved by their own PyTorch reference code, plus golden logits (golden.npz).
+
+  python tests/make_looped_references.py \
+    --huginn_modeling_file=PATH/raven_modeling_minimal.py \
+    --ouro_modeling_file=PATH/modeling_ouro.py
+
+Needs torch, transformers, safetensors, tokenizers and numpy; CI runs none of it and reads the
+committed files. The modeling files are not part of this repository: each is imported from its
+own directory as a package, next to its config module (raven_config_minimal.py,
+configuration_ouro.py). Sources, versions and the computation each family performs are in
+tests/testdata/LOOPED_REFERENCES.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.machinery
+import importlib.util
+import inspect
+import json
+import os
+import sys
+
+import numpy as np
+
+TESTDATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "testdata")
+VOCAB = 300
+BATCH, SEQ = 2, 12
+SHARD = "200KB"  # several safetensors shards per model
+SKIP = ("self", "kwargs", "torch_dtype", "transformers_version")
+TEXTS = (
+  "the loop runs the same layers again and again on every token",
+  "a recurrent depth model shares weights across its recurrences",
+)
+CORPUS = TEXTS + (
+  "looped language models reuse one block of layers several times per token.",
+  "each recurrence refines the latent state; the cache may be shared across them.",
+  "Huginn injects the embedding at every step; Ouro loops all of its layers.",
+)
+
+
+def need(module: str):
+  try:
+    return importlib.import_module(module)
+  except ImportError:
+    sys.exit(f"error: {module} is not installed (pip install torch transformers safetensors)")
+
+
+def load_reference(modeling_file: str, package: str):
+  """Imports modeling_file as `package.<name>`, so its relative config import resolves."""
+  if not os.path.isfile(modeling_file):
+    sys.exit(f"error: modeling file not found: {modeling_file}")
+  directory = os.path.dirname(os.path.abspath(modeling_file))
+  spec = importlib.machinery.ModuleSpec(package, None, is_package=True)
+  spec.submodule_search_locations = [directory]
+  sys.modules[package] = importlib.util.module_from_spec(spec)
+  name = os.path.splitext(os.path.basename(modeling_file))[0]
+  return importlib.import_module(f"{package}.{name}")
+
+
+def write_tokenizer(out: str, specials: list[str]) -> list[list[int]]:
+  """A byte-level BPE with VOCAB entries (ids < VOCAB); returns TEXTS encoded to SEQ ids."""
+  tokenizers = need("tokenizers")
+  tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = tokenizers.decoders.ByteLevel()
+  trainer = tokenizers.trainers.BpeTrainer(
+    vocab_size=VOCAB,
+    special_tokens=specials,
+    initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+    show_progress=False,
+  )
+  tok.train_from_iterator(list(CORPUS), trainer=trainer)
+  assert tok.get_vocab_size() <= VOCAB, tok.get_vocab_size()
+  tok.save(os.path.join(out, "tokenizer.json"))
+  config = {
+    "tokenizer_class": "PreTrainedTokenizerFast",
+    "model_max_length": 64,
+    "bos_token": specials[1],
+    "eos_token": specials[2],
+    "pad_token": specials[0],
+  }
+  with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
+    json.dump(config, f, indent=2)
+    f.write("\n")
+  ids = [tok.encode(t).ids[:SEQ] for t in TEXTS]
+  assert all(len(i) == SEQ for i in ids), [len(i) for i in ids]
+  return ids
+
+
+def randomize(torch, model, seed: int, emb_std: float, bias_mean: float = 0.0):
+  """Weights random but not degenerate: norms around 1, linears N(0, 1/fan_in), biases random."""
+  g = torch.Generator().manual_seed(seed)
+  with torch.no_grad():
+    for name, p in sorted(model.named_parameters()):
+      if p.ndim == 1 and ("norm" in name or "ln_f" in name):
+        p.copy_(1.0 + 0.3 * (2 * torch.rand(p.shape, generator=g) - 1))
+      elif p.ndim == 1:  # a bias
+        p.copy_(bias_mean + 0.5 * torch.randn(p.shape, generator=g))
+      elif "wte" in name or "embed_tokens" in name:
+        p.copy_(emb_std * torch.randn(p.shape, generator=g))
+      elif p.ndim == 2:
+        p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+      else:  # Huginn's qk_bias (2, 1, heads, head_dim)
+        p.copy_(0.3 * torch.randn(p.shape, generator=g))
+
+
+def config_fields(config, extra: dict) -> dict:
+  """The config's own __init__ fields (the names real checkpoints use), then `extra`."""
+  names = [n for n in inspect.signature(type(config).__init__).parameters if n not in SKIP]
+  return {**{n: getattr(config, n) for n in names if hasattr(config, n)}, **extra}
+
+
+def save_checkpoint(model, out: str, config: dict):
+  """Sharded safetensors + index; config.json as given; no copy of the reference code."""
+  model.save_pretrained(out, max_shard_size=SHARD, safe_serialization=True)
+  for name in os.listdir(out):
+    if name.endswith(".py") or name == "generation_config.json":
+      os.remove(os.path.join(out, name))
+  index = os.path.join(out, "model.safetensors.index.json")
+  assert os.path.isfile(index), "expected a sharded checkpoint"
+  with open(index) as f:
+    shards = set(json.load(f)["weight_map"].values())
+  assert len(shards) >= 2, shards
+  with open(os.path.join(out, "config.json"), "w") as f:
+    json.dump(config, f, indent=2, sort_keys=True)
+    f.write("\n")
+
+
+def versions(torch, dtype: str | None = None) -> dict:
+  import transformers
+
+  if dtype:  # as config.json fields
+    return {"torch_dtype": dtype, "transformers_version": transformers.__version__}
+  return {"torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def np32(t) -> np.ndarray:
+  return t.detach().float().cpu().numpy().astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Huginn-0125 (RavenForCausalLM).
+
+
+def huginn(modeling_file: str, out: str, seed: int):
+  torch = need("torch")
+  ref = load_reference(modeling_file, "huginn_reference")
+  cfg_mod = importlib.import_module("huginn_reference.raven_config_minimal")
+  torch.manual_seed(seed)
+  config = cfg_mod.RavenConfig(
+    n_embd=64,
+    n_heads=4,
+    n_layers=5,
+    block_size=64,
+    vocab_size=VOCAB,
+    padding_multiple=4,
+    tie_embeddings=True,
+    intermediate_size=96,
+    bias=False,
+    n_layers_in_recurrent_block=2,
+    mean_recurrence=4,
+    mean_backprop_depth=2,
+    n_layers_in_prelude=2,
+    n_layers_in_coda=1,
+    qk_bias=True,
+    rope_base=50_000.0,
+    norm_eps=1e-6,
+    torch_dtype="float32",
+  )
+  model = ref.RavenForCausalLM(config).float().eval()
+  # wte is scaled by sqrt(n_embd) on input; N(0, 1/n_embd) keeps the scaled embeddings ~N(0, 1).
+  randomize(torch, model, seed, emb_std=config.n_embd**-0.5)
+  assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr(), "untied"
+
+  os.makedirs(out, exist_ok=True)
+  ids = torch.tensor(write_tokenizer(out, ["<|pad|>", "<|begin_text|>", "<|end_text|>"]))
+  saved = config_fields(
+    config,
+    {
+      "architectures": ["RavenForCausalLM"],
+      "model_type": "huginn_raven",
+      "auto_map": {
+        "AutoConfig": "raven_config_minimal.RavenConfig",
+        "AutoModelForCausalLM": "raven_modeling_minimal.RavenForCausalLM",
+      },
+      "num_attention_heads": config.n_heads,
+      "num_key_value_heads": config.n_heads,
+      **versions(torch, "float32"),
+    },
+  )
+  save_checkpoint(model, out, saved)
+
+  # The recurrent state's initial value: the reference draws it per call with torch.randn +
+  # trunc_normal_ (initialize_state). Drawn once here and passed as input_states, so the JAX
+  # side can reuse it; init_scale=0.0 is the reference's deterministic zero init.
+  embeds = model.transformer.wte(ids) * model.emb_scale
+  torch.manual_seed(seed + 1)
+  state0 = model.initialize_state(embeds, scale=1.0)
+  golden = {"input_ids": ids.numpy().astype(np.int32), "state0": np32(state0)}
+
+  def run(steps: int, init: str, **kw):
+    extra = {"input_states": kw.pop("states")} if init == "state0" else {"init_scale": 0.0}
+    return model(num_steps=steps, **extra, **kw)  # an int: a 0-d tensor breaks len() there
+
+  with torch.no_grad():
+    for steps in (2, 4):
+      for init in ("zero", "state0"):
+        kw = {"states": state0} if init == "state0" else {}
+        o = run(steps, init, input_ids=ids, **kw)
+        golden[f"logits_{init}_r{steps}"] = np32(o.logits)
+        golden[f"latents_{init}_r{steps}"] = np32(o.latent_states)
+      # Token-by-token decoding with the reference's own cache (HuginnDynamicCache, "full").
+      for init in ("zero", "state0"):
+        cache = ref.HuginnDynamicCache()
+        steps_logits = []
+        for t in range(SEQ):
+          kw = {"states": state0[:, t : t + 1]} if init == "state0" else {}
+          o = run(
+            steps,
+            init,
+            input_ids=ids[:, t : t + 1],
+            past_key_values=cache,
+            use_cache=True,
+            cache_position=torch.tensor([t]),
+            **kw,
+          )
+          cache = o.past_key_values
+          steps_logits.append(o.logits)
+        golden[f"decode_logits_{init}_r{steps}"] = np32(torch.cat(steps_logits, 1))
+        err = np.abs(golden[f"decode_logits_{init}_r{steps}"] - golden[f"logits_{init}_r{steps}"])
+        print(f"huginn r={steps} {init}: |decode - parallel| max {err.max():.2e}")
+  golden["meta"] = np.array(json.dumps({"seed": seed, **versions(torch)}))
+  np.savez_compressed(os.path.join(out, "golden.npz"), **golden)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ouro (OuroForCausalLM).
+
+
+def ouro(modeling_file: str, out: str, seed: int):
+  torch = need("torch")
+  ref = load_reference(modeling_file, "ouro_reference")
+  cfg_mod = importlib.import_module("ouro_reference.configuration_ouro")
+  torch.manual_seed(seed)
+  config = cfg_mod.OuroConfig(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    head_dim=16,
+    hidden_act="silu",
+    max_position_embeddings=64,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    rope_theta=1_000_000.0,
+    total_ut_steps=4,
+    early_exit_threshold=1.0,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+    torch_dtype="float32",
+  )
+  config._attn_implementation = "eager"
+  model = ref.OuroForCausalLM(config).float().eval()
+  randomize(torch, model, seed, emb_std=1.0, bias_mean=-1.0)
+
+  os.makedirs(out, exist_ok=True)
+  ids = torch.tensor(write_tokenizer(out, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]))
+  saved = config_fields(
+    config,
+    {
+      "architectures": ["OuroForCausalLM"],
+      "model_type": "ouro",
+      "auto_map": {
+        "AutoConfig": "configuration_ouro.OuroConfig",
+        "AutoModel": "modeling_ouro.OuroModel",
+        "AutoModelForCausalLM": "modeling_ouro.OuroForCausalLM",
+      },
+      "head_dim": config.head_dim,
+      "bos_token_id": config.bos_token_id,
+      "eos_token_id": config.eos_token_id,
+      "pad_token_id": config.pad_token_id,
+      **versions(torch, "float32"),
+    },
+  )
+  save_checkpoint(model, out, saved)
+
+  golden = {"input_ids": ids.numpy().astype(np.int32)}
+
+  def set_steps(n: int):
+    model.config.total_ut_steps = n
+    model.model.config.total_ut_steps = n
+    model.model.total_ut_steps = n
+
+  with torch.no_grad():
+    for steps in (2, 4):
+      set_steps(steps)
+      # Parallel forward: OuroModel returns per-UT-step (normed) states and exit-gate logits.
+      base, hidden_list, gate_list = model.model(input_ids=ids, use_cache=False)
+      golden[f"step_hidden_r{steps}"] = np32(torch.stack(hidden_list, 0))  # (steps, B, S, D)
+      golden[f"step_gate_r{steps}"] = np32(torch.stack(gate_list, 0)[..., 0])  # (steps, B, S)
+      golden[f"step_logits_r{steps}"] = np32(torch.stack([model.lm_head(h) for h in hidden_list]))
+      # OuroForCausalLM's own default path: exit_threshold = config.early_exit_threshold (1.0).
+      o = model(input_ids=ids, use_cache=False)
+      golden[f"logits_r{steps}"] = np32(o.logits)
+      o = model(input_ids=ids, use_cache=False, exit_threshold=None, exit_at_step=steps - 1)
+      golden[f"logits_last_r{steps}"] = np32(o.logits)
+      # Token-by-token decoding with the reference's cache (one KV slot per UT step and layer).
+      cache, steps_logits = None, []
+      for t in range(SEQ):
+        o = model(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+        assert isinstance(o.past_key_values, ref.UniversalTransformerCache)
+        cache = o.past_key_values
+        steps_logits.append(o.logits)
+      golden[f"decode_logits_r{steps}"] = np32(torch.cat(steps_logits, 1))
+      err = np.abs(golden[f"decode_logits_r{steps}"] - golden[f"logits_r{steps}"])
+      print(f"ouro r={steps}: |decode - parallel| max {err.max():.2e}")
+  golden["meta"] = np.array(json.dumps({"seed": seed, **versions(torch)}))
+  np.savez_compressed(os.path.join(out, "golden.npz"), **golden)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--huginn_modeling_file", help="raven_modeling_minimal.py (Huginn-0125)")
+  parser.add_argument("--ouro_modeling_file", help="modeling_ouro.py (Ouro)")
+  parser.add_argument("--out_dir", default=TESTDATA)
+  parser.add_argument("--seed", type=int, default=0)
+  args = parser.parse_args()
+  if not (args.huginn_modeling_file or args.ouro_modeling_file):
+    sys.exit("error: give --huginn_modeling_file=PATH and/or --ouro_modeling_file=PATH")
+  need("torch")
+  need("transformers")
+  need("safetensors")
+  if args.huginn_modeling_file:
+    huginn(args.huginn_modeling_file, os.path.join(args.out_dir, "huginn_tiny"), args.seed)
+  if args.ouro_modeling_file:
+    ouro(args.ouro_modeling_file, os.path.join(args.out_dir, "ouro_tiny"), args.seed)
+
+
+if __name__ == "__main__":
+  main()
