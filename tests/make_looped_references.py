@@ -6,7 +6,8 @@ saved by their own PyTorch reference code, plus golden logits (golden.npz).
     --ouro_modeling_file=PATH/modeling_ouro.py
 
 Needs torch, transformers, safetensors, tokenizers and numpy; CI runs none of it and reads the
-committed files. The modeling files are not part of this repository: each is imported from its
+committed files. It ends with a numpy-only re-implementation of both families checked against
+the goldens; `--check` runs just that (numpy only). The modeling files are not part of this repository: each is imported from its
 own directory as a package, next to its config module (raven_config_minimal.py,
 configuration_ouro.py). Sources, versions and the computation each family performs are in
 tests/testdata/LOOPED_REFERENCES.md.
@@ -57,7 +58,10 @@ def load_reference(modeling_file: str, package: str):
   spec.submodule_search_locations = [directory]
   sys.modules[package] = importlib.util.module_from_spec(spec)
   name = os.path.splitext(os.path.basename(modeling_file))[0]
-  return importlib.import_module(f"{package}.{name}")
+  try:
+    return importlib.import_module(f"{package}.{name}")
+  except ImportError as e:  # e.g. its config module is not beside it
+    sys.exit(f"error: cannot import {modeling_file}: {e}")
 
 
 def write_tokenizer(out: str, specials: list[str]) -> list[list[int]]:
