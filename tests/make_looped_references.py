@@ -6,11 +6,11 @@ saved by their own PyTorch reference code, plus golden logits (golden.npz).
     --ouro_modeling_file=PATH/modeling_ouro.py
 
 Needs torch, transformers, safetensors, tokenizers and numpy; CI runs none of it and reads the
-committed files. It ends with a numpy-only re-implementation of both families checked against
-the goldens; `--check` runs just that (numpy only). The modeling files are not part of this repository: each is imported from its
+committed files. The modeling files are not part of this repository: each is imported from its
 own directory as a package, next to its config module (raven_config_minimal.py,
-configuration_ouro.py). Sources, versions and the computation each family performs are in
-tests/testdata/LOOPED_REFERENCES.md.
+configuration_ouro.py). It ends with a numpy-only re-implementation of both families checked
+against the goldens; `--check` runs just that. Sources, versions and the computation each
+family performs are in tests/testdata/LOOPED_REFERENCES.md.
 """
 
 from __future__ import annotations
