@@ -8,8 +8,9 @@ saved by their own PyTorch reference code, plus golden logits (golden.npz).
 Needs torch, transformers, safetensors, tokenizers and numpy; CI runs none of it and reads the
 committed files. The modeling files are not part of this repository: each is imported from its
 own directory as a package, next to its config module (raven_config_minimal.py,
-configuration_ouro.py). Sources, versions and the computation each family performs are in
-tests/testdata/LOOPED_REFERENCES.md.
+configuration_ouro.py). It ends with a numpy-only re-implementation of both families checked
+against the goldens; `--check` runs just that. Sources, versions and the computation each
+family performs are in tests/testdata/LOOPED_REFERENCES.md.
 """
 
 from __future__ import annotations
@@ -57,7 +58,10 @@ def load_reference(modeling_file: str, package: str):
   spec.submodule_search_locations = [directory]
   sys.modules[package] = importlib.util.module_from_spec(spec)
   name = os.path.splitext(os.path.basename(modeling_file))[0]
-  return importlib.import_module(f"{package}.{name}")
+  try:
+    return importlib.import_module(f"{package}.{name}")
+  except ImportError as e:  # e.g. its config module is not beside it
+    sys.exit(f"error: cannot import {modeling_file}: {e}")
 
 
 def write_tokenizer(out: str, specials: list[str]) -> list[list[int]]:
@@ -298,30 +302,210 @@ def ouro(modeling_file: str, out: str, seed: int):
     model.model.total_ut_steps = n
 
   with torch.no_grad():
-    for steps in (2, 4):
+    for steps in (4, 2):
       set_steps(steps)
       # Parallel forward: OuroModel returns per-UT-step (normed) states and exit-gate logits.
-      base, hidden_list, gate_list = model.model(input_ids=ids, use_cache=False)
-      golden[f"step_hidden_r{steps}"] = np32(torch.stack(hidden_list, 0))  # (steps, B, S, D)
-      golden[f"step_gate_r{steps}"] = np32(torch.stack(gate_list, 0)[..., 0])  # (steps, B, S)
-      golden[f"step_logits_r{steps}"] = np32(torch.stack([model.lm_head(h) for h in hidden_list]))
-      # OuroForCausalLM's own default path: exit_threshold = config.early_exit_threshold (1.0).
+      # Step k never sees later steps, so total_ut_steps=2 gives the first 2 of these.
+      _, hidden, gate = model.model(input_ids=ids, use_cache=False)
+      hidden, gate = (
+        torch.stack(hidden),
+        torch.stack(gate)[..., 0],
+      )  # (steps, B, S, D), (steps, B, S)
+      step_logits = model.lm_head(hidden)
+      if steps == 4:
+        golden.update(step_hidden_r4=np32(hidden), step_gate_r4=np32(gate))
+        golden["step_logits_r4"] = np32(step_logits)
+      else:
+        assert np.array_equal(np32(hidden), golden["step_hidden_r4"][:steps])
+      # OuroForCausalLM's default path: exit_threshold = config.early_exit_threshold (1.0).
       o = model(input_ids=ids, use_cache=False)
       golden[f"logits_r{steps}"] = np32(o.logits)
       o = model(input_ids=ids, use_cache=False, exit_threshold=None, exit_at_step=steps - 1)
-      golden[f"logits_last_r{steps}"] = np32(o.logits)
+      assert torch.equal(o.logits, step_logits[-1])
+      if steps == 4:  # a threshold the cumulative exit probability crosses at varied steps
+        o = model(input_ids=ids, use_cache=False, exit_threshold=0.5)
+        golden["logits_exit0.5_r4"] = np32(o.logits)
       # Token-by-token decoding with the reference's cache (one KV slot per UT step and layer).
-      cache, steps_logits = None, []
+      cache, decoded = None, []
       for t in range(SEQ):
         o = model(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True)
         assert isinstance(o.past_key_values, ref.UniversalTransformerCache)
         cache = o.past_key_values
-        steps_logits.append(o.logits)
-      golden[f"decode_logits_r{steps}"] = np32(torch.cat(steps_logits, 1))
+        decoded.append(o.logits)
+      golden[f"decode_logits_r{steps}"] = np32(torch.cat(decoded, 1))
       err = np.abs(golden[f"decode_logits_r{steps}"] - golden[f"logits_r{steps}"])
       print(f"ouro r={steps}: |decode - parallel| max {err.max():.2e}")
   golden["meta"] = np.array(json.dumps({"seed": seed, **versions(torch)}))
   np.savez_compressed(os.path.join(out, "golden.npz"), **golden)
+
+
+# ---------------------------------------------------------------------------------------------
+# A second, numpy-only implementation of both families, written from LOOPED_REFERENCES.md and
+# reading the safetensors shards directly: it checks the goldens and the spec at once.
+
+
+def read_checkpoint(out: str) -> tuple[dict, dict]:
+  """(config.json, {name: float64 array}) from a sharded safetensors checkpoint."""
+  with open(os.path.join(out, "config.json")) as f:
+    config = json.load(f)
+  with open(os.path.join(out, "model.safetensors.index.json")) as f:
+    shards = sorted(set(json.load(f)["weight_map"].values()))
+  params = {}
+  for shard in shards:
+    with open(os.path.join(out, shard), "rb") as f:
+      n = int.from_bytes(f.read(8), "little")
+      header, data = json.loads(f.read(n)), f.read()
+    for name, t in header.items():
+      if name != "__metadata__":
+        assert t["dtype"] == "F32", (name, t["dtype"])
+        lo, hi = t["data_offsets"]
+        params[name] = np.frombuffer(data[lo:hi], np.float32).reshape(t["shape"]).astype(np.float64)
+  return config, params
+
+
+def rms_norm(x, w, eps):
+  return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def silu(x):
+  return x / (1 + np.exp(-x))
+
+
+def attention(q, k, v):
+  """(B, S, H, hd) each, causal, scale hd**-0.5 -> (B, S, H * hd)."""
+  s = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+  s = np.where(np.tril(np.ones(s.shape[-2:], bool)), s, -np.inf)
+  p = np.exp(s - s.max(-1, keepdims=True))
+  y = np.einsum("bhqk,bkhd->bqhd", p / p.sum(-1, keepdims=True), v)
+  return y.reshape(*y.shape[:2], -1)
+
+
+def rope_angles(seq: int, hd: int, theta: float):
+  inv = 1.0 / theta ** (np.arange(0, hd, 2, dtype=np.float32) / hd)  # float32, as both refs
+  ang = np.outer(np.arange(seq, dtype=np.float32), inv).astype(np.float64)
+  return np.cos(ang)[None, :, None], np.sin(ang)[None, :, None]  # (1, S, 1, hd/2)
+
+
+def huginn_numpy(out: str, ids, steps: int, state0=None):
+  c, p = read_checkpoint(out)
+  e_dim, heads, eps = c["n_embd"], c["n_heads"], c["norm_eps"]
+  hd = e_dim // heads
+  cos, sin = rope_angles(ids.shape[1], hd, c["rope_base"])
+
+  def rope(x):  # interleaved pairs (x[2i], x[2i+1])
+    a, b = x[..., 0::2], x[..., 1::2]
+    return np.stack([a * cos - b * sin, b * cos + a * sin], -1).reshape(x.shape)
+
+  def block(x, n):
+    qkv = rms_norm(x, p[f"{n}.norm_1.weight"], eps) @ p[f"{n}.attn.Wqkv.weight"].T
+    q, k, v = np.split(qkv, [e_dim, 2 * e_dim], -1)
+    q, k, v = (t.reshape(*t.shape[:2], heads, hd) for t in (q, k, v))
+    q, k = q + p[f"{n}.attn.qk_bias"][0], k + p[f"{n}.attn.qk_bias"][1]
+    a = attention(rope(q), rope(k), v) @ p[f"{n}.attn.proj.weight"].T
+    x = rms_norm(a + x, p[f"{n}.norm_2.weight"], eps)
+    g, u = np.split(rms_norm(x, p[f"{n}.norm_3.weight"], eps) @ p[f"{n}.mlp.fc.weight"].T, 2, -1)
+    m = (silu(g) * u) @ p[f"{n}.mlp.proj.weight"].T
+    return rms_norm(m + x, p[f"{n}.norm_4.weight"], eps)
+
+  wte = p["transformer.wte.weight"]
+  e = wte[ids] * np.sqrt(e_dim)
+  for i in range(c["n_layers_in_prelude"]):
+    e = block(e, f"transformer.prelude.{i}")
+  x = np.zeros_like(e) if state0 is None else state0.astype(np.float64)
+  for _ in range(steps):
+    x = np.concatenate([x, e], -1) @ p["transformer.adapter.weight"].T
+    for i in range(c["n_layers_in_recurrent_block"]):
+      x = block(x, f"transformer.core_block.{i}")
+  x = latents = rms_norm(x, p["transformer.ln_f.weight"], eps)
+  for i in range(c["n_layers_in_coda"]):
+    x = block(x, f"transformer.coda.{i}")
+  x = rms_norm(x, p["transformer.ln_f.weight"], eps)
+  return x @ p.get("lm_head.weight", wte).T, latents
+
+
+def ouro_numpy(out: str, ids, steps: int):
+  c, p = read_checkpoint(out)
+  heads, kv_heads, hd, eps = (
+    c["num_attention_heads"],
+    c["num_key_value_heads"],
+    c["head_dim"],
+    c["rms_norm_eps"],
+  )
+  cos, sin = rope_angles(ids.shape[1], hd, c["rope_theta"])
+  cos, sin = np.concatenate([cos, cos], -1), np.concatenate([sin, sin], -1)
+
+  def rope(x):  # rotate_half: first half / second half
+    x1, x2 = np.split(x, 2, -1)
+    return x * cos + np.concatenate([-x2, x1], -1) * sin
+
+  def layer(x, n):
+    h = rms_norm(x, p[f"{n}.input_layernorm.weight"], eps)
+    q, k, v = (h @ p[f"{n}.self_attn.{w}_proj.weight"].T for w in "qkv")
+    q = q.reshape(*q.shape[:2], heads, hd)
+    k, v = (np.repeat(t.reshape(*t.shape[:2], kv_heads, hd), heads // kv_heads, 2) for t in (k, v))
+    a = attention(rope(q), rope(k), v) @ p[f"{n}.self_attn.o_proj.weight"].T
+    x = x + rms_norm(a, p[f"{n}.input_layernorm_2.weight"], eps)
+    h = rms_norm(x, p[f"{n}.post_attention_layernorm.weight"], eps)
+    g, u = h @ p[f"{n}.mlp.gate_proj.weight"].T, h @ p[f"{n}.mlp.up_proj.weight"].T
+    m = (silu(g) * u) @ p[f"{n}.mlp.down_proj.weight"].T
+    return x + rms_norm(m, p[f"{n}.post_attention_layernorm_2.weight"], eps)
+
+  x, hidden, gate = p["model.embed_tokens.weight"][ids], [], []
+  for _ in range(steps):
+    for i in range(c["num_hidden_layers"]):
+      x = layer(x, f"model.layers.{i}")
+    x = rms_norm(x, p["model.norm.weight"], eps)
+    hidden.append(x)
+    gate.append(x @ p["model.early_exit_gate.weight"][0] + p["model.early_exit_gate.bias"][0])
+  head = p.get("lm_head.weight", p["model.embed_tokens.weight"])
+  return np.stack(hidden) @ head.T, np.stack(hidden), np.stack(gate)
+
+
+def ouro_exit(step_logits, gate, threshold: float):
+  """OuroForCausalLM's exit_threshold path: per token, the first step whose cumulative exit
+  probability reaches threshold (else the last); float32 as the reference."""
+  lam = 1 / (1 + np.exp(-gate.astype(np.float32)))
+  remaining, pdf = np.ones_like(lam[0]), []
+  for i in range(len(lam)):
+    pdf.append(lam[i] * remaining if i < len(lam) - 1 else remaining)
+    remaining = remaining * (1 - lam[i])
+  reached = np.cumsum(np.stack(pdf), 0) >= np.float32(threshold)
+  step = np.where(reached.any(0), reached.argmax(0), len(lam) - 1)  # (B, S)
+  return np.take_along_axis(step_logits, step[None, ..., None], 0)[0], step
+
+
+def check(out_dir: str, atol: float = 1e-4):
+  """Recomputes every parallel golden with the numpy implementations above."""
+  worst = {}
+  out = os.path.join(out_dir, "huginn_tiny")
+  if os.path.isdir(out):
+    g = np.load(os.path.join(out, "golden.npz"))
+    for steps in (2, 4):
+      for init, state in (("zero", None), ("state0", g["state0"])):
+        logits, latents = huginn_numpy(out, g["input_ids"], steps, state)
+        worst[f"huginn logits_{init}_r{steps}"] = np.abs(
+          logits - g[f"logits_{init}_r{steps}"]
+        ).max()
+        worst[f"huginn latents_{init}_r{steps}"] = np.abs(
+          latents - g[f"latents_{init}_r{steps}"]
+        ).max()
+  out = os.path.join(out_dir, "ouro_tiny")
+  if os.path.isdir(out):
+    g = np.load(os.path.join(out, "golden.npz"))
+    logits, hidden, gate = ouro_numpy(out, g["input_ids"], 4)
+    for name, value in (("step_logits", logits), ("step_hidden", hidden), ("step_gate", gate)):
+      worst[f"ouro {name}_r4"] = np.abs(value - g[f"{name}_r4"]).max()
+    for steps in (2, 4):
+      chosen, _ = ouro_exit(g["step_logits_r4"][:steps], g["step_gate_r4"][:steps], 1.0)
+      worst[f"ouro logits_r{steps}"] = np.abs(chosen - g[f"logits_r{steps}"]).max()
+    chosen, step = ouro_exit(g["step_logits_r4"], g["step_gate_r4"], 0.5)
+    worst["ouro logits_exit0.5_r4"] = np.abs(chosen - g["logits_exit0.5_r4"]).max()
+    print("ouro exit steps at threshold 0.5:", step.tolist())
+  for name, err in worst.items():
+    print(f"numpy check {name}: max |err| {err:.1e}")
+  bad = [name for name, err in worst.items() if not err <= atol]
+  if bad or not worst:
+    sys.exit(f"error: numpy re-implementation disagrees with the goldens: {bad or 'no goldens'}")
 
 
 def main():
@@ -330,7 +514,10 @@ def main():
   parser.add_argument("--ouro_modeling_file", help="modeling_ouro.py (Ouro)")
   parser.add_argument("--out_dir", default=TESTDATA)
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--check", action="store_true", help="only run the numpy check (no torch)")
   args = parser.parse_args()
+  if args.check:
+    return check(args.out_dir)
   if not (args.huginn_modeling_file or args.ouro_modeling_file):
     sys.exit("error: give --huginn_modeling_file=PATH and/or --ouro_modeling_file=PATH")
   need("torch")
@@ -340,6 +527,7 @@ def main():
     huginn(args.huginn_modeling_file, os.path.join(args.out_dir, "huginn_tiny"), args.seed)
   if args.ouro_modeling_file:
     ouro(args.ouro_modeling_file, os.path.join(args.out_dir, "ouro_tiny"), args.seed)
+  check(args.out_dir)
 
 
 if __name__ == "__main__":
