@@ -26,7 +26,7 @@ class ConvertEndToEndTest(testing.TempDirTestCase):
 
     gen = generate_config.get_config()
     gen.gen.checkpoint = converted
-    gen.gen.prompts = ("def main(", "import os")
+    testing.set_field(gen, "gen.prompts", ("def main(", "import os"))
     gen.gen.max_new_tokens = 6
     gen.gen.stop_at_eos = False
     result = programs.run(gen, os.path.join(self.tmp, "gen"))

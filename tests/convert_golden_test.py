@@ -150,13 +150,15 @@ class OuroGoldenTest(absltest.TestCase):
         model = self._model(r)
         forward = jax.jit(lambda p, x, m=model: m.apply(p, x, collect_states=True))
         logits, aux = forward(self.params, self.ids)
-        self.assertLess(relative_error(logits, self.golden[f"logits_last_r{r}"]), TOLERANCE)
+        self.assertLess(relative_error(logits, self.golden[f"logits_r{r}"]), TOLERANCE)
+        # The reference's per-recurrence outputs at R = 4; recurrence r does not depend on R
+        # (the generator checks that R = 2's are the first two), so R = 2 compares a prefix.
         states = aux["states_RxBxTxD"]
-        self.assertLess(relative_error(states, self.golden[f"step_hidden_r{r}"]), TOLERANCE)
+        self.assertLess(relative_error(states, self.golden["step_hidden_r4"][:r]), TOLERANCE)
         per_r = recurrence_logits(model.cfg, self.params, states)
-        self.assertLess(relative_error(per_r, self.golden[f"step_logits_r{r}"]), TOLERANCE)
+        self.assertLess(relative_error(per_r, self.golden["step_logits_r4"][:r]), TOLERANCE)
         gates = aux["exit_logits_RxBxT"]
-        self.assertLess(relative_error(gates, self.golden[f"step_gate_r{r}"]), TOLERANCE)
+        self.assertLess(relative_error(gates, self.golden["step_gate_r4"][:r]), TOLERANCE)
 
   def test_unshared_decode_matches_golden(self):
     for r in (2, 4):
@@ -165,7 +167,7 @@ class OuroGoldenTest(absltest.TestCase):
         self.assertLess(relative_error(logits, self.golden[f"decode_logits_r{r}"]), TOLERANCE)
 
   def test_a_transposed_weight_or_a_skipped_norm_fails_the_match(self):
-    golden = self.golden["logits_last_r4"]
+    golden = self.golden["logits_r4"]
     params = jax.tree.map(lambda x: x, self.params)
     query = params["params"]["recurrence"]["layer_0"]["attn"]["query"]
     d, n, h = query["kernel"].shape
