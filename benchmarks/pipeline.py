@@ -3,12 +3,14 @@ r"""Training-step throughput of the main command's three stages against this mac
   python benchmarks/pipeline.py                        # configs/benice.py (the main command)
   python benchmarks/pipeline.py --config_arg=fixed     # the `:fixed` regime
   python benchmarks/pipeline.py --config_arg=smoke --rounds=3
+  python benchmarks/pipeline.py --cpu_devices=1                 # one multi-threaded CPU device
 
 Each stage is the trainer's own jitted step (`trainer.make_train_step`, donated state) on that
 stage's config (`looped.benice.stages.stage_config`): pretraining with its depth sampler,
-standard finetuning and BeNice! with the configured objective. The limit is the median
-throughput of a float32 matmul of --matmul_size, measured in the same rounds, so load that
-changes during the run hits every row alike. FLOPs are the matmuls the step executes
+standard finetuning and BeNice! with the configured objective, on the CPU devices the main
+command uses (mesh.cpu_devices). The limit is the median throughput of float32 matmuls of
+--matmul_size, one per device at once, measured in the same rounds, so load that changes
+during the run hits every row alike. FLOPs are the matmuls the step executes
 (looped.model.flops: every recurrence, masked or not; the full T x T scores).
 Prints a Markdown table and writes JSON.
 """
@@ -27,7 +29,7 @@ from absl import app, flags
 
 from configs import benice as benice_config
 from looped import model as model_lib
-from looped import sharding
+from looped import programs, sharding
 from looped.benice import objectives as benice_objectives
 from looped.benice import stages
 from looped.model import flops
@@ -37,6 +39,9 @@ from looped.train import objectives, optim, trainer
 _CONFIG_ARG = flags.DEFINE_string("config_arg", "", "Arg of configs/benice.py get_config.")
 _ROUNDS = flags.DEFINE_integer("rounds", 15, "Timed rounds (one step of every stage each).")
 _MATMUL = flags.DEFINE_integer("matmul_size", 1024, "n of the n x n x n float32 limit matmul.")
+_CPU_DEVICES = flags.DEFINE_integer(
+  "cpu_devices", None, "CPU devices (default: what the main command picks, mesh.cpu_devices)."
+)
 _OUT = flags.DEFINE_string("out", "benchmarks/results/pipeline.json", "JSON output path.")
 
 
@@ -62,13 +67,20 @@ def _stage_step(config, stage: str, model: LoopedLM, mesh, rules, batch):
 def main(argv):
   del argv
   config = benice_config.get_config(_CONFIG_ARG.value)
+  if _CPU_DEVICES.value is not None:
+    config.mesh.cpu_devices = _CPU_DEVICES.value
+  programs.use_cpu_devices(config, distributed=False)  # As `python -m looped.main` does.
   model = LoopedLM(model_lib.from_config(config.model))
   mesh = sharding.make_mesh(config)
   rules = sharding.rules(config, mesh)
   b, t = config.data.batch_size, config.data.seq_len
   tokens = np.asarray(jax.random.randint(jax.random.PRNGKey(0), (b, t + 1), 0, 256))
-  n = _MATMUL.value
-  x = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.float32)
+  # The limit: one n x n x n float32 matmul per device at once, split like the batch.
+  n, devices = _MATMUL.value, jax.device_count()
+  x = jax.random.normal(jax.random.PRNGKey(1), (devices, n, n), jnp.float32)
+  x = jax.device_put(
+    x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
+  )
   matmul = jax.jit(lambda a, b: a @ b)
   jax.block_until_ready(matmul(x, x))
   steps, states, compile_s, per_token = {}, {}, {}, {}
@@ -92,7 +104,7 @@ def main(argv):
         y = matmul(x, x)
       jax.block_until_ready(y)
       times["matmul"].append((time.perf_counter() - t0) / 3)
-  limit = 2 * n**3 / statistics.median(times["matmul"])
+  limit = devices * 2 * n**3 / statistics.median(times["matmul"])
   rows = []
   for stage in stages.STAGES:
     step_s = statistics.median(times[stage])
@@ -131,6 +143,7 @@ def main(argv):
         "config_arg": _CONFIG_ARG.value,
         "rounds": _ROUNDS.value,
         "matmul_size": n,
+        "devices": devices,
         "matmul_limit_gflops": limit / 1e9,
         "versions": {"jax": jax.__version__},
         "rows": rows,

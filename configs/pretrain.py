@@ -116,6 +116,8 @@ def mesh_config() -> ml_collections.ConfigDict:
   m.data = -1  # Data parallel: batch split, params replicated (-1: the devices left over).
   m.fsdp = 1  # Fully sharded data parallel: batch split, params and Adam moments sharded.
   m.tensor = 1  # Tensor parallel: heads, KV heads, MLP width and vocabulary split.
+  m.cpu_devices = 0  # CPU backend of `python -m looped.main`: devices the host is split into
+  # (0: one per core, as many as mesh and batch divide; 1: one multi-threaded device).
   return m
 
 

@@ -16,9 +16,10 @@ mkdir -p "$R"
 
 # The tables were measured with fixed-depth pretraining of the default model (diagonal
 # injection, 500 steps; `--config.depth.sampler=fixed`, which is not today's `:fixed` regime) and
-# exact shared decode on the first 2 eval batches (32 rows), one batch per call: pinned here.
+# exact shared decode on the first 2 eval batches (32 rows), one batch per call: pinned here,
+# with the 500 pretraining steps they had (the main command now pretrains 300).
 FIXED=--config.depth.sampler=fixed
-EVAL=(--config.eval.decode_batches=2 --config.eval.decode_rows=16)
+EVAL=(--config.eval.decode_batches=2 --config.eval.decode_rows=16 --config.train.num_steps=500)
 
 pipeline() {  # pipeline NAME SEED [flags...]
   local name=$1 seed=$2

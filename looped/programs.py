@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from looped import cli, config_checks
+from looped import cli, config_checks, sharding
 from looped.train import model_record, workdir_lock
 
 PROGRAMS = {
@@ -167,16 +167,39 @@ def enable_compilation_cache(path: str) -> str | None:
   return path
 
 
+def use_cpu_devices(config, distributed: bool) -> int | None:
+  """Splits jax's CPU backend into sharding.cpu_device_count(config, cores) devices, before any
+  backend starts, so that the mesh's data axis runs one batch shard per core: a training step of
+  the default model is ~1.2x faster over two CPU devices than on one two-threaded device
+  (benchmarks/pipeline.py --cpu_devices). Returns the count, or None where it does not apply:
+  configs without mesh.cpu_devices, multi-process runs and an XLA_FLAGS that already sets
+  the host device count. Accelerator backends are untouched (only the CPU backend splits)."""
+  mesh = config.get("mesh")
+  if mesh is None or "cpu_devices" not in mesh or distributed:
+    return None
+  if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+    return None
+  count = sharding.cpu_device_count(config, len(os.sched_getaffinity(0)))
+  jax.config.update("jax_num_cpu_devices", count)
+  return count
+
+
 def main(config, workdir: str, overrides=(), compilation_cache: str = "", **distributed):
   """What `python -m looped.main` runs: starts jax.distributed when asked (`distributed`: the
   arguments of initialize_distributed), turns on the persistent compilation cache (see
-  enable_compilation_cache), validates the config once with only warnings logged, so that a bad
-  value prints one line and not backend chatter, then runs the program.
+  enable_compilation_cache), splits the CPU backend (use_cpu_devices), validates the config
+  once with only warnings logged, so that a bad value prints one line and not backend chatter,
+  then runs the program.
   overrides: the config fields set on the command line."""
   enable_compilation_cache(compilation_cache)
-  initialize_distributed(**distributed)
+  multi_process = initialize_distributed(**distributed)
   with cli.quiet_logs():
+    cpu_devices = use_cpu_devices(config, multi_process)
     module = validate(config, workdir, overrides)
+  if cpu_devices:
+    logging.info(
+      "CPU backend: %d devices (mesh.cpu_devices = %s)", cpu_devices, config.mesh.cpu_devices
+    )
   return _run_validated(module, config, workdir)
 
 

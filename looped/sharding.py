@@ -94,6 +94,21 @@ def validate(config, num_devices: int | None = None) -> dict[str, int]:
   return sizes
 
 
+def cpu_device_count(config, cores: int) -> int:
+  """Devices to split a CPU host into: config.mesh.cpu_devices, or for 0 the most, up to
+  `cores`, that config.mesh, the batch sizes and the model divide evenly (validate)."""
+  wanted = cc.integer(config, "mesh.cpu_devices", min_value=0)
+  if wanted:
+    return wanted
+  for n in range(max(cores, 1), 1, -1):
+    try:
+      validate(config, n)
+    except cc.ConfigError:
+      continue
+    return n
+  return 1
+
+
 def make_mesh(config, devices: Sequence | None = None) -> Mesh:
   """The mesh of config.mesh over `devices` (default: all), axes in AXES order."""
   devices = jax.devices() if devices is None else list(devices)

@@ -100,6 +100,63 @@ class ValidateTest(parameterized.TestCase):
     self.assertEqual(rules["batch"], ("data", "fsdp"))
 
 
+class CpuDevicesTest(parameterized.TestCase):
+  """mesh.cpu_devices: how many CPU devices the main command splits the host into."""
+
+  @parameterized.parameters(
+    (dict(), 2, 2),  # One per core.
+    (dict(), 3, 2),  # Not 3: batches of 8 rows would not split evenly.
+    (dict(), 8, 8),
+    (dict(**{"data.eval_batch_size": 4}), 8, 4),  # Every batch size must split.
+    (dict(), 1, 1),
+    (dict(**{"mesh.tensor": 2}), 3, 2),  # The fixed tensor axis takes 2; data the rest (1).
+    (dict(**{"mesh.data": 1}), 8, 1),  # A fixed mesh of one device.
+    (dict(**{"mesh.cpu_devices": 1}), 8, 1),  # Asked for: one device.
+    (dict(**{"mesh.cpu_devices": 3}), 2, 3),  # Asked for: taken as given (validate judges it).
+  )
+  def test_count(self, overrides, cores, expected):
+    c = pretrain.get_config("smoke")  # Batches of 8 rows.
+    for key, value in overrides.items():
+      testing.set_field(c, key, value)
+    self.assertEqual(sharding.cpu_device_count(c, cores), expected)
+
+  def test_negative_count_fails_naming_the_field(self):
+    c = pretrain.get_config("smoke")
+    c.mesh.cpu_devices = -1
+    with self.assertRaisesRegex(config_checks.ConfigError, "mesh.cpu_devices = -1"):
+      sharding.cpu_device_count(c, 2)
+
+  def _devices_in_subprocess(self, cores: set[int], cpu_devices: int, xla_flags: str = "") -> int:
+    """jax.device_count() after programs.use_cpu_devices in a fresh process on `cores`."""
+    code = (
+      "import jax; from configs import pretrain; from looped import programs; "
+      "c = pretrain.get_config('smoke'); "
+      f"c.mesh.cpu_devices = {cpu_devices}; "
+      "programs.use_cpu_devices(c, distributed=False); print(jax.device_count())"
+    )
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags)
+    env["PYTHONPATH"] = os.pathsep.join([REPO, env.get("PYTHONPATH", "")])
+    out = subprocess.run(
+      [sys.executable, "-c", code],
+      cwd=REPO,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=300,
+      preexec_fn=lambda: os.sched_setaffinity(0, cores),
+      check=True,
+    )
+    return int(out.stdout.strip().splitlines()[-1])
+
+  def test_the_backend_splits_before_it_starts(self):
+    first = min(os.sched_getaffinity(0))
+    self.assertEqual(self._devices_in_subprocess({first}, 0), 1)  # One core: one device.
+    self.assertEqual(self._devices_in_subprocess({first}, 4), 4)  # Asked for, whatever the cores.
+    # A host device count already set in XLA_FLAGS (launch/local.py, tests) is left alone.
+    forced = "--xla_force_host_platform_device_count=2"
+    self.assertEqual(self._devices_in_subprocess({first}, 4, forced), 2)
+
+
 class MeshTrainingTest(testing.TempDirTestCase):
   """Acceptance 1 and 2: 8 fake devices (subprocess) against this process's one device.
 

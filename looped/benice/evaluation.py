@@ -156,6 +156,7 @@ def evaluate(
   kv_format: str | None = None,
   decode_rows: int = 0,
   drift: bool = True,
+  place: Callable = jnp.asarray,
 ) -> dict:
   """Shareability metrics (module docstring) of `params`; JSON-ready (pass counts as str).
 
@@ -163,12 +164,14 @@ def evaluate(
   decode_batches: eval batches in the exact-decode subset (0: all).
   decode_rows: rows per exact-decode call (a multiple of the eval batch size; 0: the subset).
   drift: also measure K/V drift (an unshared forward that does not depend on the KV format).
+  place: puts a host array of rows on the devices; on a mesh, split over its batch axes
+    (sharding.batch_sharding), so each device computes its own rows, not all of them.
   """
   passes = sorted({0, *(int(n) for n in jacobi_passes)})
   ce_rows = {n: [] for n in passes}
   residual_R, relative_R = 0.0, 0.0
   for batch in eval_batches:
-    inputs, targets = jnp.asarray(batch["inputs"]), jnp.asarray(batch["targets"])
+    inputs, targets = place(batch["inputs"]), place(batch["targets"])
     ce_PxB, res_R, rel_R = fns.jacobi(params, inputs, targets, passes[-1])
     ce_PxB = np.asarray(ce_PxB, np.float64)
     for n in passes:
@@ -185,8 +188,8 @@ def evaluate(
   group = decode_rows or rows
   decode_ce, drift_sums = [], None
   for start in range(0, rows, group):
-    inputs = jnp.asarray(sub_inputs[start : start + group])
-    targets = jnp.asarray(sub_targets[start : start + group])
+    inputs = place(sub_inputs[start : start + group])
+    targets = place(sub_targets[start : start + group])
     decode_ce.append(np.asarray(fns.decode(params, inputs, targets), np.float64))
     if drift:
       part = [np.asarray(x, np.float64) for x in fns.drift(params, inputs)]

@@ -181,7 +181,7 @@ def _train_stage(
   return "resumed" if resumed else "trained"
 
 
-def _evaluate(config, workdir: str, model: LoopedLM, abstract, stage_dirs: dict):
+def _evaluate(config, workdir: str, model: LoopedLM, abstract, stage_dirs: dict, mesh):
   """Shareability metrics of each model, from cache where checkpoint and settings match;
   returns (metrics by model, their timing rows)."""
   eval_batches = data_lib.make_eval_batches(config, process_index=0, process_count=1)
@@ -216,6 +216,7 @@ def _evaluate(config, workdir: str, model: LoopedLM, abstract, stage_dirs: dict)
       jacobi_passes=tuple(config.eval.jacobi_passes),
       decode_batches=config.eval.decode_batches,
       decode_rows=config.eval.decode_rows,
+      place=functools.partial(jax.device_put, device=sharding.batch_sharding(mesh)),
     )
     metrics = evaluate(evaluation.make_stats_fns(model.cfg), model.cfg)
     seconds = {"fp32": time.time() - start}
@@ -312,7 +313,7 @@ def run(config, workdir: str) -> dict:
     stage_dirs.pop(stages.BENICE)
 
   with sharding.context(mesh, rules):
-    results, eval_timings = _evaluate(config, workdir, model, abstract, stage_dirs)
+    results, eval_timings = _evaluate(config, workdir, model, abstract, stage_dirs, mesh)
   out = report.build(config, results, stage_dirs)
   if jax.process_index() == 0:
     report_dir = os.path.join(workdir, "report")
