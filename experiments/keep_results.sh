@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Copies what the docs/results.md tables are built from out of a runs directory into the repository
-# (checkpoints stay behind; recorded workdirs become RUNS_DIR/...): per run, report/shareability.{json,md} and pretrain/stage_config.json.
+# (checkpoints stay behind; recorded workdirs become RUNS_DIR/...): per run, report/shareability.{json,md},
+# pretrain/stage_config.json and the stage table timing.json.
 #
 #   bash experiments/keep_results.sh /tmp/gap_runs experiments/results/gap_sweep
 #   python experiments/gap_table.py experiments/results/gap_sweep
@@ -20,5 +21,6 @@ for run in "$SRC"/*/; do
     mkdir -p "$DEST/$name/pretrain"
     cp "$run/pretrain/stage_config.json" "$DEST/$name/pretrain/"
   fi
+  [ -f "$run/timing.json" ] && cp "$run/timing.json" "$DEST/$name/"
   echo "kept $name"
 done

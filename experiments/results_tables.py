@@ -22,6 +22,7 @@ by the functions below.
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 import sys
@@ -38,7 +39,7 @@ import recipe_table  # noqa: E402
 
 from configs import pretrain  # noqa: E402
 from looped import kv_quant  # noqa: E402
-from looped.benice import collect  # noqa: E402
+from looped.benice import collect, timing  # noqa: E402
 from looped.benice.report import gap_with_ci, pct  # noqa: E402
 from looped.model import from_config, mixers  # noqa: E402
 
@@ -123,6 +124,13 @@ def default_command() -> str:
       f"{_floats(m['kv_drift']['k'][0])} | {_floats(m['contraction_ratios'])} |"
     )
   return "\n".join(lines)
+
+
+def default_command_timing() -> str:
+  """The main command's stage table (default_command/default_s0/timing.json)."""
+  with open(_results("default_command", "default_s0", "timing.json")) as f:
+    table = timing.markdown(json.load(f))
+  return table.split("\n\n")[0]
 
 
 def default_command_kv_formats() -> str:
@@ -258,6 +266,7 @@ TABLES: dict[str, Callable[[], str]] = {
   "headline": headline,
   "default_command": default_command,
   "default_command_kv_formats": default_command_kv_formats,
+  "default_command_timing": default_command_timing,
   "gap_sweep": gap_sweep,
   "fixed_regime": fixed_regime,
   "fixed_regime_reruns": fixed_regime_reruns,

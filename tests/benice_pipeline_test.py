@@ -78,17 +78,25 @@ class StageConfigTest(testing.TempDirTestCase):
 
   def test_added_model_field_at_default_matches(self):
     stage_dir = os.path.join(self.tmp, "pretrain")
-    stage_cfg = self._recorded_without(stage_dir, "attention_impl")
-    stages.begin(stage_dir, stage_cfg)  # Default 'xla': the behaviour the run was trained with.
-    stage_cfg.model.attention_impl = "pallas"
-    with self.assertRaisesRegex(
-      config_checks.ConfigError, r"attention_impl: \(absent\) -> 'pallas'"
-    ):
+    stage_cfg = self._recorded_without(stage_dir, "qk_bias")
+    stages.begin(stage_dir, stage_cfg)  # Default False: the behaviour the run was trained with.
+    stage_cfg.model.qk_bias = True
+    with self.assertRaisesRegex(config_checks.ConfigError, r"qk_bias: \(absent\) -> True"):
       stages.begin(stage_dir, stage_cfg)
+
+  def test_how_to_compute_may_change(self):
+    # Scan or loop, unroll, remat and the attention kernel compute the same math: a stage
+    # resumes under other values (e.g. after a default changed).
+    stage_dir = os.path.join(self.tmp, "pretrain")
+    stage_cfg = stages.stage_config(benice_config.get_config("smoke"), stages.PRETRAIN)
+    stages.begin(stage_dir, stage_cfg)
+    m = stage_cfg.model
+    m.scan_unroll, m.scan_recurrences, m.remat, m.attention_impl = 3, False, "full", "pallas"
+    stages.begin(stage_dir, stage_cfg)
 
   def test_changed_field_is_refused(self):
     stage_dir = os.path.join(self.tmp, "pretrain")
-    stage_cfg = self._recorded_without(stage_dir, "attention_impl")
+    stage_cfg = self._recorded_without(stage_dir, "qk_bias")
     stage_cfg.model.qk_norm = not stage_cfg.model.qk_norm
     with self.assertRaisesRegex(config_checks.ConfigError, r"model.qk_norm: True -> False"):
       stages.begin(stage_dir, stage_cfg)

@@ -70,7 +70,7 @@ class RecordedModelTest(testing.TempDirTestCase):
       json.dump({"model": model, "data": {"tokenizer": "bytes"}}, f)
     config = generate_config.get_config()
     recorded, data = generate.model_and_data(config, self.tmp)
-    self.assertEqual(recorded.scan_unroll, 1)
+    self.assertEqual(recorded.scan_unroll, model_lib.ModelConfig().scan_unroll)
     self.assertEqual(recorded.d_model, model["d_model"])
     self.assertEqual(recorded.num_recurrences, model["num_recurrences"])
     model_lib.from_config(recorded)  # Every field known, none missing.

@@ -85,12 +85,16 @@ def latest_step(workdir: str) -> int | None:
 
 
 _PLACEMENT = ("mesh", "mesh_rules")
+# Model fields that say how to compute, not what: a stage resumes under another value.
+_SAME_MATH = ("scan_recurrences", "scan_unroll", "remat", "attention_impl")
 
 
 def _fingerprint(stage_cfg) -> dict:
   d = json.loads(json.dumps(stage_cfg.to_dict()))
   for name in _PLACEMENT:  # The same stage on another mesh (a checkpoint restores on any).
     d.pop(name, None)
+  for name in _SAME_MATH:
+    d["model"].pop(name, None)
   for name in _CADENCE:
     d["train"].pop(name, None)
   return d

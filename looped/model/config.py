@@ -55,7 +55,7 @@ class ModelConfig:
   dtype: str = "float32"
   param_dtype: str = "float32"
   scan_recurrences: bool = True
-  scan_unroll: int = 1
+  scan_unroll: int = 0
   remat: str = "none"
   attention_impl: str = "xla"
   prelude_mixers: tuple[str, ...] = ("gqa",)
@@ -141,7 +141,7 @@ def validate(config, prefix: str = "model") -> None:
   cc.number(config, p + "rope_base", min_value=1.0, min_exclusive=True)
   cc.number(config, p + "init_std", min_value=0.0, min_exclusive=True)
   cc.choice(config, p + "remat", REMAT_POLICIES)
-  cc.integer(config, p + "scan_unroll", min_value=1)
+  cc.integer(config, p + "scan_unroll", min_value=0)
   for name in ("prelude_norm", "qk_norm", "tie_embeddings", "scan_recurrences", "qk_bias"):
     cc.boolean(config, p + name)
   cc.boolean(config, p + "exit_gate")

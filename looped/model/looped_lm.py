@@ -353,7 +353,7 @@ class LoopedLM(nn.Module):
         split_rngs={"params": False},
         in_axes=(0, nn.broadcast),
         length=cfg.num_recurrences,
-        unroll=min(cfg.scan_unroll, cfg.num_recurrences),
+        unroll=min(cfg.scan_unroll or cfg.num_recurrences, cfg.num_recurrences),
       )
       return scanned(cfg, decode, collect_states, name="recurrence")
     body = body_cls(cfg, decode, collect_states, name="recurrence")
