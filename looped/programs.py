@@ -196,11 +196,7 @@ def main(config, workdir: str, overrides=(), compilation_cache: str = "", **dist
   with cli.quiet_logs():
     cpu_devices = use_cpu_devices(config, multi_process)
     module = validate(config, workdir, overrides)
-  if cpu_devices:
-    logging.info(
-      "CPU backend: %d devices (mesh.cpu_devices = %s)", cpu_devices, config.mesh.cpu_devices
-    )
-  return _run_validated(module, config, workdir)
+  return _run_validated(module, config, workdir, cpu_devices)
 
 
 def run(config, workdir: str):
@@ -208,14 +204,23 @@ def run(config, workdir: str):
   return _run_validated(validate(config, workdir), config, workdir)
 
 
-def _run_validated(module, config, workdir: str):
-  if jax.process_index() != 0:  # One lock per run, not per host of a multi-host run.
+def _run_validated(module, config, workdir: str, cpu_devices: int | None = None):
+  """Runs the program; logs start once the workdir is taken, so that a busy one fails in one
+  line."""
+
+  def start():
+    if cpu_devices:
+      logging.info(
+        "CPU backend: %d devices (mesh.cpu_devices = %s)", cpu_devices, config.mesh.cpu_devices
+      )
     logging.info("Config (validated):\n%s", config)
     return module.run(config, workdir)
+
+  if jax.process_index() != 0:  # One lock per run, not per host of a multi-host run.
+    return start()
   try:
     lock = workdir_lock.WorkdirLock(workdir).acquire()
   except workdir_lock.WorkdirBusyError as e:
     raise config_checks.ConfigError(str(e)) from None
   with lock:
-    logging.info("Config (validated):\n%s", config)
-    return module.run(config, workdir)
+    return start()
