@@ -2,7 +2,8 @@
 each family's own PyTorch code): convert -> configs/generate.py samples with the model's own
 tokenizer, the tokens of exact shared greedy decoding -> the BeNice! pipeline
 (configs/benice.py:smoke with pipeline.pretrain_workdir) post-trains the converted model and
-evaluates it, the zero-shot perplexity being the converted params' own."""
+evaluates it, the zero-shot perplexity being the converted params' own (Ouro's at a loop count
+chosen as on the command line)."""
 
 import json
 import os
@@ -82,18 +83,25 @@ class ConvertEndToEndTest(testing.TempDirTestCase):
       greedy = jnp.argmax(logits[0, len(ids) - 1 : -1], axis=-1)
       self.assertEqual(list(gen.tokens), [int(t) for t in greedy], prompt)
 
-  def _benice(self, converted: str, models: tuple[str, ...]) -> dict:
-    """The pipeline from the converted dir: each post-training stage records the converted
-    model, every reported perplexity is finite, and the zero-shot unshared perplexity is that
-    of the converted params on the eval batches of the converted tokenizer."""
+  def _benice(self, converted: str, models: tuple[str, ...], recurrences: int = 0) -> dict:
+    """The pipeline from the converted dir (at `recurrences`, as --config.model.num_recurrences
+    would choose; 0: the recorded R): each post-training stage records the converted model,
+    every reported perplexity is finite, and the zero-shot unshared perplexity is that of the
+    converted params on the eval batches of the converted tokenizer."""
     config = benice_config.get_config("smoke")
     config.pipeline.pretrain_workdir = converted
     config.pipeline.models = models
     for key, value in _SMALL.items():
       testing.set_field(config, key, value)
+    overrides = ()
+    if recurrences:
+      config.model.num_recurrences = recurrences
+      overrides = ("model.num_recurrences",)
     workdir = os.path.join(self.tmp, "benice")
-    report = programs.run(config, workdir)
+    report = programs.run(config, workdir, overrides)
     converted_model = _recorded(converted)
+    if recurrences:
+      converted_model["num_recurrences"] = recurrences
     for name in models:
       if name != "zero_shot":
         stage_dir = os.path.join(workdir, name)
@@ -106,7 +114,10 @@ class ConvertEndToEndTest(testing.TempDirTestCase):
         self.assertTrue(np.isfinite(metrics[key]), (name, key, metrics[key]))
       self.assertTrue(np.isfinite(metrics["ppl_shared_jacobi_eval"]["1"]), name)
 
-    stage = model_record.with_recorded_model(config, converted)
+    stage = model_record.with_recorded_model(
+      config, converted, model_record.chosen_fields(overrides)
+    )
+    self.assertEqual(stage.model.num_recurrences, recurrences or converted_model["num_recurrences"])
     self.assertIsInstance(tokenizers.get(stage.data), tokenizers.HuggingFaceTokenizer)
     (batch,) = data_lib.make_eval_batches(stage, process_index=0, process_count=1)
     model = LoopedLM(from_config(stage.model))
@@ -127,7 +138,10 @@ class ConvertEndToEndTest(testing.TempDirTestCase):
   def test_ouro(self):
     converted = self._convert("ouro")
     self._generate_is_greedy_shared_decode(converted, "<|im_end|>")
-    self._benice(converted, ("zero_shot", "benice"))
+    # Post-trained and evaluated at R = 2, not the recorded 4: the loop count is the reader's.
+    report = self._benice(converted, ("zero_shot", "benice"), recurrences=2)
+    kv = report["models"]["zero_shot"]["kv_bytes_per_token"]
+    self.assertEqual(kv["unshared"], 2 * kv["shared"])  # Every layer looped, R = 2.
 
 
 if __name__ == "__main__":
