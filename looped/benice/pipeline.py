@@ -111,12 +111,12 @@ def validate(config, chosen: tuple[str, ...] = ()) -> None:
       f"must be 0 or a multiple of data.eval_batch_size = {batch} that divides the decode "
       f"subset's {decode_batches * batch} rows",
     )
-  cc.integer(config, "eval.samples", min_value=0, max_value=num_eval_batches * batch)
+  num_samples = cc.integer(config, "eval.samples", min_value=0, max_value=num_eval_batches * batch)
   prompt = cc.integer(
     config, "eval.sample_prompt_tokens", min_value=1, max_value=config.data.seq_len
   )
   new = cc.integer(config, "eval.sample_new_tokens", min_value=1)
-  if prompt + new > config.model.max_seq_len:
+  if num_samples and prompt + new > config.model.max_seq_len:  # No samples: no length limit.
     cc.fail(
       "eval.sample_new_tokens",
       new,
