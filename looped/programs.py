@@ -3,8 +3,9 @@
 Each program module exposes `validate(config)` (raises ConfigError before any compute) and
 `run(config, workdir)`; one that reads a checkpoint's recorded model also exposes
 `model_source(config)` (the directory), so that a command-line override disagreeing with that
-record fails here (looped.train.model_record). Modules are imported lazily so that, e.g., the
-serving simulator does not pay for importing the trainer.
+record fails here (looped.train.model_record); such a module's validate and run also take
+`chosen`, the record's fields the command line chose (the loop count). Modules are imported
+lazily so that, e.g., the serving simulator does not pay for importing the trainer.
 """
 
 import hashlib
@@ -35,6 +36,13 @@ def load(config):
   return importlib.import_module(PROGRAMS[name])
 
 
+def _chosen(module, overrides) -> dict:
+  """{'chosen': ...} for a module reading a recorded model (module docstring), else {}."""
+  if getattr(module, "model_source", None) is None:
+    return {}
+  return {"chosen": model_record.chosen_fields(overrides)}
+
+
 def validate(config, workdir: str, overrides=()):
   """Checks the config and workdir (the same on every process) before any compute; returns the
   program module. overrides: the config fields set on the command line ('model.d_model', ...)."""
@@ -47,7 +55,7 @@ def validate(config, workdir: str, overrides=()):
   source = getattr(module, "model_source", None)
   if source is not None and isinstance(source(config), str):
     model_record.check_overrides(source(config), config, overrides)
-  module.validate(config)
+  module.validate(config, **_chosen(module, overrides))
   return module
 
 
@@ -196,17 +204,20 @@ def main(config, workdir: str, overrides=(), compilation_cache: str = "", **dist
   with cli.quiet_logs():
     cpu_devices = use_cpu_devices(config, multi_process)
     module = validate(config, workdir, overrides)
-  return _run_validated(module, config, workdir, cpu_devices)
+  return _run_validated(module, config, workdir, overrides, cpu_devices)
 
 
-def run(config, workdir: str):
-  """Validates, takes the workdir's lock (process 0 only) and runs the program."""
-  return _run_validated(validate(config, workdir), config, workdir)
+def run(config, workdir: str, overrides=()):
+  """Validates, takes the workdir's lock (process 0 only) and runs the program. overrides: the
+  config fields the caller set on purpose, as on the command line (e.g. a recorded checkpoint
+  run at another loop count: ('model.num_recurrences',))."""
+  return _run_validated(validate(config, workdir, overrides), config, workdir, overrides)
 
 
-def _run_validated(module, config, workdir: str, cpu_devices: int | None = None):
+def _run_validated(module, config, workdir: str, overrides=(), cpu_devices: int | None = None):
   """Runs the program; logs start once the workdir is taken, so that a busy one fails in one
   line."""
+  kwargs = _chosen(module, overrides)
 
   def start():
     if cpu_devices:
@@ -214,7 +225,7 @@ def _run_validated(module, config, workdir: str, cpu_devices: int | None = None)
         "CPU backend: %d devices (mesh.cpu_devices = %s)", cpu_devices, config.mesh.cpu_devices
       )
     logging.info("Config (validated):\n%s", config)
-    return module.run(config, workdir)
+    return module.run(config, workdir, **kwargs)
 
   if jax.process_index() != 0:  # One lock per run, not per host of a multi-host run.
     return start()

@@ -55,6 +55,14 @@ class ConfigTest(parameterized.TestCase):
       pipeline.validate(config)
     self.assertIn(expected, str(ctx.exception))
 
+  def test_sample_lengths_only_bind_when_there_are_samples(self):
+    config = benice_config.get_config("smoke")
+    config.eval.sample_new_tokens = 10_000  # Longer than the model's context.
+    with self.assertRaisesRegex(config_checks.ConfigError, "must fit model.max_seq_len"):
+      pipeline.validate(config)
+    config.eval.samples = 0  # E.g. a converted model of short context, evaluated without them.
+    pipeline.validate(config)
+
   def test_unknown_post_train_field(self):
     config = benice_config.get_config("smoke")
     config.post.train.lr = 1e-3

@@ -151,6 +151,15 @@ class ConvertErrorsTest(testing.TempDirTestCase):
     os.remove(os.path.join(src, "tokenizer.json"))
     self._fails(src, "has no tokenizer.json")
 
+  def test_tokenizer_larger_than_the_vocabulary_is_refused(self):
+    src = os.path.join(self.tmp, "src")
+    write_folder(src, {**HUGINN, "vocab_size": 256}, huginn)  # The tokenizer has 257 ids.
+    self._fails(
+      src,
+      r"tokenizer.json needs 257 ids \(EOS id 256\) but the model's vocab_size \(from "
+      r"config.json\) is 256\.$",
+    )
+
   def test_command_line_error_is_one_line(self):
     src = os.path.join(self.tmp, "src")
     write_folder(src, HUGINN, huginn, shards=3)
@@ -241,6 +250,30 @@ class TokenizerTest(testing.TempDirTestCase):
     self.assertEqual(tok.num_bytes(ids), len(text.encode("utf-8")))
     with self.assertRaisesRegex(config_checks.ConfigError, "data.tokenizer_json"):
       tokenizers.get(ml_collections.ConfigDict({"tokenizer": "huggingface", "tokenizer_json": ""}))
+
+  def test_eos_is_tokenizer_configs_eos_token_else_a_known_name(self):
+    for family, named, configured in (("huginn", 2, 2), ("ouro", 0, 2)):
+      # The reference folders' tokenizers: Huginn's EOS is <|end_text|> (id 2), Ouro's
+      # tokenizer_config.json names <|im_end|> (id 2) though <|endoftext|> (id 0) is known.
+      source = os.path.join(_REPO, "tests", "testdata", f"{family}_tiny")
+      directory = os.path.join(self.tmp, family)
+      os.makedirs(directory)
+      path = os.path.join(directory, "tokenizer.json")
+      with open(os.path.join(source, "tokenizer.json")) as f, open(path, "w") as g:
+        g.write(f.read())
+      self.assertEqual(tokenizers.HuggingFaceTokenizer(path).eos_id, named, family)
+      with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": {"content": "<|im_end|>"}}, f)  # The older dict form.
+      self.assertEqual(tokenizers.HuggingFaceTokenizer(path).eos_id, 2, family)
+      with open(os.path.join(source, "tokenizer_config.json")) as f:
+        eos = json.load(f)["eos_token"]
+      with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": eos}, f)
+      tok = tokenizers.HuggingFaceTokenizer(path)
+      self.assertEqual((tok.eos_id, tok.vocab_size), (configured, 300), family)
+      with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<|not_in_the_vocabulary|>"}, f)
+      self.assertEqual(tokenizers.HuggingFaceTokenizer(path).eos_id, named, family)
 
 
 if __name__ == "__main__":

@@ -221,6 +221,24 @@ class MixerConfigTest(absltest.TestCase):
     with self.assertRaisesRegex(config_checks.ConfigError, "model.core_mixers.*non-empty tuple"):
       validate(config)
 
+  def test_qk_bias_is_refused_for_mla_and_kda_layers(self):
+    config = ml_collections.ConfigDict({"model": pretrain.model_config()})
+    config.model.qk_bias = True
+    validate(config)  # Every layer GQA.
+    for stage, mixers_, name in (("core", ("gqa", "mla"), "mla"), ("coda", ("kda",), "kda")):
+      bad = ml_collections.ConfigDict(config.to_dict())
+      testing.set_field(bad, f"model.{stage}_mixers", mixers_)
+      with self.assertRaisesRegex(
+        config_checks.ConfigError,
+        rf"^config.model.qk_bias = True is invalid: biases GQA queries and keys, so every layer "
+        rf"must be GQA, but model.{stage}_mixers has {name} layers\.$",
+      ):
+        validate(bad)
+    # A stage without layers uses no mixer.
+    testing.set_field(config, "model.coda_mixers", ("kda",))
+    config.model.num_coda_layers = 0
+    validate(config)
+
   def test_pattern_repeats_over_layers(self):
     cfg = dataclasses.replace(
       testing.TINY_MODEL, num_core_layers=5, core_mixers=("kda", "kda", "mla")

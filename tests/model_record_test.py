@@ -11,6 +11,8 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
+import ml_collections
+import numpy as np
 from absl.testing import absltest
 
 import looped_testing as testing
@@ -95,6 +97,23 @@ class ModelRecordTest(absltest.TestCase):
     logits, _ = jax.jit(model.apply)(params, tokens)  # Causal: each position's greedy token.
     self.assertEqual(generated, [int(t) for t in jnp.argmax(logits[0, 2:-1], axis=-1)])
 
+  def test_generate_runs_the_recorded_model_at_a_chosen_loop_count(self):
+    # --config.model.num_recurrences=2 on the smoke workdir (recorded R = 4): the recorded model
+    # at R = 2; the same field set without being an override is the record's (R = 4).
+    config = _new_user_gen_config(self.train_dir, **{"model.num_recurrences": 2})
+    self.assertEqual(generate.model_and_data(config)[0].num_recurrences, 4)
+    result = programs.run(config, os.path.join(self.tmp, "gen2"), ("model.num_recurrences",))
+    generated = result["generations"][0].tokens
+    tokens = jnp.asarray([[100, 101, 102] + list(generated)])  # 'def' + the output.
+    params = testing.saved_params(self.train_config.model, self.train_dir)
+    logits = {}
+    for r in (2, 4):
+      model_cfg = ml_collections.ConfigDict(self.train_config.model.to_dict())
+      model_cfg.num_recurrences = r
+      logits[r], _ = jax.jit(LoopedLM(from_config(model_cfg)).apply)(params, tokens)
+    self.assertFalse(np.allclose(logits[2], logits[4], atol=1e-3))  # R changes the outputs.
+    self.assertEqual(generated, [int(t) for t in jnp.argmax(logits[2][0, 2:-1], axis=-1)])
+
   def test_old_workdir_without_record_works_as_before(self):
     old = self._old_workdir()
     config = _new_user_gen_config(old)
@@ -163,6 +182,28 @@ class RecordedWorkdirTest(testing.TempDirTestCase):
     config = _new_user_gen_config(self.recorded, **{"model.d_model": 64, "model.remat": "full"})
     programs.validate(config, os.path.join(self.tmp, "w"), ("model.d_model", "model.remat"))
     self.assertEqual(generate.model_and_data(config)[0].remat, "full")
+
+  def test_loop_count_is_the_readers_choice_but_not_the_resuming_trainers(self):
+    config = _new_user_gen_config(self.recorded, **{"model.num_recurrences": 7})
+    programs.validate(config, os.path.join(self.tmp, "w"), ("model.num_recurrences",))
+    chosen = model_record.chosen_fields(("model.num_recurrences", "model.remat"))
+    self.assertEqual(chosen, ("num_recurrences",))
+    model_cfg, _ = generate.model_and_data(config, chosen=chosen)
+    self.assertEqual((model_cfg.num_recurrences, model_cfg.d_model), (7, 64))
+    self.assertEqual(generate.model_and_data(config)[0].num_recurrences, 4)  # Not chosen.
+    # A chosen value is validated like the model's own.
+    config = _new_user_gen_config(self.recorded, **{"model.num_recurrences": 0})
+    with self.assertRaisesRegex(config_checks.ConfigError, r"^config.model.num_recurrences = 0 "):
+      programs.validate(config, os.path.join(self.tmp, "w"), ("model.num_recurrences",))
+    # The trainer resuming the workdir refuses another loop count (the record says what was
+    # trained).
+    config = testing.smoke_config({**_TRAIN, "train.num_steps": 4, "model.num_recurrences": 7})
+    with self.assertRaisesRegex(
+      config_checks.ConfigError,
+      r"^config.model.num_recurrences = 7 disagrees with the model recorded in .*: "
+      r"num_recurrences = 4;",
+    ):
+      trainer.run(config, self.recorded)
 
   def test_disagreeing_override_on_the_command_line_is_one_line(self):
     command = [

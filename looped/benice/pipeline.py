@@ -44,16 +44,17 @@ def model_source(config) -> str:
   return config.pipeline.pretrain_workdir
 
 
-def _with_source_model(config):
-  """config with the model and tokenizer recorded by pipeline.pretrain_workdir, if any."""
+def _with_source_model(config, chosen: tuple[str, ...] = ()):
+  """config with the model and tokenizer recorded by pipeline.pretrain_workdir, if any (with
+  the `chosen` fields of config.model: the loop count set on the command line)."""
   source = cc.string(config, "pipeline.pretrain_workdir", allow_empty=True)
-  return model_record.with_recorded_model(config, source) if source else config
+  return model_record.with_recorded_model(config, source, chosen) if source else config
 
 
-def validate(config) -> None:
+def validate(config, chosen: tuple[str, ...] = ()) -> None:
   """The whole config, every stage's effective training config included; no compute."""
   cc.choice(config, "program", ("benice",))
-  config = _with_source_model(config)
+  config = _with_source_model(config, chosen)
   for stage in stages.STAGES:
     stages.validate_stage(config, stage)
   models = cc.get(config, "pipeline.models")
@@ -110,12 +111,12 @@ def validate(config) -> None:
       f"must be 0 or a multiple of data.eval_batch_size = {batch} that divides the decode "
       f"subset's {decode_batches * batch} rows",
     )
-  cc.integer(config, "eval.samples", min_value=0, max_value=num_eval_batches * batch)
+  num_samples = cc.integer(config, "eval.samples", min_value=0, max_value=num_eval_batches * batch)
   prompt = cc.integer(
     config, "eval.sample_prompt_tokens", min_value=1, max_value=config.data.seq_len
   )
   new = cc.integer(config, "eval.sample_new_tokens", min_value=1)
-  if prompt + new > config.model.max_seq_len:
+  if num_samples and prompt + new > config.model.max_seq_len:  # No samples: no length limit.
     cc.fail(
       "eval.sample_new_tokens",
       new,
@@ -196,6 +197,14 @@ def _evaluate(config, workdir: str, model: LoopedLM, abstract, stage_dirs: dict,
       "metrics_version": evaluation.METRICS_VERSION,
       "data": config.data.to_dict(),
     }
+    record = model_record.read(stage_dir)  # Evaluated at a loop count its record does not say?
+    chosen = {
+      f: config.model[f]
+      for f in model_record.READER_FIELDS
+      if record is not None and model_record.recorded_value(record, f) != config.model[f]
+    }
+    if chosen:
+      key["chosen"] = chosen
     key = json.loads(json.dumps(key))
     path = os.path.join(workdir, "eval", f"{name}.json")
     if os.path.exists(path):
@@ -251,10 +260,12 @@ def _evaluate(config, workdir: str, model: LoopedLM, abstract, stage_dirs: dict,
   return results, timings
 
 
-def run(config, workdir: str) -> dict:
-  """Runs (or skips) every stage, then writes and prints the report. Returns the report."""
+def run(config, workdir: str, chosen: tuple[str, ...] = ()) -> dict:
+  """Runs (or skips) every stage, then writes and prints the report. Returns the report.
+  chosen: config.model fields used instead of the reused pretraining run's record (its loop
+  count, set on the command line); post-training and evaluation then run at that count."""
   invocation_start = time.time()
-  config = _with_source_model(config)
+  config = _with_source_model(config, chosen)
   model = LoopedLM(model_lib.from_config(config.model))
   mesh = sharding.make_mesh(config)  # Training, evaluation and decode all run on it.
   rules = sharding.rules(config, mesh)

@@ -1,5 +1,6 @@
 """A checkpoint folder in the Hugging Face layout: config.json, weights in one
-`model.safetensors` or in shards listed by `model.safetensors.index.json`, and `tokenizer.json`.
+`model.safetensors` or in shards listed by `model.safetensors.index.json`, and `tokenizer.json`
+(with `tokenizer_config.json`, if present, naming its EOS).
 
 Reading is split so that every problem is found before any weight is loaded: `open_folder`
 reads the config and the index and checks that every shard exists; `tensor_shapes` reads only
@@ -21,6 +22,7 @@ CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 TOKENIZER = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"  # Its eos_token names the EOS (copied if present).
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,11 +2,13 @@
 
 validate(config) reads config.json, the shard index and every shard's header, and fails in one
 line, before any weight is read, on an unknown architecture (naming the supported ones), a
-variant the model cannot express, a missing shard or tensor, or a tensor whose shape does not
-match config.json (naming the tensor and both shapes). run(config, workdir) writes
-WORKDIR/model_config.json (the model and its tokenizer), WORKDIR/tokenizer.json and
-WORKDIR/checkpoints/0 (the params): a checkpoint directory that generation, the server and the
-BeNice! pipeline (`pipeline.pretrain_workdir`) read like a trainer's.
+variant the model cannot express, a missing shard or tensor, a tensor whose shape does not
+match config.json (naming the tensor and both shapes), or a tokenizer (with its EOS) that needs
+more ids than config.json's vocab_size. run(config, workdir) writes WORKDIR/model_config.json
+(the model and its tokenizer), WORKDIR/tokenizer.json (with the source's tokenizer_config.json,
+which names the EOS) and WORKDIR/checkpoints/0 (the params): a checkpoint directory that
+generation, the server and the BeNice! pipeline (`pipeline.pretrain_workdir`) read like a
+trainer's.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from absl import logging
 from looped import config_checks as cc
 from looped import convert
 from looped.convert import common, hf_folder
+from looped.data import tokenizers
 from looped.model import config as model_lib
 from looped.model.looped_lm import LoopedLM, init_params
 from looped.train import checkpointing, model_record
@@ -57,6 +60,14 @@ def _check(config) -> tuple[hf_folder.HFFolder, dict]:
   common.check_tensors(hf_folder.tensor_shapes(folder), expected, optional)
   if not folder.tokenizer_json:
     cc.fail("convert.source", source, f"it has no {hf_folder.TOKENIZER}")
+  tok = tokenizers.HuggingFaceTokenizer(folder.tokenizer_json)
+  if tok.vocab_size > fields["vocab_size"]:
+    cc.fail(
+      "convert.source",
+      source,
+      f"its {hf_folder.TOKENIZER} needs {tok.vocab_size} ids (EOS id {tok.eos_id}) but "
+      f"the model's vocab_size (from {hf_folder.CONFIG}) is {fields['vocab_size']}",
+    )
   return folder, fields
 
 
@@ -96,6 +107,9 @@ def run(config, workdir: str) -> dict:
   params = jax.tree.map(lambda x, a: np.asarray(x, a.dtype), params, abstract)
   os.makedirs(workdir, exist_ok=True)
   shutil.copyfile(folder.tokenizer_json, os.path.join(workdir, hf_folder.TOKENIZER))
+  tokenizer_config = os.path.join(folder.path, hf_folder.TOKENIZER_CONFIG)
+  if os.path.isfile(tokenizer_config):  # It names the EOS (HuggingFaceTokenizer).
+    shutil.copyfile(tokenizer_config, os.path.join(workdir, hf_folder.TOKENIZER_CONFIG))
   record = {
     "model": model_record.make(ml_collections.ConfigDict(fields), {})["model"],
     "data": dict(_TOKENIZER),

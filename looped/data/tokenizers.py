@@ -7,6 +7,7 @@ The tokenizers are small picklable objects (a SentencePiece model or a Hugging F
 from __future__ import annotations
 
 import functools
+import json
 import os
 
 import numpy as np
@@ -115,10 +116,19 @@ class SentencePieceTokenizer:
 
 class HuggingFaceTokenizer:
   """A Hugging Face `tokenizer.json` (the `tokenizers` package): what an imported checkpoint
-  brings (looped/convert). EOS: the first of _EOS_NAMES the vocabulary has (the end-of-text
-  token of the supported families first), else one past the vocabulary."""
+  brings (looped/convert). EOS: the `eos_token` of a `tokenizer_config.json` beside it, if the
+  vocabulary has it; else the first of _EOS_NAMES the vocabulary has (the end-of-text tokens
+  of the supported families first); else one past the vocabulary."""
 
-  _EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<|im_end|>", "<|end_turn|>")
+  CONFIG = "tokenizer_config.json"  # Beside tokenizer.json; its `eos_token` names the EOS.
+  _EOS_NAMES = (
+    "<|end_text|>",  # Huginn-0125's.
+    "<|end_of_text|>",
+    "<|endoftext|>",  # Ouro's.
+    "</s>",
+    "<|im_end|>",
+    "<|end_turn|>",
+  )
 
   def __init__(self, path: str):
     self.path = path
@@ -138,9 +148,22 @@ class HuggingFaceTokenizer:
       self._tokenizer = hf_tokenizers.Tokenizer.from_file(self.path)
     return self._tokenizer
 
+  def _configured_eos(self) -> tuple[str, ...]:
+    """The eos_token of tokenizer_config.json beside the tokenizer (a string, or a dict with
+    'content' as older files write it); () if there is none."""
+    path = os.path.join(os.path.dirname(os.path.abspath(self.path)), self.CONFIG)
+    try:
+      with open(path) as f:
+        eos = json.load(f).get("eos_token")
+    except (OSError, ValueError, AttributeError):
+      return ()
+    if isinstance(eos, dict):
+      eos = eos.get("content")
+    return (eos,) if isinstance(eos, str) and eos else ()
+
   @functools.cached_property
   def eos_id(self) -> int:
-    for name in self._EOS_NAMES:
+    for name in self._configured_eos() + self._EOS_NAMES:
       token_id = self.tokenizer.token_to_id(name)
       if token_id is not None:
         return int(token_id)

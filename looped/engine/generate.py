@@ -33,13 +33,14 @@ from looped.train import checkpointing, model_record
 
 
 def model_and_data(
-  config, checkpoint: str | None = None
+  config, checkpoint: str | None = None, chosen: tuple[str, ...] = ()
 ) -> tuple[ml_collections.ConfigDict, ml_collections.ConfigDict]:
   """`model` and `data` sections describing the checkpoint's model: those recorded beside it
   (model_config.json or a stage dir's stage_config.json), else config's (a directory written
-  before records existed); checkpoint defaults to gen.checkpoint."""
+  before records existed); checkpoint defaults to gen.checkpoint. chosen: the recorded fields
+  taken from config.model instead (model_record.READER_FIELDS set on the command line)."""
   return model_record.model_and_data(
-    config, config.gen.checkpoint if checkpoint is None else checkpoint
+    config, config.gen.checkpoint if checkpoint is None else checkpoint, chosen
   )
 
 
@@ -148,11 +149,11 @@ def model_source(config) -> str:
   return config.gen.checkpoint
 
 
-def validate(config) -> None:
+def validate(config, chosen: tuple[str, ...] = ()) -> None:
   """Checks every field before any compute; raises ConfigError naming the field."""
   cc.choice(config, "program", ("generate",))
   check_checkpoint(config, "gen")
-  model_cfg, data_cfg = model_and_data(config)
+  model_cfg, data_cfg = model_and_data(config, chosen=chosen)
   cfg, fmt = check_model_and_format(config, "gen", model_cfg)
   cc.boolean(config, "gen.share_kv")
   page_size = cc.integer(config, "gen.page_size", min_value=1)
@@ -225,9 +226,9 @@ def _stream(state) -> None:
   state.printed = len(state.text)
 
 
-def run(config, workdir: str) -> dict[str, Any]:
-  validate(config)
-  model_cfg, data_cfg = model_and_data(config)
+def run(config, workdir: str, chosen: tuple[str, ...] = ()) -> dict[str, Any]:
+  validate(config, chosen)
+  model_cfg, data_cfg = model_and_data(config, chosen=chosen)
   cfg = model_lib.from_config(model_cfg)
   model = LoopedLM(cfg)
   tokenizer = tokenizers.get(data_cfg)

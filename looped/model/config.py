@@ -156,6 +156,18 @@ def validate(config, prefix: str = "model") -> None:
     cc.fail(p + "head_dim", cc.get(config, p + "head_dim"), "must be even (RoPE rotates pairs)")
   for stage in STAGES:
     _check_mixers(config, f"{p}{stage}_mixers")
+  if cc.get(config, p + "qk_bias"):
+    for stage in STAGES:
+      pattern = tuple(cc.get(config, f"{p}{stage}_mixers"))
+      count = cc.get(config, f"{p}num_{stage}_layers")
+      others = sorted({pattern[i % len(pattern)] for i in range(count)} - {"gqa"})
+      if others:
+        cc.fail(
+          p + "qk_bias",
+          True,
+          f"biases GQA queries and keys, so every layer must be GQA, but {p}{stage}_mixers has "
+          f"{others[0]} layers",
+        )
   cc.integer(config, p + "mla_kv_rank", min_value=1)
   cc.integer(config, p + "mla_q_rank", min_value=0)
   cc.integer(config, p + "mla_rope_dim", min_value=2)

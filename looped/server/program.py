@@ -31,8 +31,8 @@ from looped.server.engine_loop import EngineLoop
 from looped.server.metrics import Metrics
 
 
-def _model(config) -> tuple[ml_collections.ConfigDict, ml_collections.ConfigDict]:
-  return generate.model_and_data(config, config.serve.checkpoint)
+def _model(config, chosen=()) -> tuple[ml_collections.ConfigDict, ml_collections.ConfigDict]:
+  return generate.model_and_data(config, config.serve.checkpoint, chosen)
 
 
 def model_source(config) -> str:
@@ -54,14 +54,15 @@ def _buckets(config, field: str, reach: int | None) -> tuple[int, ...]:
   return tuple(sorted(value))
 
 
-def validate(config) -> None:
-  """Checks every field before any compute; raises ConfigError naming the field."""
+def validate(config, chosen: tuple[str, ...] = ()) -> None:
+  """Checks every field before any compute; raises ConfigError naming the field. chosen: the
+  recorded model fields the command line chose (looped.programs)."""
   cc.choice(config, "program", ("server",))
   generate.check_checkpoint(config, "serve")
   cc.string(config, "serve.model_name", allow_empty=True)
   cc.string(config, "serve.host")
   cc.integer(config, "serve.port", min_value=0, max_value=65535)
-  model_cfg, data_cfg = _model(config)
+  model_cfg, data_cfg = _model(config, chosen)
   cfg, fmt = generate.check_model_and_format(config, "serve", model_cfg)
   tokenizers.get(data_cfg)
   share = cc.boolean(config, "serve.share_kv")
@@ -87,10 +88,10 @@ def validate(config) -> None:
     )
 
 
-def build(config) -> tuple[Any, EngineLoop]:
+def build(config, chosen: tuple[str, ...] = ()) -> tuple[Any, EngineLoop]:
   """The app and its (started) engine loop for a validated config."""
   s = config.serve
-  model_cfg, data_cfg = _model(config)
+  model_cfg, data_cfg = _model(config, chosen)
   cfg = model_lib.from_config(model_cfg)
   model = LoopedLM(cfg)
   tokenizer = tokenizers.get(data_cfg)
@@ -155,12 +156,12 @@ async def _serve(server, sock: socket.socket, on_started) -> None:
   await task
 
 
-def run(config, workdir: str) -> dict[str, Any]:
+def run(config, workdir: str, chosen: tuple[str, ...] = ()) -> dict[str, Any]:
   import uvicorn  # Lazy: validation alone does not import the HTTP stack.
 
-  validate(config)
+  validate(config, chosen)
   s = config.serve
-  app, loop = build(config)
+  app, loop = build(config, chosen)
   sock = bind(s.host, s.port)
   host, port = sock.getsockname()[:2]
   url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"

@@ -9,7 +9,11 @@ is refused naming the field and both values. The trainer writes the record (atom
 its first checkpoint and refuses to resume a workdir recorded with another model. A directory
 without a record (written before records existed) is read with the config's model, as before.
 
-EXECUTION_FIELDS say how to compute, not what: they always come from the config.
+EXECUTION_FIELDS say how to compute, not what: they always come from the config. READER_FIELDS
+(the loop count R: a looped model's params do not depend on it) are the record's unless the
+reader chooses them: generation, the server and the pipeline's reused pretraining run accept a
+command-line `--config.model.num_recurrences` (`chosen`). The trainer resuming a workdir still
+refuses any model field, R included, that disagrees with the record.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ EXECUTION_FIELDS = (
   "kda_chunk_size",
   "dtype",
 )
+# Fields a reader of a checkpoint may choose (the record's value otherwise); not when resuming.
+READER_FIELDS = ("num_recurrences",)
 TOKENIZER_FIELDS = ("tokenizer", "spm_path", "tokenizer_json")
 # Paths a record may hold relative to its directory (a converted checkpoint's tokenizer.json).
 _PATH_FIELDS = ("spm_path", "tokenizer_json")
@@ -119,18 +125,25 @@ def _show(value) -> str:
   return repr(tuple(value) if isinstance(value, list) else value)
 
 
+def chosen_fields(overrides) -> tuple[str, ...]:
+  """The READER_FIELDS among command-line overrides (field paths such as 'model.num_recurrences'):
+  what a program reading a recorded checkpoint takes from config.model instead of the record."""
+  given = set(overrides or ())
+  return tuple(f for f in READER_FIELDS if f"model.{f}" in given)
+
+
 def model_and_data(
-  config, directory: str
+  config, directory: str, chosen: tuple[str, ...] = ()
 ) -> tuple[ml_collections.ConfigDict, ml_collections.ConfigDict]:
   """(model, data) describing the checkpoint in `directory`: the record's model with the
-  config's EXECUTION_FIELDS, and the config's data with the record's tokenizer fields; the
-  config's own sections when there is no record."""
+  config's EXECUTION_FIELDS and `chosen` READER_FIELDS, and the config's data with the record's
+  tokenizer fields; the config's own sections when there is no record."""
   record = read(directory) if directory and os.path.isdir(directory) else None
   if record is None:
     return config.model, config.data
   model = {k: recorded_value(record, k) for k in sorted(set(record["model"]) | set(_DEFAULTS))}
   model = {k: tuple(v) if isinstance(v, list) else v for k, v in model.items()}
-  for field in EXECUTION_FIELDS:
+  for field in EXECUTION_FIELDS + tuple(f for f in chosen if f in READER_FIELDS):
     if field in config.model.keys():
       model[field] = config.model[field]
   data = config.data.to_dict()
@@ -140,9 +153,12 @@ def model_and_data(
   return ml_collections.ConfigDict(model), ml_collections.ConfigDict(data)
 
 
-def with_recorded_model(config, directory: str) -> ml_collections.ConfigDict:
-  """A copy of `config` whose model and tokenizer are those recorded in `directory`."""
-  model, data = model_and_data(config, directory)
+def with_recorded_model(
+  config, directory: str, chosen: tuple[str, ...] = ()
+) -> ml_collections.ConfigDict:
+  """A copy of `config` whose model and tokenizer are those recorded in `directory` (with the
+  config's `chosen` READER_FIELDS)."""
+  model, data = model_and_data(config, directory, chosen)
   out = ml_collections.ConfigDict(config.to_dict())
   out.model = model
   out.data = data
@@ -151,13 +167,15 @@ def with_recorded_model(config, directory: str) -> ml_collections.ConfigDict:
 
 def check_overrides(directory: str, config, overrides) -> None:
   """ConfigError for a command-line override of a model or tokenizer field (`overrides`: the
-  overridden field paths, e.g. 'model.d_model') whose value disagrees with the record."""
+  overridden field paths, e.g. 'model.d_model') whose value disagrees with the record;
+  READER_FIELDS may disagree (the reader's choice)."""
   record = read(directory) if directory and os.path.isdir(directory) else None
   if record is None or not overrides:
     return
   for path in sorted(overrides):
     section, _, field = path.partition(".")
-    if section == "model" and field and field not in EXECUTION_FIELDS and "." not in field:
+    skip = EXECUTION_FIELDS + READER_FIELDS
+    if section == "model" and field and field not in skip and "." not in field:
       recorded = recorded_value(record, field)
     elif section == "data" and field in TOKENIZER_FIELDS:
       recorded = record["data"].get(field, "bytes" if field == "tokenizer" else "")
