@@ -12,8 +12,9 @@ Args: `smoke` (the model of configs/pretrain.py:smoke, for its trainer workdirs;
 A checkpoint directory records its model and tokenizer (model_config.json beside the
 checkpoints of a trainer workdir or a converted model, stage_config.json in a pipeline stage
 dir); they are used whatever `model` and `data` say here, and a `--config.model.*` flag that
-disagrees with the record fails naming the field. Only a workdir written before records
-existed needs `model` and `data` to describe it (`:smoke` for configs/pretrain.py:smoke).
+disagrees with the record fails naming the field, except `--config.model.num_recurrences`: the
+loop count to run the recorded model at (docs/convert.md). Only a workdir written before
+records existed needs `model` and `data` to describe it (`:smoke` for configs/pretrain.py:smoke).
 """
 
 import ml_collections
