@@ -25,6 +25,19 @@ def field(hf: dict, name: str, kind: type, *, alias: str | None = None, default=
   return value
 
 
+def widths(s: dict) -> dict:
+  """LoopedLM width fields from a family's sizes (V, D, N, K, H, F); both use SwiGLU MLPs."""
+  return {
+    "vocab_size": s["V"],
+    "d_model": s["D"],
+    "num_heads": s["N"],
+    "num_kv_heads": s["K"],
+    "head_dim": s["H"],
+    "mlp_dim": s["F"],
+    "mlp_type": "swiglu",
+  }
+
+
 def check_tensors(shapes: dict, expected: dict, optional: tuple[str, ...]) -> None:
   """ConfigError naming the first tensor that is missing, unexpected, or whose shape differs
   from the one config.json implies (tensor, expected and found shape)."""

@@ -71,13 +71,7 @@ def model_config(hf: dict) -> dict:
     common.unsupported("n_embd", s["D"], "gives an odd head width (RoPE rotates pairs)")
   zero = hf.get("state_init", "like-init") == "zero"
   return {
-    "vocab_size": s["V"],
-    "d_model": s["D"],
-    "num_heads": s["N"],
-    "num_kv_heads": s["K"],
-    "head_dim": s["H"],
-    "mlp_dim": s["F"],
-    "mlp_type": "swiglu",
+    **common.widths(s),
     "num_prelude_layers": s["P"],
     "num_core_layers": s["B"],
     "num_coda_layers": s["C"],

@@ -69,13 +69,7 @@ def model_config(hf: dict) -> dict:
   if s["H"] % 2:
     common.unsupported("head_dim", s["H"], "must be even (RoPE rotates pairs)")
   return {
-    "vocab_size": s["V"],
-    "d_model": s["D"],
-    "num_heads": s["N"],
-    "num_kv_heads": s["K"],
-    "head_dim": s["H"],
-    "mlp_dim": s["F"],
-    "mlp_type": "swiglu",
+    **common.widths(s),
     "num_prelude_layers": 0,
     "num_core_layers": s["L"],
     "num_coda_layers": 0,
