@@ -35,6 +35,15 @@ point() {  # point SEED NAME [flags...]: BeNice! alone, from base_s<SEED>'s pret
     --config.pipeline.models='("benice",)' "$@"
 }
 
+long() {  # long SEED NAME N [flags...]: both arms at N post-training steps, base's pretraining
+  local seed=$1 name=$2 n=$3
+  shift 3
+  pipeline "$name" "$seed" "$VARIANT" "${EVAL[@]}" \
+    --config.pipeline.pretrain_workdir="$R/base_s$seed/pretrain" \
+    --config.post.train.num_steps="$n" --config.post.train.checkpoint_every="$n" \
+    --config.post.train.eval_every="$n" "$@"
+}
+
 for seed in $SEEDS; do
   for p in $POINTS; do
     case $p in
@@ -42,11 +51,9 @@ for seed in $SEEDS; do
         --config.pipeline.models='("zero_shot", "finetune")' ;;
       default) point "$seed" "$p" ;;
       steps*)  # Both arms at N post-training steps (cosine schedule over N), same data order.
-        n=${p#steps}
-        pipeline "$p" "$seed" "$VARIANT" "${EVAL[@]}" \
-          --config.pipeline.pretrain_workdir="$R/base_s$seed/pretrain" \
-          --config.post.train.num_steps="$n" --config.post.train.checkpoint_every="$n" \
-          --config.post.train.eval_every="$n" ;;
+        long "$seed" "$p" "${p#steps}" ;;
+      distill1_steps*)  # steps<N> with distillation in BeNice!'s arm.
+        long "$seed" "$p" "${p#distill1_steps}" --config.benice.distill_weight=1.0 ;;
       kv0) point "$seed" "$p" --config.benice.kv_passes=0 ;;
       distill1) point "$seed" "$p" --config.benice.distill_weight=1.0 ;;
       distill1_noce) point "$seed" "$p" --config.benice.distill_weight=1.0 \
