@@ -214,6 +214,19 @@ def run(config, workdir: str, overrides=()):
   return _run_validated(validate(config, workdir, overrides), config, workdir, overrides)
 
 
+def _recorded_model(module, config, chosen) -> tuple[str, object] | None:
+  """(record path, model section) that a module reading a recorded model runs, or None when it
+  reads none (no model_source, or a directory without a record)."""
+  source = getattr(module, "model_source", None)
+  directory = source(config) if source is not None else None
+  if not isinstance(directory, str) or not os.path.isdir(directory):
+    return None
+  record = model_record.read(directory)
+  if record is None:
+    return None
+  return record["path"], model_record.model_and_data(config, directory, chosen)[0]
+
+
 def _run_validated(module, config, workdir: str, overrides=(), cpu_devices: int | None = None):
   """Runs the program; logs start once the workdir is taken, so that a busy one fails in one
   line."""
@@ -225,6 +238,11 @@ def _run_validated(module, config, workdir: str, overrides=(), cpu_devices: int 
         "CPU backend: %d devices (mesh.cpu_devices = %s)", cpu_devices, config.mesh.cpu_devices
       )
     logging.info("Config (validated):\n%s", config)
+    recorded = _recorded_model(module, config, kwargs.get("chosen", ()))
+    if recorded is not None:
+      logging.info(
+        "Model (recorded in %s; it runs, not the config's model section):\n%s", *recorded
+      )
     return module.run(config, workdir, **kwargs)
 
   if jax.process_index() != 0:  # One lock per run, not per host of a multi-host run.

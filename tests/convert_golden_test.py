@@ -60,14 +60,27 @@ def decode(model: LoopedLM, params, tokens_BxT, states_BxTxD=None):
   return jnp.concatenate(out, axis=1)
 
 
-class HuginnGoldenTest(absltest.TestCase):
+def transposed_query(params):
+  """params with the core's first query projection used without its transpose (a torch Linear
+  weight copied as is)."""
+  params = jax.tree.map(lambda x: x, params)
+  query = params["params"]["recurrence"]["layer_0"]["attn"]["query"]
+  d, n, h = query["kernel"].shape
+  query["kernel"] = query["kernel"].reshape(d, n * h).T.reshape(d, n, h)
+  return params
+
+
+class _ConvertedTest(absltest.TestCase):
+  """One converted tiny model per class: cfg, params, golden and its input ids."""
+
+  SOURCE = ""  # tests/testdata/<SOURCE>.
+
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
     cls._tmp = tempfile.TemporaryDirectory()
-    cls.cfg, cls.params, cls.golden = convert("huginn_tiny", os.path.join(cls._tmp.name, "w"))
+    cls.cfg, cls.params, cls.golden = convert(cls.SOURCE, os.path.join(cls._tmp.name, "w"))
     cls.ids = jnp.asarray(cls.golden["input_ids"])
-    cls.state0 = jnp.asarray(cls.golden["state0"])
 
   @classmethod
   def tearDownClass(cls):
@@ -76,6 +89,15 @@ class HuginnGoldenTest(absltest.TestCase):
 
   def _model(self, r: int, **fields) -> LoopedLM:
     return LoopedLM(dataclasses.replace(self.cfg, num_recurrences=r, **fields))
+
+
+class HuginnGoldenTest(_ConvertedTest):
+  SOURCE = "huginn_tiny"
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.state0 = jnp.asarray(cls.golden["state0"])
 
   def _forward(self, model, params, init: str):
     if init == "zero":
@@ -115,12 +137,9 @@ class HuginnGoldenTest(absltest.TestCase):
 
   def test_a_transposed_weight_or_a_skipped_norm_fails_the_match(self):
     golden = self.golden["logits_state0_r4"]
-    # A torch Linear weight used without its transpose: the core's first query projection.
-    params = jax.tree.map(lambda x: x, self.params)
-    query = params["params"]["recurrence"]["layer_0"]["attn"]["query"]
-    d, n, h = query["kernel"].shape
-    query["kernel"] = query["kernel"].reshape(d, n * h).T.reshape(d, n, h)
-    err = relative_error(self._forward(self._model(4), params, "state0"), golden)
+    err = relative_error(
+      self._forward(self._model(4), transposed_query(self.params), "state0"), golden
+    )
     self.assertGreater(err, 100 * TOLERANCE)
     # Huginn's ln_f on h_R before the coda skipped.
     skipped = self._model(4, core_out_norm="none")
@@ -128,21 +147,8 @@ class HuginnGoldenTest(absltest.TestCase):
     self.assertGreater(err, 100 * TOLERANCE)
 
 
-class OuroGoldenTest(absltest.TestCase):
-  @classmethod
-  def setUpClass(cls):
-    super().setUpClass()
-    cls._tmp = tempfile.TemporaryDirectory()
-    cls.cfg, cls.params, cls.golden = convert("ouro_tiny", os.path.join(cls._tmp.name, "w"))
-    cls.ids = jnp.asarray(cls.golden["input_ids"])
-
-  @classmethod
-  def tearDownClass(cls):
-    cls._tmp.cleanup()
-    super().tearDownClass()
-
-  def _model(self, r: int, **fields) -> LoopedLM:
-    return LoopedLM(dataclasses.replace(self.cfg, num_recurrences=r, **fields))
+class OuroGoldenTest(_ConvertedTest):
+  SOURCE = "ouro_tiny"
 
   def test_parallel_forward_and_every_recurrence_match_golden(self):
     for r in (2, 4):
@@ -168,12 +174,9 @@ class OuroGoldenTest(absltest.TestCase):
 
   def test_a_transposed_weight_or_a_skipped_norm_fails_the_match(self):
     golden = self.golden["logits_r4"]
-    params = jax.tree.map(lambda x: x, self.params)
-    query = params["params"]["recurrence"]["layer_0"]["attn"]["query"]
-    d, n, h = query["kernel"].shape
-    query["kernel"] = query["kernel"].reshape(d, n * h).T.reshape(d, n, h)
     forward = lambda m, p: jax.jit(m.apply)(p, self.ids)[0]
-    self.assertGreater(relative_error(forward(self._model(4), params), golden), 100 * TOLERANCE)
+    transposed = forward(self._model(4), transposed_query(self.params))
+    self.assertGreater(relative_error(transposed, golden), 100 * TOLERANCE)
     # The sandwich's output norms skipped (a pre-norm block).
     skipped = self._model(4, block_norm="pre")
     pruned = jax.tree.map(lambda x: x, self.params)

@@ -102,7 +102,13 @@ class ModelRecordTest(absltest.TestCase):
     # at R = 2; the same field set without being an override is the record's (R = 4).
     config = _new_user_gen_config(self.train_dir, **{"model.num_recurrences": 2})
     self.assertEqual(generate.model_and_data(config)[0].num_recurrences, 4)
-    result = programs.run(config, os.path.join(self.tmp, "gen2"), ("model.num_recurrences",))
+    with self.assertLogs(level="INFO") as logs:
+      result = programs.run(config, os.path.join(self.tmp, "gen2"), ("model.num_recurrences",))
+    # The log shows the model that runs (recorded, at the chosen R), not the config's section.
+    (shown,) = [r.getMessage() for r in logs.records if r.getMessage().startswith("Model (")]
+    self.assertIn(os.path.join(self.train_dir, model_record.FILENAME), shown)
+    self.assertRegex(shown, r"\nd_model: 64\n")
+    self.assertRegex(shown, r"\nnum_recurrences: 2\n")
     generated = result["generations"][0].tokens
     tokens = jnp.asarray([[100, 101, 102] + list(generated)])  # 'def' + the output.
     params = testing.saved_params(self.train_config.model, self.train_dir)
@@ -118,6 +124,7 @@ class ModelRecordTest(absltest.TestCase):
     old = self._old_workdir()
     config = _new_user_gen_config(old)
     self.assertEqual(generate.model_and_data(config)[0].d_model, 128)  # The config's model.
+    self.assertIsNone(programs._recorded_model(generate, config, ()))  # Nothing else to log.
     # As before, `:smoke` (with the run's max_seq_len) describes it, and it generates.
     config = generate_config.get_config("smoke")
     config.model.max_seq_len = 32
