@@ -9,9 +9,10 @@ Each stage is the trainer's own jitted step (`trainer.make_train_step`, donated 
 stage's config (`looped.benice.stages.stage_config`): pretraining with its depth sampler,
 standard finetuning and BeNice! with the configured objective, on the CPU devices the main
 command uses (mesh.cpu_devices). The limit is the median throughput of float32 matmuls of
---matmul_size, one per device at once, measured in the same rounds, so load that changes
-during the run hits every row alike. FLOPs are the matmuls the step executes
-(looped.model.flops: every recurrence, masked or not; the full T x T scores).
+--matmul_size, one per device at once (benchmarks/matmul_limit.py: warmed up, timed call by
+call), measured in the same rounds, so load that changes during the run hits every row alike.
+FLOPs are the matmuls the step executes (looped.model.flops: every recurrence, masked or not;
+the full T x T scores).
 Prints a Markdown table and writes JSON.
 """
 
@@ -23,7 +24,7 @@ import statistics
 import time
 
 import jax
-import jax.numpy as jnp
+import matmul_limit
 import numpy as np
 from absl import app, flags
 
@@ -75,14 +76,8 @@ def main(argv):
   rules = sharding.rules(config, mesh)
   b, t = config.data.batch_size, config.data.seq_len
   tokens = np.asarray(jax.random.randint(jax.random.PRNGKey(0), (b, t + 1), 0, 256))
-  # The limit: one n x n x n float32 matmul per device at once, split like the batch.
-  n, devices = _MATMUL.value, jax.device_count()
-  x = jax.random.normal(jax.random.PRNGKey(1), (devices, n, n), jnp.float32)
-  x = jax.device_put(
-    x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
-  )
-  matmul = jax.jit(lambda a, b: a @ b)
-  jax.block_until_ready(matmul(x, x))
+  matmul = matmul_limit.MatmulLimit(mesh, _MATMUL.value)
+  n, devices = _MATMUL.value, matmul.devices
   steps, states, compile_s, per_token = {}, {}, {}, {}
   with sharding.context(mesh, rules):
     batch = sharding.global_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, mesh)
@@ -92,19 +87,15 @@ def main(argv):
       )
       states[stage], metrics = steps[stage](states[stage], None, batch)  # Warmup.
       jax.block_until_ready(metrics["loss"])
-    times = {name: [] for name in (*stages.STAGES, "matmul")}
+    times = {name: [] for name in stages.STAGES}
     for _ in range(_ROUNDS.value):
       for stage in stages.STAGES:
         t0 = time.perf_counter()
         states[stage], metrics = steps[stage](states[stage], None, batch)
         jax.block_until_ready(metrics["loss"])
         times[stage].append(time.perf_counter() - t0)
-      t0 = time.perf_counter()
-      for _ in range(3):
-        y = matmul(x, x)
-      jax.block_until_ready(y)
-      times["matmul"].append((time.perf_counter() - t0) / 3)
-  limit = devices * 2 * n**3 / statistics.median(times["matmul"])
+      matmul.measure(repeats=5, warmup=5)
+  limit = matmul.flops_per_s()
   rows = []
   for stage in stages.STAGES:
     step_s = statistics.median(times[stage])

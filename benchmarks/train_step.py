@@ -27,6 +27,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import matmul_limit
 import numpy as np
 from absl import app, flags
 
@@ -204,7 +205,9 @@ def _bench_variants(config) -> list[dict]:
       jax.block_until_ready(loss)
       times[name].append(time.perf_counter() - t0)
       losses[name] = float(loss)
-  limit = _matmul_limit()
+  matmul = matmul_limit.MatmulLimit()
+  matmul.measure(repeats=10)
+  limit = matmul.flops_per_s()
   rows = []
   for name, (_, params, _, batch, compile_s, peak_bytes, cfg) in built.items():
     b, t = batch["inputs"].shape
@@ -226,19 +229,6 @@ def _bench_variants(config) -> list[dict]:
       row["mfu"] = step_flops / step_s / (_PEAK.value * 1e12)
     rows.append(row)
   return rows, limit
-
-
-def _matmul_limit(n: int = 1024, repeats: int = 10) -> float:
-  """FLOP/s of an n^3 float32 matmul on the default device (median): the throughput limit."""
-  x = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
-  f = jax.jit(lambda a: a @ a)
-  jax.block_until_ready(f(x))
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(x))
-    times.append(time.perf_counter() - t0)
-  return 2 * n**3 / statistics.median(times)
 
 
 def main(argv):
