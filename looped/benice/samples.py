@@ -35,16 +35,24 @@ def prompts(eval_batches: list[dict], num: int, prompt_tokens: int) -> list[tupl
 def generate(model: LoopedLM, params, prompt_ids, new_tokens: int, decode) -> list[dict]:
   """Per prompt: its text and the greedy continuations (text and ids) of both layouts."""
   out = [{"prompt": decode(p)} for p in prompt_ids]
-  length = max(len(p) for p in prompt_ids) + new_tokens
+  n, prompt = len(prompt_ids), max(len(p) for p in prompt_ids)
+  length = prompt + new_tokens
+  pages = -(-length // PAGE_SIZE)
   for layout in ("unshared", "shared"):
+    # Every prompt prefills in one step and every step pads to all rows and the whole table:
+    # two shapes to compile per layout (prefill, decode) instead of one per power of two.
     engine = Engine(
       model,
       params,
       share_kv=layout == "shared",
-      num_pages=len(prompt_ids) * -(-length // PAGE_SIZE),
+      num_pages=n * pages,
       page_size=PAGE_SIZE,
-      max_num_seqs=len(prompt_ids),
+      max_num_seqs=n,
+      max_num_batched_tokens=n * prompt,
       max_model_len=length,
+      row_buckets=(n,),
+      token_buckets=(1, prompt, n * prompt),
+      column_buckets=(pages,),
       decode=decode,
     )
     requests = [
