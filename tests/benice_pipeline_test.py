@@ -1,6 +1,7 @@
 """The BeNice! program: config validation, the smoke pipeline end to end, rerun and reuse."""
 
 import contextlib
+import hashlib
 import io
 import json
 import math
@@ -101,6 +102,58 @@ class StageConfigTest(testing.TempDirTestCase):
     m = stage_cfg.model
     m.scan_unroll, m.scan_recurrences, m.remat, m.attention_impl = 3, False, "full", "pallas"
     stages.begin(stage_dir, stage_cfg)
+
+  def test_stage_recorded_with_how_to_compute_fields_resumes(self):
+    # Records written before those fields were ignored hold them (e.g. the old scan_unroll 1).
+    stage_dir = os.path.join(self.tmp, "pretrain")
+    stage_cfg = stages.stage_config(benice_config.get_config("smoke"), stages.PRETRAIN)
+    stages.begin(stage_dir, stage_cfg)
+    path = os.path.join(stage_dir, "stage_config.json")
+    with open(path) as f:
+      recorded = json.load(f)
+    recorded["model"].update(scan_unroll=1, remat="none", attention_impl="xla")
+    with open(path, "w") as f:
+      json.dump(recorded, f)
+    stages.begin(stage_dir, stage_cfg)
+    stage_cfg.model.qk_norm = not stage_cfg.model.qk_norm  # What is computed still counts.
+    with self.assertRaisesRegex(config_checks.ConfigError, r"model.qk_norm: True -> False"):
+      stages.begin(stage_dir, stage_cfg)
+
+  def test_parent_recorded_under_an_older_digest_is_the_same_parent(self):
+    # A post-training stage recorded its parent's digest over the pretraining's record as then
+    # written (with scan_unroll); today's digest strips it. Both name the same parent.
+    config = benice_config.get_config("smoke")
+    pretrain_dir = os.path.join(self.tmp, "pretrain")
+    stages.begin(pretrain_dir, stages.stage_config(config, stages.PRETRAIN))
+    path = os.path.join(pretrain_dir, "stage_config.json")
+    with open(path) as f:
+      recorded = json.load(f)
+    recorded["model"]["scan_unroll"] = 1
+    with open(path, "w") as f:
+      json.dump(recorded, f)
+    parent = stages.pretrain_parent(config, pretrain_dir)
+    old_digest = hashlib.sha256(json.dumps(recorded, sort_keys=True).encode()).hexdigest()[:16]
+    self.assertNotEqual(old_digest, parent["fingerprint"])
+    finetune_dir = os.path.join(self.tmp, "finetune")
+    stages.begin(finetune_dir, stages.stage_config(config, stages.FINETUNE), parent)
+    child = os.path.join(finetune_dir, "stage_config.json")
+    with open(child) as f:
+      record = json.load(f)
+    record["parent"]["fingerprint"] = old_digest
+    with open(child, "w") as f:
+      json.dump(record, f)
+    stages.check_parent(stages.FINETUNE, finetune_dir, parent)
+    # Another digest, or another step, is another parent.
+    record["parent"]["fingerprint"] = "0" * 16
+    with open(child, "w") as f:
+      json.dump(record, f)
+    with self.assertRaisesRegex(config_checks.ConfigError, "was trained from"):
+      stages.check_parent(stages.FINETUNE, finetune_dir, parent)
+    record["parent"].update(fingerprint=old_digest, step=parent["step"] + 1)
+    with open(child, "w") as f:
+      json.dump(record, f)
+    with self.assertRaisesRegex(config_checks.ConfigError, "was trained from"):
+      stages.check_parent(stages.FINETUNE, finetune_dir, parent)
 
   def test_changed_field_is_refused(self):
     stage_dir = os.path.join(self.tmp, "pretrain")

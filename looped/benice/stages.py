@@ -89,15 +89,37 @@ _PLACEMENT = ("mesh", "mesh_rules")
 _SAME_MATH = ("scan_recurrences", "scan_unroll", "remat", "attention_impl")
 
 
-def _fingerprint(stage_cfg) -> dict:
-  d = json.loads(json.dumps(stage_cfg.to_dict()))
+def _strip(d: dict) -> dict:
+  """A recorded stage config without what may change on resume. Records written before a field
+  joined these lists still hold it, so a record is stripped too before it is compared."""
   for name in _PLACEMENT:  # The same stage on another mesh (a checkpoint restores on any).
     d.pop(name, None)
   for name in _SAME_MATH:
-    d["model"].pop(name, None)
+    d.get("model", {}).pop(name, None)
   for name in _CADENCE:
-    d["train"].pop(name, None)
+    d.get("train", {}).pop(name, None)
   return d
+
+
+def _fingerprint(stage_cfg) -> dict:
+  return _strip(json.loads(json.dumps(stage_cfg.to_dict())))
+
+
+def _digest(fingerprint: dict) -> str:
+  return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _recorded_digests(stage_dir: str) -> set[str]:
+  """Digests a stage's recorded config has had: stripped (today's) and as written (what a
+  child recorded as its parent before the stripped lists grew)."""
+  path = os.path.join(stage_dir, "stage_config.json")
+  if not os.path.exists(path):
+    return set()
+  with open(path) as f:
+    recorded = json.load(f)
+  recorded.pop("parent", None)
+  as_written = _digest(recorded)
+  return {as_written, _digest(_strip(recorded))}
 
 
 # A model field added to looped after a stage was recorded is absent from its stage_config.json;
@@ -131,8 +153,7 @@ def _differences(old, new, prefix="") -> list[str]:
 
 def fingerprint_hash(stage_cfg) -> str:
   """Short hash of a stage's effective config (cadence fields excluded)."""
-  text = json.dumps(_fingerprint(stage_cfg), sort_keys=True)
-  return hashlib.sha256(text.encode()).hexdigest()[:16]
+  return _digest(_fingerprint(stage_cfg))
 
 
 def pretrain_parent(config, pretrain_dir: str) -> dict:
@@ -146,7 +167,7 @@ def pretrain_parent(config, pretrain_dir: str) -> dict:
     with open(recorded) as f:
       fingerprint = json.load(f)
     fingerprint.pop("parent", None)
-    digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
+    digest = _digest(_strip(fingerprint))
     step = latest_step(pretrain_dir)
   else:
     digest = fingerprint_hash(stage_config(config, PRETRAIN))
@@ -172,6 +193,9 @@ def check_parent(stage: str, stage_dir: str, parent: dict) -> None:
   old = recorded_parent(stage_dir)
   if old is None or old == parent:
     return
+  same_but_digest = all(old.get(k) == v for k, v in parent.items() if k != "fingerprint")
+  if same_but_digest and old.get("fingerprint") in _recorded_digests(parent["workdir"]):
+    return  # Recorded before the stripped fields grew: the same parent.
   what = lambda p: f"{p['stage']} step {p['step']} (config {p['fingerprint']}, {p['workdir']})"
   raise cc.ConfigError(
     f"{stage_dir} ({stage}) was trained from {what(old)}, but this run's parent is "
@@ -190,7 +214,7 @@ def begin(stage_dir: str, stage_cfg, parent: dict | None = None) -> None:
     old_parent = recorded.pop("parent", None)
     if parent is not None and old_parent is not None:
       check_parent(os.path.basename(stage_dir), stage_dir, parent)
-    changed = _differences(recorded, current)
+    changed = _differences(_strip(recorded), current)
     if changed:
       raise cc.ConfigError(
         f"{stage_dir} was started with a different config ({'; '.join(changed)}). "
