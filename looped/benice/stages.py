@@ -109,15 +109,23 @@ def _digest(fingerprint: dict) -> str:
   return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _recorded_digests(stage_dir: str) -> set[str]:
-  """Digests a stage's recorded config has had: stripped (today's) and as written (what a
-  child recorded as its parent before the stripped lists grew)."""
+def _recorded(stage_dir: str) -> dict | None:
+  """A stage's stage_config.json without its parent, as written; None if it has none."""
   path = os.path.join(stage_dir, "stage_config.json")
   if not os.path.exists(path):
-    return set()
+    return None
   with open(path) as f:
     recorded = json.load(f)
   recorded.pop("parent", None)
+  return recorded
+
+
+def _recorded_digests(stage_dir: str) -> set[str]:
+  """Digests a stage's recorded config has had: stripped (today's) and as written (what a
+  child recorded as its parent before the stripped lists grew)."""
+  recorded = _recorded(stage_dir)
+  if recorded is None:
+    return set()
   as_written = _digest(recorded)
   return {as_written, _digest(_strip(recorded))}
 
@@ -162,12 +170,9 @@ def pretrain_parent(config, pretrain_dir: str) -> dict:
   A reused pretraining run (pipeline.pretrain_workdir) is described by its own recorded config
   and latest checkpoint; this run's pretraining by its config and train.num_steps.
   """
-  recorded = os.path.join(pretrain_dir, "stage_config.json")
-  if config.pipeline.pretrain_workdir and os.path.exists(recorded):
-    with open(recorded) as f:
-      fingerprint = json.load(f)
-    fingerprint.pop("parent", None)
-    digest = _digest(_strip(fingerprint))
+  recorded = _recorded(pretrain_dir) if config.pipeline.pretrain_workdir else None
+  if recorded is not None:
+    digest = _digest(_strip(recorded))
     step = latest_step(pretrain_dir)
   else:
     digest = fingerprint_hash(stage_config(config, PRETRAIN))
