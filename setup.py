@@ -9,7 +9,7 @@ setuptools.setup(
   packages=setuptools.find_packages(
     include=["looped", "looped.*", "configs", "pallas_kernels", "pallas_kernels.*"]
   ),
-  package_data={"looped.serving": ["traces_data/*.jsonl", "traces_data/*.md"]},
+  package_data={"looped.sim": ["traces_data/*.jsonl", "traces_data/*.md"]},
   python_requires=">=3.10",
   install_requires=[
     "jax>=0.6",

@@ -52,7 +52,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from configs import pretrain  # noqa: E402
-from looped.engine import paged_cache  # noqa: E402
+from looped.engine import padding, paged_cache  # noqa: E402
 from looped.engine.engine import Engine, pages_for_budget  # noqa: E402
 from looped.engine.executor import ModelExecutor, powers_of_two  # noqa: E402
 from looped.engine.requests import GenRequest  # noqa: E402
@@ -60,16 +60,8 @@ from looped.engine.sampling import SamplingParams  # noqa: E402
 from looped.model import config as model_lib  # noqa: E402
 from looped.model import init_params  # noqa: E402
 from looped.model.looped_lm import LoopedLM  # noqa: E402
-from looped.serving import (  # noqa: E402
-  cost_model,
-  engine_cost,
-  hardware,
-  padding,
-  pages,
-  replay,
-  scheduler,
-  shape,
-)
+from looped.scheduler import pages, replay, scheduler  # noqa: E402
+from looped.sim import cost_model, engine_cost, hardware, shape  # noqa: E402
 
 PAGE = 16
 LAYOUTS = {"unshared": (False, None), "shared": (True, None), "unshared_fp8": (False, "fp8")}

@@ -30,7 +30,7 @@ from absl import app, flags
 
 from configs import benice as benice_config
 from looped import model as model_lib
-from looped import programs, sharding
+from looped import sharding, startup
 from looped.benice import objectives as benice_objectives
 from looped.benice import stages
 from looped.model import flops
@@ -70,7 +70,7 @@ def main(argv):
   config = benice_config.get_config(_CONFIG_ARG.value)
   if _CPU_DEVICES.value is not None:
     config.mesh.cpu_devices = _CPU_DEVICES.value
-  programs.use_cpu_devices(config, distributed=False)  # As `python -m looped.main` does.
+  startup.use_cpu_devices(config, distributed=False)  # As `python -m looped.main` does.
   model = LoopedLM(model_lib.from_config(config.model))
   mesh = sharding.make_mesh(config)
   rules = sharding.rules(config, mesh)

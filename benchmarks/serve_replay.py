@@ -41,11 +41,12 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _REPO)
 
 from configs import serve as serve_config  # noqa: E402
+from looped.engine.padding import Padding  # noqa: E402
+from looped.scheduler import pages as pages_lib  # noqa: E402
+from looped.scheduler import replay, scheduler  # noqa: E402
 from looped.server import client  # noqa: E402
-from looped.serving import engine_cost, hardware, replay, scheduler, shape, traces  # noqa: E402
-from looped.serving import metrics as sim_metrics  # noqa: E402
-from looped.serving import pages as pages_lib  # noqa: E402
-from looped.serving.padding import Padding  # noqa: E402
+from looped.sim import engine_cost, hardware, shape, traces  # noqa: E402
+from looped.sim import metrics as sim_metrics  # noqa: E402
 
 LAYOUTS = {"unshared": False, "shared": True}
 MOONCAKE_BLOCK = traces.MOONCAKE_BLOCK_SIZE
@@ -241,8 +242,8 @@ def engine_alone(args, requests, warmup, share_kv: bool, num_pages: int) -> dict
   """The same stream on the engine in this process, without HTTP: Engine.generate, whose clock
   is its measured step wall time (arrivals are admitted at step boundaries, as in the
   simulator). Separates the engine's own speed from the server's overhead."""
+  from looped.checkpoints import restore
   from looped.data.tokenizers import BytesTokenizer
-  from looped.engine import generate
   from looped.engine.engine import Engine
   from looped.engine.requests import GenRequest
   from looped.engine.sampling import SamplingParams
@@ -252,7 +253,7 @@ def engine_alone(args, requests, warmup, share_kv: bool, num_pages: int) -> dict
   model_cfg = serve_config.get_config("smoke").model
   model_cfg.max_seq_len = args.max_model_len
   model = LoopedLM(model_lib.from_config(model_cfg))
-  params = generate.restore_params(model, args.checkpoint, -1, "checkpoint")
+  params = restore.restore_params(model, args.checkpoint, -1, "checkpoint")
 
   def run(stream, salt):
     engine = Engine(

@@ -20,7 +20,8 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _REPO)
 
 from configs import serve_sim  # noqa: E402
-from looped.serving import hardware, scheduler, simulate, traces  # noqa: E402
+from looped.scheduler import scheduler  # noqa: E402
+from looped.sim import hardware, simulate, traces  # noqa: E402
 
 
 def main():

@@ -10,7 +10,7 @@ Multi-host runs start one such process per host (or per GPU). `--jax_distributed
 jax.distributed.initialize() auto-detect the cluster (Cloud TPU slices, SLURM, Open MPI);
 `--coordinator_address`, `--num_processes` and `--process_id` set it explicitly (and imply
 --jax_distributed), as launch/local.py and launch/slurm.sbatch do
-(`looped.programs.initialize_distributed`).
+(`looped.startup.initialize_distributed`).
 """
 
 import logging as std_logging

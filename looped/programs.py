@@ -1,39 +1,73 @@
-"""Maps `config.program` to the library function that runs it.
+"""Maps `config.program` to the module that runs it, validates once, takes the workdir's lock.
 
 Each program module exposes `validate(config)` (raises ConfigError before any compute) and
 `run(config, workdir)`; one that reads a checkpoint's recorded model also exposes
 `model_source(config)` (the directory), so that a command-line override disagreeing with that
-record fails here (looped.train.model_record); such a module's validate and run also take
-`chosen`, the record's fields the command line chose (the loop count). Modules are imported
-lazily so that, e.g., the serving simulator does not pay for importing the trainer.
+record fails here (looped.checkpoints.model_record); such a module's validate and run also take
+`chosen`, the record's fields the command line chose (the loop count). Each program's import
+sits in its own loader below, so that the serving simulator, say, does not pay for importing
+the trainer, while readers and tools still see every program's module.
 """
 
-import hashlib
-import importlib
-import json
 import os
 
 import jax
-import numpy as np
 from absl import logging
 
-from looped import cli, config_checks, sharding
-from looped.train import model_record, workdir_lock
+from looped import cli, config_checks, startup
+from looped.checkpoints import model_record, workdir_lock
+
+
+def _train():
+  from looped.train import trainer
+
+  return trainer
+
+
+def _serve_sim():
+  from looped.sim import simulate
+
+  return simulate
+
+
+def _benice():
+  from looped.benice import pipeline
+
+  return pipeline
+
+
+def _generate():
+  from looped.engine import generate
+
+  return generate
+
+
+def _server():
+  from looped.server import program
+
+  return program
+
+
+def _convert():
+  from looped.convert import program
+
+  return program
+
 
 PROGRAMS = {
-  "train": "looped.train.trainer",
-  "serve_sim": "looped.serving.simulate",
-  "benice": "looped.benice.pipeline",
-  "generate": "looped.engine.generate",
-  "server": "looped.server.program",
-  "convert": "looped.convert.program",
+  "train": _train,
+  "serve_sim": _serve_sim,
+  "benice": _benice,
+  "generate": _generate,
+  "server": _server,
+  "convert": _convert,
 }
 
 
 def load(config):
   """Returns the program module named by config.program."""
   name = config_checks.choice(config, "program", PROGRAMS)
-  return importlib.import_module(PROGRAMS[name])
+  return PROGRAMS[name]()
 
 
 def _chosen(module, overrides) -> dict:
@@ -50,146 +84,13 @@ def validate(config, workdir: str, overrides=()):
     raise config_checks.ConfigError("--workdir must be a non-empty path.")
   # First: a process with a stray flag would otherwise fail validation alone (or pass it
   # alone) and leave the others waiting for it.
-  check_processes_agree(config, workdir)
+  startup.check_processes_agree(config, workdir)
   module = load(config)
   source = getattr(module, "model_source", None)
   if source is not None and isinstance(source(config), str):
     model_record.check_overrides(source(config), config, overrides)
   module.validate(config, **_chosen(module, overrides))
   return module
-
-
-def config_payload(config, workdir: str) -> bytes:
-  """What the processes of one run must agree on: the config (sorted JSON) and the workdir."""
-  return json.dumps(
-    {"config": json.loads(config.to_json_best_effort(sort_keys=True)), "workdir": workdir},
-    sort_keys=True,
-  ).encode()
-
-
-def _allgather_bytes(data: bytes, gather) -> list[bytes]:
-  """Every process's `data`: lengths first, then the bytes padded to the longest."""
-  lengths = np.asarray(gather(np.asarray([len(data)], np.int32))).reshape(-1)
-  padded = np.zeros(int(lengths.max()), np.uint8)
-  padded[: len(data)] = np.frombuffer(data, np.uint8)
-  rows = np.asarray(gather(padded)).reshape(len(lengths), -1)
-  return [bytes(row[:n]) for row, n in zip(rows, lengths)]
-
-
-def _leaves(tree, prefix: str = "") -> dict:
-  if not isinstance(tree, dict):
-    return {prefix: tree}
-  out = {}
-  for key, value in tree.items():
-    out.update(_leaves(value, f"{prefix}.{key}" if prefix else key))
-  return out
-
-
-def _first_difference(reference: bytes, other: bytes) -> str:
-  """'config.seed = 0 vs 1': the first field (sorted) whose value differs."""
-  ref, oth = _leaves(json.loads(reference)), _leaves(json.loads(other))
-  for key in sorted(ref.keys() | oth.keys()):
-    if ref.get(key, "<absent>") != oth.get(key, "<absent>"):
-      return f"{key} = {ref.get(key, '<absent>')!r} vs {oth.get(key, '<absent>')!r}"
-  return "no field differs (the serialisations do)"
-
-
-def check_processes_agree(config, workdir: str, gather_bytes=None) -> None:
-  """Raises ConfigError if the processes of a multi-host run got different configs or workdirs.
-
-  Each process parses its own flags; one stale flag on one host would otherwise train a
-  different model per host (or hang in mismatched collectives). Compares sha256 digests, and
-  only when they differ gathers the configs to name the first differing field.
-  gather_bytes: bytes -> every process's bytes; process_allgather by default (tests fake it).
-  """
-  if gather_bytes is None:
-    # Not jax.process_count() alone: it would start a backend for programs that need none.
-    if not jax.distributed.is_initialized() or jax.process_count() == 1:
-      return
-    from jax.experimental import multihost_utils
-
-    def gather_bytes(data):
-      return _allgather_bytes(data, multihost_utils.process_allgather)
-
-  payload = config_payload(config, workdir)
-  digests = gather_bytes(hashlib.sha256(payload).digest())
-  differ = [i for i, d in enumerate(digests) if d != digests[0]]
-  if not differ:
-    return
-  payloads = gather_bytes(payload)
-  raise config_checks.ConfigError(
-    f"processes disagree on the config or workdir: process(es) {differ} differ from process 0 "
-    f"of {len(digests)} (first difference, process 0 vs {differ[0]}: "
-    f"{_first_difference(payloads[0], payloads[differ[0]])}). Give every process the same "
-    "flags."
-  )
-
-
-def initialize_distributed(
-  enabled: bool = False,
-  coordinator_address: str | None = None,
-  num_processes: int | None = None,
-  process_id: int | None = None,
-) -> bool:
-  """jax.distributed.initialize() when asked (returns whether it ran).
-
-  `enabled` alone auto-detects the cluster (Cloud TPU slices, SLURM, Open MPI); any of the three
-  explicit values implies it, and all three turn detection off, so each process uses all its
-  local devices unless JAX_LOCAL_DEVICE_IDS says otherwise (as launch/local.py and
-  launch/slurm.sbatch start processes). CPU processes exchange collectives over gloo.
-  """
-  explicit = {
-    "coordinator_address": coordinator_address,
-    "num_processes": num_processes,
-    "process_id": process_id,
-  }
-  explicit = {k: v for k, v in explicit.items() if v is not None}
-  if not (enabled or explicit):
-    return False
-  if len(explicit) == 3:
-    # Fully specified: detect nothing. (Under SLURM jax would otherwise keep one GPU per
-    # process, device SLURM_LOCALID, even for one process per node.)
-    explicit["cluster_detection_method"] = "deactivate"
-  jax.distributed.initialize(**explicit)
-  logging.info(
-    "jax.distributed: process index %d, process count %d, %d local of %d devices",
-    jax.process_index(),
-    jax.process_count(),
-    jax.local_device_count(),
-    jax.device_count(),
-  )
-  return True
-
-
-def enable_compilation_cache(path: str) -> str | None:
-  """Points jax's persistent compilation cache at `path` (user dirs expanded) unless the
-  environment already chose one (JAX_COMPILATION_CACHE_DIR) or `path` is ''. Returns the
-  directory in use, or None when the cache is off."""
-  chosen = os.environ.get("JAX_COMPILATION_CACHE_DIR")
-  if chosen:
-    return chosen
-  if not path:
-    return None
-  path = os.path.expanduser(path)
-  jax.config.update("jax_compilation_cache_dir", path)
-  return path
-
-
-def use_cpu_devices(config, distributed: bool) -> int | None:
-  """Splits jax's CPU backend into sharding.cpu_device_count(config, cores) devices, before any
-  backend starts, so that the mesh's data axis runs one batch shard per core: a training step of
-  the default model is ~1.2x faster over two CPU devices than on one two-threaded device
-  (benchmarks/pipeline.py --cpu_devices). Returns the count, or None where it does not apply:
-  configs without mesh.cpu_devices, multi-process runs and an XLA_FLAGS that already sets
-  the host device count. Accelerator backends are untouched (only the CPU backend splits)."""
-  mesh = config.get("mesh")
-  if mesh is None or "cpu_devices" not in mesh or distributed:
-    return None
-  if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
-    return None
-  count = sharding.cpu_device_count(config, len(os.sched_getaffinity(0)))
-  jax.config.update("jax_num_cpu_devices", count)
-  return count
 
 
 def main(config, workdir: str, overrides=(), compilation_cache: str = "", **distributed):
@@ -199,10 +100,10 @@ def main(config, workdir: str, overrides=(), compilation_cache: str = "", **dist
   once with only warnings logged, so that a bad value prints one line and not backend chatter,
   then runs the program.
   overrides: the config fields set on the command line."""
-  enable_compilation_cache(compilation_cache)
-  multi_process = initialize_distributed(**distributed)
+  startup.enable_compilation_cache(compilation_cache)
+  multi_process = startup.initialize_distributed(**distributed)
   with cli.quiet_logs():
-    cpu_devices = use_cpu_devices(config, multi_process)
+    cpu_devices = startup.use_cpu_devices(config, multi_process)
     module = validate(config, workdir, overrides)
   return _run_validated(module, config, workdir, overrides, cpu_devices)
 

@@ -7,7 +7,7 @@ import jax
 from absl.testing import absltest
 
 import looped_testing as testing
-from looped import programs
+from looped import startup
 
 
 class CompilationCacheTest(testing.TempDirTestCase):
@@ -20,18 +20,18 @@ class CompilationCacheTest(testing.TempDirTestCase):
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
     env["HOME"] = self.tmp
     with mock.patch.dict(os.environ, env, clear=True):
-      used = programs.enable_compilation_cache("~/cache")
+      used = startup.enable_compilation_cache("~/cache")
     self.assertEqual(used, os.path.join(self.tmp, "cache"))
     self.assertEqual(jax.config.jax_compilation_cache_dir, used)
 
   def test_environment_wins_and_empty_turns_it_off(self):
     before = jax.config.jax_compilation_cache_dir
     with mock.patch.dict(os.environ, {"JAX_COMPILATION_CACHE_DIR": "/elsewhere"}):
-      self.assertEqual(programs.enable_compilation_cache("~/cache"), "/elsewhere")
+      self.assertEqual(startup.enable_compilation_cache("~/cache"), "/elsewhere")
     self.assertEqual(jax.config.jax_compilation_cache_dir, before)
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
     with mock.patch.dict(os.environ, env, clear=True):
-      self.assertIsNone(programs.enable_compilation_cache(""))
+      self.assertIsNone(startup.enable_compilation_cache(""))
     self.assertEqual(jax.config.jax_compilation_cache_dir, before)
 
 

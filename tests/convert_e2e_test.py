@@ -20,10 +20,10 @@ from configs import convert as convert_config
 from configs import generate as generate_config
 from looped import data as data_lib
 from looped import programs
+from looped.checkpoints import model_record
 from looped.data import tokenizers
 from looped.model import LoopedLM, from_config
 from looped.model.sharing import decode_forward
-from looped.train import model_record
 
 _DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "testdata")
 _PROMPTS = ("def main(", "the loop")

@@ -17,10 +17,10 @@ from absl.testing import absltest
 import looped_testing as testing
 from configs import convert as convert_config
 from looped import programs
+from looped.checkpoints import model_record
 from looped.model import LoopedLM, from_config
 from looped.model.kv_cache import init_cache
 from looped.model.looped_lm import recurrence_logits
-from looped.train import model_record
 
 _DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "testdata")
 TOLERANCE = 1e-4  # Max |ours - golden| over max |golden|, float32.

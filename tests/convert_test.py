@@ -17,12 +17,12 @@ import looped_testing as testing
 from configs import convert as convert_config
 from configs import generate as generate_config
 from looped import config_checks, programs
+from looped.checkpoints import model_record
 from looped.convert import huginn, ouro
 from looped.data import tokenizers
 from looped.engine import generate
 from looped.model import LoopedLM, from_config
 from looped.model.sharing import decode_forward
-from looped.train import model_record
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -17,13 +17,14 @@ from absl.testing import absltest
 import looped_testing as testing
 from configs import generate as generate_config
 from looped import config_checks, programs
+from looped.checkpoints import checkpointing, model_record
 from looped.data.tokenizers import BytesTokenizer
 from looped.engine import generate
 from looped.model import config as model_lib
 from looped.model import init_params
 from looped.model.kv_cache import init_cache
 from looped.model.looped_lm import LoopedLM
-from looped.train import checkpointing, model_record, trainer
+from looped.train import trainer
 
 _TRAIN = {
   "train.num_steps": 3,

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from looped.engine import paged_cache
+from looped.engine import padding, paged_cache
 from looped.engine.engine import Engine
 from looped.engine.requests import GenRequest
 from looped.engine.sampling import SamplingParams
@@ -16,7 +16,8 @@ from looped.model import init_params
 from looped.model.kv_cache import init_cache
 from looped.model.looped_lm import LoopedLM
 from looped.model.sharing import decode_forward
-from looped.serving import cost_model, hardware, padding, pages, replay, scheduler, shape
+from looped.scheduler import pages, replay, scheduler
+from looped.sim import cost_model, hardware, shape
 from looped_testing import TINY_MODEL
 
 # head_dim 32 so that every KV format (mxfp8 blocks of 32) can store the cache.

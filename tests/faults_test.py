@@ -17,8 +17,9 @@ from absl.testing import absltest
 import looped_testing as testing
 from looped import data as data_lib
 from looped import programs
+from looped.checkpoints import checkpointing, workdir_lock
 from looped.config_checks import ConfigError
-from looped.train import checkpointing, trainer, workdir_lock
+from looped.train import trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OVERRIDES = {

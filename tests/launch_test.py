@@ -19,9 +19,9 @@ import sys
 from absl.testing import absltest
 
 import looped_testing as testing
-from looped import programs
+from looped import startup
+from looped.checkpoints import workdir_lock
 from looped.config_checks import ConfigError
-from looped.train import workdir_lock
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH = os.path.join(REPO, "launch")
@@ -276,8 +276,8 @@ class ShellLaunchersTest(testing.TempDirTestCase):
 
 class ConfigAgreementTest(absltest.TestCase):
   def _check(self, mine, everyone):
-    """programs.check_processes_agree as process `mine` of `everyone` (config, workdir) pairs."""
-    payloads = [programs.config_payload(c, w) for c, w in everyone]
+    """startup.check_processes_agree as process `mine` of `everyone` (config, workdir) pairs."""
+    payloads = [startup.config_payload(c, w) for c, w in everyone]
 
     def gather_bytes(data):
       if data == hashlib.sha256(payloads[mine]).digest():
@@ -285,7 +285,7 @@ class ConfigAgreementTest(absltest.TestCase):
       self.assertEqual(data, payloads[mine])
       return payloads
 
-    programs.check_processes_agree(*everyone[mine], gather_bytes=gather_bytes)
+    startup.check_processes_agree(*everyone[mine], gather_bytes=gather_bytes)
 
   def test_processes_that_differ_are_named_with_the_first_differing_field(self):
     config = testing.smoke_config({})
@@ -301,7 +301,7 @@ class ConfigAgreementTest(absltest.TestCase):
       self._check(0, [(config, "w"), (config, "v"), (config, "v")])
 
   def test_payload_is_the_sorted_config_and_workdir(self):
-    payload = json.loads(programs.config_payload(testing.smoke_config({}), "w"))
+    payload = json.loads(startup.config_payload(testing.smoke_config({}), "w"))
     self.assertEqual(payload["workdir"], "w")
     self.assertEqual(payload["config"]["train"]["num_steps"], 60)
 

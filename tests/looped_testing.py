@@ -59,8 +59,8 @@ def saved_params(model_cfg, workdir: str, step: int | None = None):
   import jax  # Lazy, like configs above: importing looped_testing stays cheap.
   import numpy as np
 
+  from looped.checkpoints import checkpointing
   from looped.model import LoopedLM, from_config, init_params
-  from looped.train import checkpointing
 
   model = LoopedLM(from_config(model_cfg))
   tokens = np.zeros((1, 8), np.int32)

@@ -18,9 +18,10 @@ from absl.testing import absltest
 import looped_testing as testing
 from configs import generate as generate_config
 from looped import config_checks, programs
+from looped.checkpoints import checkpointing, model_record
 from looped.engine import generate
 from looped.model import LoopedLM, from_config, init_params
-from looped.train import checkpointing, model_record, trainer
+from looped.train import trainer
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TRAIN = {

@@ -12,9 +12,10 @@ from looped.engine.requests import GenRequest
 from looped.engine.sampling import SamplingParams
 from looped.model import init_params
 from looped.model.looped_lm import LoopedLM
+from looped.scheduler import pages, scheduler
 from looped.server.engine_loop import EngineLoop
 from looped.server.metrics import Metrics
-from looped.serving import pages, scheduler, traces
+from looped.sim import traces
 
 
 class _Unit:

@@ -26,7 +26,7 @@ from looped.engine.sampling import SamplingParams
 from looped.model import init_params
 from looped.model.looped_lm import LoopedLM
 from looped.server import client, program
-from looped.server.testing import ServerThread
+from server_harness import ServerThread
 
 _TIMEOUT_S = 120
 _MODEL = dataclasses.replace(testing.TINY_MODEL, vocab_size=257, max_seq_len=64)

@@ -17,8 +17,9 @@ from absl.testing import absltest
 import looped_testing as testing
 from configs import serve as serve_config
 from looped import config_checks, programs
+from looped.checkpoints import model_record
 from looped.server import client
-from looped.train import model_record, trainer
+from looped.train import trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TIMEOUT_S = 240

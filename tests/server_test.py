@@ -30,8 +30,8 @@ from looped.model.kv_cache import init_cache
 from looped.model.looped_lm import LoopedLM
 from looped.server import client, program
 from looped.server.app import token_text
-from looped.server.testing import ServerThread
 from looped.train import trainer
+from server_harness import ServerThread
 
 _TRAIN = {
   "train.num_steps": 3,

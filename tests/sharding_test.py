@@ -127,12 +127,12 @@ class CpuDevicesTest(parameterized.TestCase):
       sharding.cpu_device_count(c, 2)
 
   def _devices_in_subprocess(self, cores: set[int], cpu_devices: int, xla_flags: str = "") -> int:
-    """jax.device_count() after programs.use_cpu_devices in a fresh process on `cores`."""
+    """jax.device_count() after startup.use_cpu_devices in a fresh process on `cores`."""
     code = (
-      "import jax; from configs import pretrain; from looped import programs; "
+      "import jax; from configs import pretrain; from looped import startup; "
       "c = pretrain.get_config('smoke'); "
       f"c.mesh.cpu_devices = {cpu_devices}; "
-      "programs.use_cpu_devices(c, distributed=False); print(jax.device_count())"
+      "startup.use_cpu_devices(c, distributed=False); print(jax.device_count())"
     )
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags)
     env["PYTHONPATH"] = os.pathsep.join([REPO, env.get("PYTHONPATH", "")])

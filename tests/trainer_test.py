@@ -12,7 +12,8 @@ import numpy as np
 from absl.testing import absltest
 
 import looped_testing as testing
-from looped.train import checkpointing, trainer
+from looped.checkpoints import checkpointing
+from looped.train import trainer
 from looped.train.metrics_writer import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -34,8 +34,8 @@ from absl import app, flags, logging
 from looped import data as data_lib
 from looped import model as model_lib
 from looped.benice import evaluation, report
+from looped.checkpoints import checkpointing
 from looped.model.looped_lm import LoopedLM
-from looped.train import checkpointing
 
 CURVE_FILE = "curve.jsonl"
 

@@ -10,7 +10,7 @@ Stages resume and skip (stages.py); evaluations are cached by checkpoint step an
 `config.pipeline.pretrain_workdir` / `finetune_workdir` take those stages read-only from
 another run, so BeNice! ablations share one pretraining and one finetuning baseline. A reused
 pretraining run (or a converted checkpoint) supplies the model and tokenizer it records
-(looped.train.model_record), whatever config.model says.
+(looped.checkpoints.model_record), whatever config.model says.
 """
 
 from __future__ import annotations
@@ -30,10 +30,11 @@ from looped import data as data_lib
 from looped import kv_quant, sharding
 from looped import model as model_lib
 from looped.benice import evaluation, objectives, report, samples, stages, timing
+from looped.checkpoints import checkpointing, model_record
 from looped.data import tokenizers
 from looped.model.looped_lm import LoopedLM
-from looped.train import checkpointing, model_record, trainer
 from looped.train import objectives as train_objectives
+from looped.train import trainer
 
 MODELS = {"zero_shot": stages.PRETRAIN, "finetune": stages.FINETUNE, "benice": stages.BENICE}
 MODELS_OF_STAGE = {stage: name for name, stage in MODELS.items()}

@@ -24,8 +24,9 @@ import os
 import ml_collections
 
 from looped import config_checks as cc
+from looped.checkpoints import checkpointing
 from looped.model.config import ModelConfig
-from looped.train import checkpointing, trainer
+from looped.train import trainer
 
 PRETRAIN, FINETUNE, BENICE = "pretrain", "finetune", "benice"
 STAGES = (PRETRAIN, FINETUNE, BENICE)

@@ -24,11 +24,11 @@ from absl import logging
 
 from looped import config_checks as cc
 from looped import convert
+from looped.checkpoints import checkpointing, model_record
 from looped.convert import common, hf_folder
 from looped.data import tokenizers
 from looped.model import config as model_lib
 from looped.model.looped_lm import LoopedLM, init_params
-from looped.train import checkpointing, model_record
 
 # What the converted checkpoint's record says its tokenizer is (relative to the workdir).
 _TOKENIZER = {"tokenizer": "huggingface", "spm_path": "", "tokenizer_json": hf_folder.TOKENIZER}

@@ -1,6 +1,6 @@
 """Generation on the serving scheduler: page pool, prefix cache, continuous batching, the model.
 
-`Engine.generate` queues requests (by arrival time), lets looped.serving.scheduler decide every
+`Engine.generate` queues requests (by arrival time), lets looped.scheduler.scheduler decide every
 step (admission, chunked prefill, prefix-cache hits, preemption by recompute) exactly as the
 simulator does, and runs each step on the model through `ModelExecutor`. Time is the engine's
 clock: measured step wall time by default, or the duration another executor prices the same
@@ -19,9 +19,9 @@ from looped.engine import paged_cache
 from looped.engine.executor import ModelExecutor, RequestState, powers_of_two
 from looped.engine.requests import Generation, GenRequest
 from looped.model.looped_lm import LoopedLM
-from looped.serving import pages as pages_lib
-from looped.serving import replay
-from looped.serving import scheduler as scheduler_lib
+from looped.scheduler import pages as pages_lib
+from looped.scheduler import replay
+from looped.scheduler import scheduler as scheduler_lib
 
 
 def pages_for_budget(

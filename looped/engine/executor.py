@@ -2,7 +2,7 @@
 
 A step takes the scheduler's ragged batch (each sequence computes q_i new tokens after c_i
 cached ones; prefill chunks and decode tokens mixed), pads it to a (rows, tokens, page-table
-width) bucket (looped/serving/padding.py, which the simulator's engine pricing shares) so steps
+width) bucket (looped/engine/padding.py, which the simulator's engine pricing shares) so steps
 do not recompile, gathers each row's pages into a dense cache, runs the model's decode
 path, writes the new K/V back into the pages and samples the next token of every sequence whose
 chunk reaches its last token.
@@ -30,10 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from looped.engine import paged_cache, sampling
+from looped.engine.padding import Padding, bucket, powers_of_two  # noqa: F401 (re-exported)
 from looped.engine.requests import GenRequest
 from looped.model.looped_lm import LoopedLM
-from looped.serving import scheduler as scheduler_lib
-from looped.serving.padding import Padding, bucket, powers_of_two  # noqa: F401 (re-exported)
+from looped.scheduler import scheduler as scheduler_lib
 
 
 @dataclasses.dataclass

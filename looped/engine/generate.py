@@ -14,22 +14,18 @@ import os
 import sys
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import ml_collections
 from absl import logging
 
 from looped import config_checks as cc
-from looped import kv_quant
+from looped.checkpoints import model_record, restore
 from looped.data import tokenizers
-from looped.engine import paged_cache
+from looped.engine import checks, paged_cache
 from looped.engine.engine import Engine, pages_for_budget
 from looped.engine.requests import GenRequest
 from looped.engine.sampling import SamplingParams
 from looped.model import config as model_lib
-from looped.model import init_params, mixers
 from looped.model.looped_lm import LoopedLM
-from looped.train import checkpointing, model_record
 
 
 def model_and_data(
@@ -42,12 +38,6 @@ def model_and_data(
   return model_record.model_and_data(
     config, config.gen.checkpoint if checkpoint is None else checkpoint, chosen
   )
-
-
-def has_checkpoint(path: str) -> bool:
-  directory = checkpointing.checkpoint_dir(path)
-  directory = directory if os.path.isdir(directory) else path
-  return any(name.isdigit() for name in os.listdir(directory))
 
 
 def _read_lines(path: str) -> list[str]:
@@ -113,37 +103,6 @@ def sampling_params(config, tokenizer, index: int) -> SamplingParams:
   )
 
 
-def check_checkpoint(config, section: str) -> None:
-  """`{section}.checkpoint` holds a checkpoint and `{section}.step` is valid (generation and
-  the server read a checkpoint alike)."""
-  checkpoint = cc.string(config, f"{section}.checkpoint")
-  if not os.path.isdir(checkpoint):
-    cc.fail(f"{section}.checkpoint", checkpoint, "must be an existing trainer workdir or stage dir")
-  if not has_checkpoint(checkpoint):
-    cc.fail(
-      f"{section}.checkpoint", checkpoint, "holds no checkpoint (no checkpoints/STEP directory)"
-    )
-  cc.integer(config, f"{section}.step", min_value=-1)
-
-
-def check_model_and_format(config, section: str, model_cfg):
-  """The model the engine can page, and `{section}.kv_format` for it: (ModelConfig, format)."""
-  model_lib.validate(ml_collections.ConfigDict({"model": model_cfg}))
-  cfg = model_lib.from_config(model_cfg)
-  try:
-    paged_cache.check_model(cfg)
-  except ValueError as e:
-    raise cc.ConfigError(f"config.model: {e}") from None
-  fmt = cc.string(config, f"{section}.kv_format", allow_empty=True)
-  if fmt:
-    cc.choice(config, f"{section}.kv_format", ("",) + kv_quant.FORMATS)
-    try:
-      mixers.check_kv_format(cfg, fmt)
-    except ValueError as e:
-      cc.fail(f"{section}.kv_format", fmt, str(e).rstrip("."))
-  return cfg, fmt
-
-
 def model_source(config) -> str:
   """The checkpoint directory whose recorded model this program uses (looped.programs)."""
   return config.gen.checkpoint
@@ -152,9 +111,9 @@ def model_source(config) -> str:
 def validate(config, chosen: tuple[str, ...] = ()) -> None:
   """Checks every field before any compute; raises ConfigError naming the field."""
   cc.choice(config, "program", ("generate",))
-  check_checkpoint(config, "gen")
+  restore.check_checkpoint(config, "gen")
   model_cfg, data_cfg = model_and_data(config, chosen=chosen)
-  cfg, fmt = check_model_and_format(config, "gen", model_cfg)
+  cfg, fmt = checks.check_model_and_format(config, "gen", model_cfg)
   cc.boolean(config, "gen.share_kv")
   page_size = cc.integer(config, "gen.page_size", min_value=1)
   cc.integer(config, "gen.max_num_batched_tokens", min_value=1)
@@ -204,20 +163,6 @@ def validate(config, chosen: tuple[str, ...] = ()) -> None:
       )
 
 
-def restore_params(model: LoopedLM, checkpoint: str, step: int, field: str):
-  """The checkpoint's params (step -1: the latest); ConfigError naming `field` if they do not
-  fit the model."""
-  abstract = jax.eval_shape(
-    lambda: init_params(model, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
-  )
-  try:
-    return checkpointing.restore_params(checkpoint, abstract, None if step < 0 else step)
-  except (ValueError, FileNotFoundError) as e:
-    raise cc.ConfigError(
-      f"config.{field} = {checkpoint!r} does not restore into config.model: {e}"
-    ) from None
-
-
 def _stream(state) -> None:
   """Prints the part of the request's text not printed yet."""
   printed = getattr(state, "printed", 0)
@@ -233,7 +178,7 @@ def run(config, workdir: str, chosen: tuple[str, ...] = ()) -> dict[str, Any]:
   model = LoopedLM(cfg)
   tokenizer = tokenizers.get(data_cfg)
   g = config.gen
-  params = restore_params(model, g.checkpoint, g.step, "gen.checkpoint")
+  params = restore.restore_params(model, g.checkpoint, g.step, "gen.checkpoint")
   prompts = load_prompts(config)
   requests = [
     GenRequest(

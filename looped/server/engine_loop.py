@@ -19,9 +19,9 @@ from collections.abc import Callable
 from looped.engine.engine import Engine
 from looped.engine.executor import RequestState
 from looped.engine.requests import GenRequest
+from looped.scheduler import pages as pages_lib
+from looped.scheduler import scheduler as scheduler_lib
 from looped.server.metrics import Metrics
-from looped.serving import pages as pages_lib
-from looped.serving import scheduler as scheduler_lib
 
 log = logging.getLogger(__name__)
 

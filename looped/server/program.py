@@ -20,8 +20,9 @@ import ml_collections
 from absl import logging
 
 from looped import config_checks as cc
+from looped.checkpoints import model_record, restore
 from looped.data import tokenizers
-from looped.engine import generate, paged_cache
+from looped.engine import checks, paged_cache
 from looped.engine.engine import Engine, pages_for_budget
 from looped.model import config as model_lib
 from looped.model.looped_lm import LoopedLM
@@ -32,7 +33,7 @@ from looped.server.metrics import Metrics
 
 
 def _model(config, chosen=()) -> tuple[ml_collections.ConfigDict, ml_collections.ConfigDict]:
-  return generate.model_and_data(config, config.serve.checkpoint, chosen)
+  return model_record.model_and_data(config, config.serve.checkpoint, chosen)
 
 
 def model_source(config) -> str:
@@ -58,12 +59,12 @@ def validate(config, chosen: tuple[str, ...] = ()) -> None:
   """Checks every field before any compute; raises ConfigError naming the field. chosen: the
   recorded model fields the command line chose (looped.programs)."""
   cc.choice(config, "program", ("server",))
-  generate.check_checkpoint(config, "serve")
+  restore.check_checkpoint(config, "serve")
   cc.string(config, "serve.model_name", allow_empty=True)
   cc.string(config, "serve.host")
   cc.integer(config, "serve.port", min_value=0, max_value=65535)
   model_cfg, data_cfg = _model(config, chosen)
-  cfg, fmt = generate.check_model_and_format(config, "serve", model_cfg)
+  cfg, fmt = checks.check_model_and_format(config, "serve", model_cfg)
   tokenizers.get(data_cfg)
   share = cc.boolean(config, "serve.share_kv")
   page_size = cc.integer(config, "serve.page_size", min_value=1)
@@ -95,7 +96,7 @@ def build(config, chosen: tuple[str, ...] = ()) -> tuple[Any, EngineLoop]:
   cfg = model_lib.from_config(model_cfg)
   model = LoopedLM(cfg)
   tokenizer = tokenizers.get(data_cfg)
-  params = generate.restore_params(model, s.checkpoint, s.step, "serve.checkpoint")
+  params = restore.restore_params(model, s.checkpoint, s.step, "serve.checkpoint")
   fmt = s.kv_format or None
   engine = Engine(
     model,

@@ -1,6 +1,7 @@
-"""Serving: a paged KV pool with prefix caching, a continuous-batching scheduler, and a
-trace-driven simulator that drives the scheduler with a roofline cost model (docs/design.md §5).
+"""Moved: the scheduler and page pool are looped.scheduler, the simulator looped.sim, the padded
+step shape looped.engine.padding."""
 
-Everything here needs only a model's shape, never its weights, so the inference engine can reuse
-the pool and the scheduler with an executor that runs the real model.
-"""
+raise ImportError(
+  "looped.serving was split: import the scheduler, page pool and prefix cache from "
+  "looped.scheduler, the serving simulator from looped.sim, and padding from looped.engine.padding."
+)

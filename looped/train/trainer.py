@@ -25,9 +25,10 @@ from looped import config_checks as cc
 from looped import data as data_lib
 from looped import model as model_lib
 from looped import sharding
+from looped.checkpoints import checkpointing, model_record
 from looped.model import depth as depth_lib
 from looped.model.looped_lm import LoopedLM
-from looped.train import checkpointing, model_record, objectives, optim
+from looped.train import objectives, optim
 from looped.train.metrics_writer import MetricsWriter
 
 

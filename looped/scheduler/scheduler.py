@@ -32,8 +32,8 @@ import itertools
 import math
 from typing import Any, Protocol
 
-from looped.serving import page_keys
-from looped.serving import pages as pages_lib
+from looped.scheduler import page_keys
+from looped.scheduler import pages as pages_lib
 
 
 @dataclasses.dataclass(eq=False)

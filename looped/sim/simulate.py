@@ -20,11 +20,12 @@ from absl import logging
 
 from looped import config_checks as checks
 from looped import kv_quant
-from looped.serving import cost_model, engine_cost, hardware, metrics, replay, report, traces
-from looped.serving import pages as pages_lib
-from looped.serving import scheduler as scheduler_lib
-from looped.serving import shape as shape_lib
-from looped.serving.progress import Progress
+from looped.scheduler import pages as pages_lib
+from looped.scheduler import replay
+from looped.scheduler import scheduler as scheduler_lib
+from looped.sim import cost_model, engine_cost, hardware, metrics, report, traces
+from looped.sim import shape as shape_lib
+from looped.sim.progress import Progress
 
 _SHAPE_INTS = (
   "vocab_size",

@@ -9,7 +9,9 @@ import tempfile
 from absl.testing import absltest
 
 from configs import serve_sim
-from looped.serving import cost_model, engine_cost, hardware, padding, scheduler, shape
+from looped.engine import padding
+from looped.scheduler import scheduler
+from looped.sim import cost_model, engine_cost, hardware, shape
 
 
 def _paper_shape():

@@ -6,7 +6,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from looped.serving import scheduler as scheduler_lib
+from looped.scheduler import scheduler as scheduler_lib
 
 
 def replay(

@@ -2,7 +2,7 @@
 
 from absl.testing import absltest
 
-from looped.serving import pages
+from looped.scheduler import pages
 
 
 class PagePoolTest(absltest.TestCase):

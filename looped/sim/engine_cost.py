@@ -26,11 +26,11 @@ calibration").
 
 from __future__ import annotations
 
-from looped.serving import cost_model
-from looped.serving import hardware as hardware_lib
-from looped.serving import scheduler as scheduler_lib
-from looped.serving import shape as shape_lib
-from looped.serving.padding import Padding
+from looped.engine.padding import Padding
+from looped.scheduler import scheduler as scheduler_lib
+from looped.sim import cost_model
+from looped.sim import hardware as hardware_lib
+from looped.sim import shape as shape_lib
 
 
 class EngineCostExecutor:

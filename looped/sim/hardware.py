@@ -33,7 +33,7 @@ class Hardware:
   combine: str = "max"
   # What is priced: 'batch' (the scheduler's batch, as an ideal engine computes it) or 'engine'
   # (what looped/engine's executor computes: padded buckets, dense slots, token-by-token calls;
-  # looped/serving/engine_cost.py).
+  # looped/sim/engine_cost.py).
   pricing: str = "batch"
   call_overhead_s: float = 0.0  # 'engine' pricing: fixed cost per model call (micro-step).
 

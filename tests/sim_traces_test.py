@@ -6,7 +6,8 @@ import tempfile
 
 from absl.testing import absltest
 
-from looped.serving import page_keys, traces
+from looped.scheduler import page_keys
+from looped.sim import traces
 
 
 def _line(ts=0, n=600, out=5, hashes=(0, 1)):

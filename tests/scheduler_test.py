@@ -5,7 +5,8 @@ import random
 
 from absl.testing import absltest
 
-from looped.serving import cost_model, hardware, metrics, pages, replay, scheduler, shape, traces
+from looped.scheduler import pages, replay, scheduler
+from looped.sim import cost_model, hardware, metrics, shape, traces
 
 _TINY = shape.ModelShape(
   vocab_size=257,

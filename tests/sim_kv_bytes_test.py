@@ -8,7 +8,7 @@ from absl.testing import absltest
 
 from configs import serve_sim
 from looped import kv_quant
-from looped.serving import shape
+from looped.sim import shape
 
 
 def _reference(fmt: str, head_dim: int) -> float:

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from looped.serving import page_keys
+from looped.scheduler import page_keys
 
 MOONCAKE_BLOCK_SIZE = 512
 _FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")

@@ -25,9 +25,9 @@ instead for a profile with pricing 'engine' (what looped/engine really computes 
 
 from __future__ import annotations
 
-from looped.serving import hardware as hardware_lib
-from looped.serving import scheduler as scheduler_lib
-from looped.serving import shape as shape_lib
+from looped.scheduler import scheduler as scheduler_lib
+from looped.sim import hardware as hardware_lib
+from looped.sim import shape as shape_lib
 
 WEIGHT_BYTES = {"bf16": 2.0, "fp8": 1.0, "fp32": 4.0}
 

@@ -12,7 +12,7 @@ from ml_collections import config_flags
 
 from configs import serve_sim
 from looped import config_checks, programs
-from looped.serving import simulate, traces
+from looped.sim import simulate, traces
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,0 +1,28 @@
+"""Config checks the programs that run the engine share (generation and the server): the model
+must be one the engine can page, and the KV format one that model can store."""
+
+import ml_collections
+
+from looped import config_checks as cc
+from looped import kv_quant
+from looped.engine import paged_cache
+from looped.model import config as model_lib
+from looped.model import mixers
+
+
+def check_model_and_format(config, section: str, model_cfg):
+  """The model the engine can page, and `{section}.kv_format` for it: (ModelConfig, format)."""
+  model_lib.validate(ml_collections.ConfigDict({"model": model_cfg}))
+  cfg = model_lib.from_config(model_cfg)
+  try:
+    paged_cache.check_model(cfg)
+  except ValueError as e:
+    raise cc.ConfigError(f"config.model: {e}") from None
+  fmt = cc.string(config, f"{section}.kv_format", allow_empty=True)
+  if fmt:
+    cc.choice(config, f"{section}.kv_format", ("",) + kv_quant.FORMATS)
+    try:
+      mixers.check_kv_format(cfg, fmt)
+    except ValueError as e:
+      cc.fail(f"{section}.kv_format", fmt, str(e).rstrip("."))
+  return cfg, fmt
