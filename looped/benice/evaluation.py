@@ -52,13 +52,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from looped.losses import token_cross_entropy
 from looped.model import mixers
 from looped.model.config import ModelConfig
 from looped.model.kda import KDAState
 from looped.model.kv_cache import init_cache
 from looped.model.looped_lm import LoopedLM
 from looped.model.sharing import decode_forward, jacobi_forward, shared_pass
-from looped.train.objectives import token_cross_entropy
 
 KV_FORMAT = "bf16"  # The cache format the byte counts assume when none is evaluated.
 

@@ -36,8 +36,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from looped.losses import token_cross_entropy
 from looped.model.looped_lm import LoopedLM
-from looped.train.objectives import Objective, sample_depth, token_cross_entropy
+from looped.train.objectives import Objective, sample_depth
 
 READ_MODES = ("all", "first", "none")
 KL_PASSES = ("shared", "unshared", "both")

@@ -16,8 +16,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 
+from looped.losses import token_cross_entropy
 from looped.model import depth as depth_lib
 from looped.model.looped_lm import LoopedLM
 
@@ -27,13 +27,6 @@ class Objective:
   loss_fn: Callable[..., tuple[jax.Array, dict]]
   frozen: Any = None
   log_terms: tuple[str, ...] = ()  # Metrics the loss sums (weighted), shown on progress lines.
-
-
-def token_cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
-  """Per-token cross-entropy in nats, float32."""
-  return optax.softmax_cross_entropy_with_integer_labels(
-    logits_BxTxV.astype(jnp.float32), targets_BxT
-  )
 
 
 def sample_depth(key, batch: int, model: LoopedLM, depth_cfg) -> jax.Array:
