@@ -20,16 +20,18 @@ import math
 import jax
 from absl.testing import absltest, parameterized
 
-from looped import kv_quant
+from configs import serve_sim
+from looped import config_checks, kv_quant
 from looped.engine import engine as engine_lib
 from looped.engine import paged_cache
-from looped.model import LoopedLM, ModelConfig, init_cache, mixers
+from looped.model import LoopedLM, ModelConfig, from_config, init_cache, mixers
 from looped.model.attention import Attention
 from looped.model.cache_layout import cache_layout
 from looped.model.kda import KDA
 from looped.model.mixer_interface import SequenceMixer
 from looped.model.mla import MLA
-from looped.sim import shape
+from looped.scheduler import scheduler
+from looped.sim import hardware, shape, simulate
 
 R = 3
 _BASE = dict(
@@ -220,6 +222,45 @@ class HandDerivedTest(absltest.TestCase):
     cfg = MODELS["gqa"]
     for module in (Attention, MLA, KDA):
       self.assertIsInstance(module(cfg, 0.02), SequenceMixer)
+
+
+class SimulatorConfigTest(absltest.TestCase):
+  """The serve_sim program sizes pages from the configured model's mixers."""
+
+  def _config(self, **mixers_):
+    config = serve_sim.get_config("smoke")
+    for name, value in mixers_.items():
+      config.model[name] = value
+    return config
+
+  def test_hybrid_model_pages_its_mla_layers_and_reports_kda_state(self):
+    config = self._config(core_mixers=("kda", "mla"))
+    config.sim.max_requests = 20
+    simulate.validate(config)
+    s = simulate.model_shape(config)
+    requests = simulate.load_requests(config)
+    sched = scheduler.SchedulerConfig(
+      page_size=16, max_num_batched_tokens=256, max_num_seqs=8, max_model_len=8192
+    )
+    out = simulate.simulate_one(
+      requests, s, hardware.PROFILES["h200"], budget=4e6, share_kv=True, kv_format="bf16",
+      config=sched,
+    )  # fmt: skip
+    cfg = from_config(config.model)
+    self.assertEqual(out["kv_bytes_per_token"], paged_cache.bytes_per_token(cfg, True, "bf16"))
+    self.assertEqual(out["num_pages"], int(4e6 // (16 * out["kv_bytes_per_token"])))
+    self.assertEqual(out["kv_state_bytes_per_sequence"], s.kv_bytes_per_sequence(True))
+    self.assertGreater(out["kv_state_bytes_per_sequence"], 0)
+
+  def test_kda_only_model_and_off_block_formats_are_refused(self):
+    config = self._config(prelude_mixers=("kda",), core_mixers=("kda",), coda_mixers=("kda",))
+    with self.assertRaisesRegex(config_checks.ConfigError, "per-sequence state"):
+      simulate.validate(config)
+    config = self._config(core_mixers=("mla",))
+    config.model.mla_rope_dim = 8
+    config.sim.kv_format = ("nvfp4",)
+    with self.assertRaisesRegex(config_checks.ConfigError, "sim.kv_format .* block size 16"):
+      simulate.validate(config)
 
 
 if __name__ == "__main__":

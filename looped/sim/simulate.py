@@ -100,6 +100,9 @@ def model_shape(config: Any) -> shape_lib.ModelShape:
     value = config.model.get(name, ("gqa",))  # Absent: all-GQA, as ModelShape's default.
     if isinstance(value, str) or not value or set(value) - set(mixers):
       checks.fail(f"model.{name}", value, f"must be a non-empty tuple of mixers from {mixers}")
+  for name in ("mla_kv_rank", "mla_rope_dim", "kda_conv_size"):
+    if name in config.model:
+      checks.integer(config, f"model.{name}", min_value=1)
   return shape_lib.ModelShape.from_config(config.model)
 
 
@@ -159,8 +162,8 @@ def validate(config: Any) -> None:
       checks.fail(
         "model.core_mixers",
         shape.core_mixers,
-        "must cache something per token for the simulator to page (KDA layers keep only a "
-        "per-sequence state)",
+        "must give some layer a per-token cache for the simulator to page (a model of KDA "
+        "layers only keeps a per-sequence state)",
       )
     if budget is not None and budget < page_bytes:
       checks.fail(
