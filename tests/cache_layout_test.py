@@ -28,7 +28,7 @@ from looped.model import LoopedLM, ModelConfig, from_config, init_cache, mixers
 from looped.model.attention import Attention
 from looped.model.cache_layout import cache_layout
 from looped.model.kda import KDA
-from looped.model.mixer_interface import SequenceMixer
+from looped.model.mixer_interface import MIXER_CACHES, SequenceMixer
 from looped.model.mla import MLA
 from looped.scheduler import scheduler
 from looped.sim import hardware, shape, simulate
@@ -222,6 +222,8 @@ class HandDerivedTest(absltest.TestCase):
     cfg = MODELS["gqa"]
     for module in (Attention, MLA, KDA):
       self.assertIsInstance(module(cfg, 0.02), SequenceMixer)
+    for name, (module, _) in mixers.MODULES.items():
+      self.assertIs(module.mixer_cache, MIXER_CACHES[name])
 
 
 class SimulatorConfigTest(absltest.TestCase):
