@@ -92,11 +92,11 @@ class ModelConfig:
     return self.num_prelude_layers + self.num_core_layers + self.num_coda_layers
 
   def kv_entries_per_token(self, share_kv: bool) -> int:
-    """Cached (layer, K-or-V) head vectors per token, times kv heads: the KV memory unit of
-    an all-GQA model (looped.model.mixers.cache_bytes counts every mixer)."""
-    core = self.num_core_layers * (1 if share_kv else self.num_recurrences)
-    layers = self.num_prelude_layers + self.num_coda_layers + core
-    return layers * 2 * self.num_kv_heads
+    """Cached head vectors per token over all layers (an all-GQA model: layers x K and V x kv
+    heads), from looped.model.cache_layout; mixers.cache_bytes counts bytes."""
+    from looped.model.cache_layout import cache_layout  # It reads this config's fields.
+
+    return cache_layout(self, share_kv).vectors_per_token
 
 
 def from_config(model_cfg) -> ModelConfig:

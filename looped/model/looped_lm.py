@@ -20,11 +20,11 @@ import jax.numpy as jnp
 from looped.model import depth as depth_lib
 from looped.model import kv_cache as kv_cache_lib
 from looped.model import mixers as mixers_lib
-from looped.model.attention import KV, MixerContext
 from looped.model.config import ModelConfig
 from looped.model.injection import Injection
 from looped.model.kv_cache import KVCache, write_chunk
 from looped.model.layers import Mlp, RMSNorm, normal_init, projection
+from looped.model.mixer_interface import KV, MixerContext
 
 
 def causal_mask(t: int, batch: int) -> jax.Array:

@@ -20,6 +20,7 @@ from absl import logging
 
 from looped import config_checks as checks
 from looped import kv_quant
+from looped.model import mixer_interface
 from looped.scheduler import pages as pages_lib
 from looped.scheduler import replay
 from looped.scheduler import scheduler as scheduler_lib
@@ -94,6 +95,14 @@ def model_shape(config: Any) -> shape_lib.ModelShape:
   checks.boolean(config, "model.tie_embeddings")
   if config.model.num_heads % config.model.num_kv_heads:
     checks.fail("model.num_heads", config.model.num_heads, "must be a multiple of num_kv_heads")
+  mixers = tuple(mixer_interface.MIXER_CACHES)
+  for name in ("prelude_mixers", "core_mixers", "coda_mixers"):
+    value = config.model.get(name, ("gqa",))  # Absent: all-GQA, as ModelShape's default.
+    if isinstance(value, str) or not value or set(value) - set(mixers):
+      checks.fail(f"model.{name}", value, f"must be a non-empty tuple of mixers from {mixers}")
+  for name in ("mla_kv_rank", "mla_rope_dim", "kda_conv_size"):
+    if name in config.model:
+      checks.integer(config, f"model.{name}", min_value=1)
   return shape_lib.ModelShape.from_config(config.model)
 
 
@@ -145,7 +154,17 @@ def validate(config: Any) -> None:
   for budget, share, fmt in itertools.product(
     budgets(config), share_kv_values(config), kv_formats(config)
   ):
-    page_bytes = page_size * shape.kv_bytes_per_token(share, fmt)
+    try:
+      page_bytes = page_size * shape.kv_bytes_per_token(share, fmt)
+    except ValueError as e:  # A per-token entry (e.g. MLA's latent) off the format's block.
+      checks.fail("sim.kv_format", fmt, str(e).rstrip("."))
+    if not page_bytes:
+      checks.fail(
+        "model.core_mixers",
+        shape.core_mixers,
+        "must give some layer a per-token cache for the simulator to page (a model of KDA "
+        "layers only keeps a per-sequence state)",
+      )
     if budget is not None and budget < page_bytes:
       checks.fail(
         "sim.kv_budget_bytes",
@@ -202,6 +221,7 @@ def simulate_one(
     "num_pages": num_pages,
     "page_size": config.page_size,
     "kv_bytes_per_token": shape.kv_bytes_per_token(share_kv, kv_format),
+    "kv_state_bytes_per_sequence": shape.kv_bytes_per_sequence(share_kv),
     **metrics.summarize(sched, page_bytes),
     "ideal_lru_hit_rate": traces.ideal_hit_rate(
       requests, None if num_pages is None else num_pages * config.page_size
