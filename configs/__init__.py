@@ -5,9 +5,14 @@ dataclass (looped.schema): a config file starts a section from its schema's defa
 only what it changes. SECTIONS says which schema each section path follows, for `--help`.
 """
 
+from looped.benice.config import BeniceConfig, EvalConfig, PipelineConfig
+from looped.convert.config import ConvertConfig
 from looped.data.config import DataConfig
+from looped.engine.config import GenConfig
 from looped.model.config import ModelConfig
+from looped.server.config import ServeConfig
 from looped.sharding import MeshConfig
+from looped.sim.config import SimConfig, SyntheticConfig
 from looped.train.config import DepthConfig, TrainConfig
 
 SECTIONS = {
@@ -18,6 +23,14 @@ SECTIONS = {
   "train": TrainConfig,
   "post.depth": DepthConfig,  # Post-training's depth (configs/benice.py).
   "post.train": TrainConfig,  # Post-training's fields over config.train's.
+  "benice": BeniceConfig,
+  "eval": EvalConfig,
+  "pipeline": PipelineConfig,
+  "gen": GenConfig,
+  "serve": ServeConfig,
+  "sim": SimConfig,
+  "synthetic": SyntheticConfig,
+  "convert": ConvertConfig,
 }
 
 
