@@ -61,7 +61,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
 
   # seed, model, data, depth and train of stage 1, with `smoke`/`fixed` applied as there.
   c = pretrain.get_config(",".join(sorted(args - {"zero_shot", "composition"} - set(MIXERS))))
-  if mixer:
+  if mixer:  # The mixer of every stage's layers (patterns repeat over the layers).
     m = c.model
     m.prelude_mixers, m.core_mixers, m.coda_mixers = MIXERS[mixer.pop()]
   c.program = "benice"  # Which program main runs: the whole BeNice! pipeline.

@@ -40,8 +40,8 @@ def smoke_model(m: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """
   default = model_config()
   for field in ("vocab_size", "num_prelude_layers", "num_core_layers", "num_coda_layers"):
-    m[field] = default[field]
-  m.num_recurrences = default.num_recurrences
+    m[field] = default[field]  # The default vocabulary and depth.
+  m.num_recurrences = default.num_recurrences  # The default R.
   m.d_model = 64  # Residual width.
   m.num_heads = 2  # Query heads.
   m.num_kv_heads = 1  # One KV head (GQA groups of 2).

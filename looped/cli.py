@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import glob
 import importlib
 import importlib.util
 import os
@@ -169,7 +170,13 @@ def config_help(spec: str) -> str:
   """`--config=FILE[:ARGS] --help`: every field of that config with its default, doc and valid
   values (from its section's schema; the file's comment for a field outside the sections)."""
   module, config = load_config(spec)
-  comments = _field_comments(spec.partition(":")[0])
+  path = spec.partition(":")[0]
+  # Comments of the fields outside the sections; one that another config file sets (seed, which
+  # configs/benice.py takes from configs/pretrain.py) keeps its comment there.
+  comments = {}
+  for other in sorted(glob.glob(os.path.join(os.path.dirname(path) or ".", "*.py"))):
+    comments.update(_field_comments(other))
+  comments.update(_field_comments(path))
   doc = (module.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
   lines = [f"{spec}: {doc}", "", "Fields (override with --config.FIELD=VALUE):"]
   for name, _, value in _leaves(config):

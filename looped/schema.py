@@ -4,7 +4,8 @@ A section (config.model, config.train, ...) is a frozen dataclass whose fields a
 `field(default, doc, ...)`. Everything else about the section derives from it, so that a field
 exists in one place: `defaults` is the ConfigDict a config file starts from, `validate` checks
 every field's type and range with the config_checks helpers (the same one-line ConfigError
-messages) and refuses unknown fields, and `help_text` is what `--config=... --help` prints.
+messages) and refuses unknown fields, and `describe` is the doc and valid values that
+`--config=... --help` prints beside each field.
 Rules that relate several fields stay short hand-written functions beside the section.
 
 Types come from the annotations: bool, int, float, str, `float | None` (None allowed) and
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import types
 import typing
 from collections.abc import Iterable
@@ -81,6 +83,7 @@ def field(
   return dataclasses.field(default=default, metadata={"rule": rule})
 
 
+@functools.cache
 def fields(section: type) -> dict[str, tuple[Any, Any, Rule]]:
   """{name: (type, default, rule)} of a section dataclass, in declaration order."""
   hints = typing.get_type_hints(section)
@@ -224,12 +227,3 @@ def describe(section: type, name: str) -> str | None:
     return None
   kind, _, rule = entry
   return f"{rule.doc} [{allowed(kind, rule)}]"
-
-
-def help_text(section: type, node: Any, prefix: str) -> list[str]:
-  """`  config.<prefix>.<name> = <value>  # <doc> [<valid values>]`, one line per field."""
-  return [
-    f"  config.{prefix}.{name} = {node[name]!r}  # {describe(section, name)}"
-    for name in names(section)
-    if name in node.keys()
-  ]

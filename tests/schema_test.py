@@ -103,18 +103,18 @@ class SchemaTest(parameterized.TestCase):
     del c.widget["loud"]
     self.assertIn("config.widget.loud is missing", _error(c))
 
-  def test_help_shows_doc_and_range(self):
-    lines = schema.help_text(Widget, schema.defaults(Widget), "widget")
-    self.assertIn("  config.widget.count = 3  # Widgets per box. [integer >= 1, <= 8]", lines)
-    self.assertIn("  config.widget.ratio = 0.5  # Share kept. [number > 0.0, < 1.0]", lines)
-    self.assertIn(
-      "  config.widget.kind = 'round'  # Their shape. [one of 'round', 'square']", lines
-    )
-    self.assertIn("  config.widget.loud = False  # Whether they beep. [True or False]", lines)
-    self.assertIn(
-      "  config.widget.budget = None  # Bytes (None: any). [number > 0.0, or None]", lines
-    )
-    self.assertIn("[tuple of parts from 'a', 'b']", "\n".join(lines))
+  @parameterized.parameters(
+    ("count", "Widgets per box. [integer >= 1, <= 8]"),
+    ("ratio", "Share kept. [number > 0.0, < 1.0]"),
+    ("kind", "Their shape. [one of 'round', 'square']"),
+    ("name", "A label. [non-empty string]"),
+    ("loud", "Whether they beep. [True or False]"),
+    ("parts", "Parts, in order. [tuple of parts from 'a', 'b']"),
+    ("budget", "Bytes (None: any). [number > 0.0, or None]"),
+  )
+  def test_help_shows_doc_and_range(self, name, expected):
+    self.assertEqual(schema.describe(Widget, name), expected)
+    self.assertIsNone(schema.describe(Widget, "color"))
 
   def test_a_field_without_doc_is_refused(self):
     @dataclasses.dataclass(frozen=True)
