@@ -20,6 +20,7 @@ import ml_collections
 from absl import logging
 
 from looped import config_checks as cc
+from looped import schema
 from looped.checkpoints import model_record, restore
 from looped.data import tokenizers
 from looped.engine import checks, paged_cache
@@ -28,6 +29,7 @@ from looped.model import config as model_lib
 from looped.model.looped_lm import LoopedLM
 from looped.server import protocol
 from looped.server.app import create_app
+from looped.server.config import ServeConfig
 from looped.server.engine_loop import EngineLoop
 from looped.server.metrics import Metrics
 
@@ -59,24 +61,16 @@ def validate(config, chosen: tuple[str, ...] = ()) -> None:
   """Checks every field before any compute; raises ConfigError naming the field. chosen: the
   recorded model fields the command line chose (looped.programs)."""
   cc.choice(config, "program", ("server",))
+  schema.validate(ServeConfig, config, "serve")
   restore.check_checkpoint(config, "serve")
-  cc.string(config, "serve.model_name", allow_empty=True)
-  cc.string(config, "serve.host")
-  cc.integer(config, "serve.port", min_value=0, max_value=65535)
   model_cfg, data_cfg = _model(config, chosen)
   cfg, fmt = checks.check_model_and_format(config, "serve", model_cfg)
   tokenizers.get(data_cfg)
-  share = cc.boolean(config, "serve.share_kv")
-  page_size = cc.integer(config, "serve.page_size", min_value=1)
-  cc.integer(config, "serve.max_num_batched_tokens", min_value=1)
-  cc.integer(config, "serve.max_num_seqs", min_value=1)
   _buckets(config, "serve.row_buckets", config.serve.max_num_seqs)
   _buckets(config, "serve.token_buckets", config.serve.max_num_batched_tokens)
   _buckets(config, "serve.column_buckets", None)
-  cc.integer(config, "serve.max_waiting", min_value=0)
-  cc.integer(config, "serve.max_logprobs", min_value=0, max_value=20)
-  cc.number(config, "serve.drain_timeout_s", min_value=0.0)
-  budget = cc.number(config, "serve.kv_budget_bytes", min_value=0.0, min_exclusive=True)
+  s = config.serve
+  share, page_size, budget = s.share_kv, s.page_size, float(s.kv_budget_bytes)
   need = -(-(cfg.max_seq_len - 1) // page_size)
   have = pages_for_budget(LoopedLM(cfg), budget, page_size, share, fmt or None)
   if have < need:
