@@ -23,7 +23,7 @@ from looped.checkpoints import model_record, restore
 from looped.data import tokenizers
 from looped.engine import checks, paged_cache
 from looped.engine.config import GenConfig
-from looped.engine.engine import Engine, pages_for_budget
+from looped.engine.engine import Engine, EngineConfig, pages_for_budget
 from looped.engine.requests import GenRequest
 from looped.engine.sampling import SamplingParams
 from looped.model import config as model_lib
@@ -190,13 +190,15 @@ def run(config, workdir: str, chosen: tuple[str, ...] = ()) -> dict[str, Any]:
   engine = Engine(
     model,
     params,
-    share_kv=g.share_kv,
-    kv_format=fmt,
-    num_pages=num_pages,
-    page_size=g.page_size,
-    max_num_batched_tokens=g.max_num_batched_tokens,
-    max_num_seqs=g.max_num_seqs,
-    max_model_len=cfg.max_seq_len,
+    EngineConfig(
+      share_kv=g.share_kv,
+      kv_format=fmt,
+      num_pages=num_pages,
+      page_size=g.page_size,
+      max_num_batched_tokens=g.max_num_batched_tokens,
+      max_num_seqs=g.max_num_seqs,
+      max_model_len=cfg.max_seq_len,
+    ),
     decode=tokenizer.decode,
   )
   stream = g.stream and len(prompts) == 1

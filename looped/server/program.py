@@ -24,7 +24,7 @@ from looped import schema
 from looped.checkpoints import model_record, restore
 from looped.data import tokenizers
 from looped.engine import checks, paged_cache
-from looped.engine.engine import Engine, pages_for_budget
+from looped.engine.engine import Engine, EngineConfig, pages_for_budget
 from looped.model import config as model_lib
 from looped.model.looped_lm import LoopedLM
 from looped.server import protocol
@@ -95,18 +95,20 @@ def build(config, chosen: tuple[str, ...] = ()) -> tuple[Any, EngineLoop]:
   engine = Engine(
     model,
     params,
-    share_kv=s.share_kv,
-    kv_format=fmt,
-    num_pages=pages_for_budget(model, s.kv_budget_bytes, s.page_size, s.share_kv, fmt),
-    page_size=s.page_size,
-    max_num_batched_tokens=s.max_num_batched_tokens,
-    max_num_seqs=s.max_num_seqs,
-    max_model_len=cfg.max_seq_len,
+    EngineConfig(
+      share_kv=s.share_kv,
+      kv_format=fmt,
+      num_pages=pages_for_budget(model, s.kv_budget_bytes, s.page_size, s.share_kv, fmt),
+      page_size=s.page_size,
+      max_num_batched_tokens=s.max_num_batched_tokens,
+      max_num_seqs=s.max_num_seqs,
+      max_model_len=cfg.max_seq_len,
+      top_logprobs=max(s.max_logprobs, 1),
+      row_buckets=_buckets(config, "serve.row_buckets", None) or None,
+      token_buckets=_buckets(config, "serve.token_buckets", None) or None,
+      column_buckets=_buckets(config, "serve.column_buckets", None) or None,
+    ),
     decode=tokenizer.decode,
-    top_logprobs=max(s.max_logprobs, 1),
-    row_buckets=_buckets(config, "serve.row_buckets", None) or None,
-    token_buckets=_buckets(config, "serve.token_buckets", None) or None,
-    column_buckets=_buckets(config, "serve.column_buckets", None) or None,
   )
   name = s.model_name or os.path.basename(os.path.normpath(s.checkpoint))
   return serve_engine(
