@@ -139,7 +139,20 @@ def _tiny_shape():
   # d 4, 2 query heads and 1 KV head of 4, SwiGLU 8, vocabulary 10, P/B/C 1/1/1, R 2.
   # Per layer: q, o 4*8 each, k, v 4*4 each, MLP 3*4*8: 64 + 32 + 96 = 192 parameters.
   # Layer executions L = 1 + 2 + 1 = 4; cached layers 4 unshared, 3 shared.
-  return shape.ModelShape(10, 4, 2, 1, 4, 8, "swiglu", 1, 1, 1, 2, True)
+  return shape.ModelShape(
+    vocab_size=10,
+    d_model=4,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=4,
+    mlp_dim=8,
+    mlp_type="swiglu",
+    num_prelude_layers=1,
+    num_core_layers=1,
+    num_coda_layers=1,
+    num_recurrences=2,
+    tie_embeddings=True,
+  )
 
 
 # Pages of 4 tokens, rows (1, 2, 4), tokens (1, 2, 4, 8), page-table widths (1, 2, 4) capped by

@@ -14,45 +14,26 @@ import functools
 from typing import Any
 
 from looped.model import cache_layout, mixer_interface
+from looped.model.config import ModelConfig
 
 _MLP_MATRICES = {"swiglu": 3, "relu2": 2}
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelShape:
-  """Shape of a looped LM: P prelude, B core (run R times) and C coda layers."""
+class ModelShape(ModelConfig):
+  """Shape of a looped LM: P prelude, B core (run R times) and C coda layers.
 
-  vocab_size: int
-  d_model: int
-  num_heads: int
-  num_kv_heads: int
-  head_dim: int
-  mlp_dim: int
-  mlp_type: str
-  num_prelude_layers: int
-  num_core_layers: int
-  num_coda_layers: int
-  num_recurrences: int
-  tie_embeddings: bool
-  # What the layers cache (defaults as ModelConfig's: an all-GQA model).
-  prelude_mixers: tuple[str, ...] = ("gqa",)
-  core_mixers: tuple[str, ...] = ("gqa",)
-  coda_mixers: tuple[str, ...] = ("gqa",)
-  mla_kv_rank: int = 64
-  mla_rope_dim: int = 32
-  kda_conv_size: int = 4
+  The model's own config (its fields are declared once, in looped/model/config.py) plus the
+  serving cost of that shape."""
 
   @classmethod
   def from_config(cls, model: Any) -> ModelShape:
-    """From a model config (ConfigDict or dict); the mixer fields may be absent (GQA)."""
-    value = lambda v: tuple(v) if isinstance(v, (list, tuple)) else v
-    return cls(
-      **{
-        f.name: value(model[f.name])
-        for f in dataclasses.fields(cls)
-        if f.default is dataclasses.MISSING or f.name in model
-      }
-    )
+    """From a model config (ConfigDict, dict or ModelConfig); absent fields take ModelConfig's
+    defaults, fields that are not the model's are ignored."""
+    if isinstance(model, ModelConfig):
+      return cls(**dataclasses.asdict(model))
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    value = lambda v: tuple(v) if isinstance(v, list) else v
+    return cls(**{k: value(model[k]) for k in model.keys() if k in names})
 
   def cache_layout(self, share_kv: bool) -> cache_layout.CacheLayout:
     return _layout(self, share_kv)
