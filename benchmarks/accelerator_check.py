@@ -70,7 +70,7 @@ import numpy as np  # noqa: E402
 
 import pallas_kernels  # noqa: E402
 from looped import kv_quant  # noqa: E402
-from looped.engine.engine import Engine  # noqa: E402
+from looped.engine.engine import Engine, EngineConfig  # noqa: E402
 from looped.engine.requests import GenRequest  # noqa: E402
 from looped.engine.sampling import SamplingParams  # noqa: E402
 from looped.model import LoopedLM, ModelConfig, flops, init_params  # noqa: E402
@@ -594,15 +594,17 @@ def check_engine(cfg, limits, share_kv: bool):
   engine = Engine(
     model,
     params,
-    share_kv=share_kv,
-    num_pages=n * pages,
-    page_size=page,
-    max_num_seqs=n,
-    max_num_batched_tokens=n * prompt,
-    max_model_len=length,
-    row_buckets=(n,),
-    token_buckets=(1, prompt, n * prompt),
-    column_buckets=(pages,),
+    EngineConfig(
+      share_kv=share_kv,
+      num_pages=n * pages,
+      page_size=page,
+      max_num_seqs=n,
+      max_num_batched_tokens=n * prompt,
+      max_model_len=length,
+      row_buckets=(n,),
+      token_buckets=(1, prompt, n * prompt),
+      column_buckets=(pages,),
+    ),
   )
   rng = np.random.default_rng(4)  # Distinct random prompts: no prefix-cache hits.
   requests = [
