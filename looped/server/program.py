@@ -129,6 +129,7 @@ def serve_engine(engine: Engine, tokenizer, name: str, *, max_waiting: int, max_
     max_logprobs=max_logprobs,
     max_pages=engine.num_pages,
     page_size=engine.config.page_size,
+    max_batch=max(1, max_waiting),
   )
   loop = EngineLoop(engine, max_waiting=max_waiting, metrics=Metrics(name)).start()
   app = create_app(loop, tokenizer, limits, stop_token_ids=(tokenizer.eos_id,))
