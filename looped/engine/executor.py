@@ -170,6 +170,30 @@ class ModelExecutor:
   def add(self, request: GenRequest) -> None:
     self.states[request.request_id] = RequestState(request, list(request.prompt_tokens))
 
+  def warmup(self, shapes, on_shape: Callable | None = None) -> None:
+    """Compiles (or loads from the persistent compilation cache) the step of each padded
+    (rows, tokens, columns) shape by running it once on no tokens: every row reads and writes
+    only the scratch page, so no cached K/V changes."""
+    for i, (b, q, columns) in enumerate(shapes):
+      zeros_B = np.zeros((b,), np.int32)
+      self.pages, *_ = self._step(
+        self.params,
+        self.pages,
+        np.zeros((b, q), np.int32),
+        np.full((b, columns), self.scratch_page, np.int32),
+        zeros_B,
+        zeros_B,
+        np.zeros((b,), np.float32),
+        zeros_B,
+        np.ones((b,), np.float32),
+        zeros_B,
+        zeros_B,
+        np.zeros((b, q), np.int32),
+      )
+      if on_shape is not None:
+        on_shape(i + 1, len(shapes))
+    jax.block_until_ready(self.pages)
+
   def pages_valid(self) -> bool:
     """False once a step failed after donating the pages to the device (they are gone)."""
     return not any(leaf.is_deleted() for leaf in jax.tree.leaves(self.pages))

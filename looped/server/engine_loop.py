@@ -38,6 +38,10 @@ class QueueFull(RuntimeError):
   """The waiting queue holds max_waiting requests already."""
 
 
+class Warming(RuntimeError):
+  """The engine is still compiling its step shapes (EngineLoop warmup)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Token:
   token: int
@@ -76,8 +80,10 @@ class _Tracked:
 
 
 class EngineLoop:
-  def __init__(self, engine: Engine, *, max_waiting: int, metrics: Metrics):
-    """max_waiting: requests queued (submitted, not yet running) beyond which submit refuses."""
+  def __init__(self, engine: Engine, *, max_waiting: int, metrics: Metrics, warmup: bool = False):
+    """max_waiting: requests queued (submitted, not yet running) beyond which submit refuses.
+    warmup: the thread first compiles every step shape (Engine.warmup) and only then is `ready`;
+    submit refuses (Warming) until it is, so no request waits for a compile."""
     self.engine = engine
     self.executor = engine.executor
     self.pool = pages_lib.PagePool(engine.num_pages)
@@ -96,6 +102,13 @@ class EngineLoop:
     self._t0 = time.monotonic()
     self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
     self.error: BaseException | None = None
+    self._warmup = warmup
+    self.ready = threading.Event()
+    self.warmup_s: float | None = None
+    self.warmup_progress = "starting"
+    self.warmup_shapes = 0
+    if not warmup:
+      self.ready.set()
     metrics.gauge("vllm:num_requests_running", "Requests in the running batch.", self.num_running)
     metrics.gauge("vllm:num_requests_waiting", "Requests queued.", self.num_waiting)
     metrics.gauge(
@@ -149,6 +162,8 @@ class EngineLoop:
     refuses (a second line of defence behind the HTTP checks: nothing unservable is queued)."""
     for request in requests:
       self.engine.check_request(request)
+    if not self.ready.is_set():
+      raise Warming(f"the server is warming up: compiling step shapes ({self.warmup_progress}).")
     with self._cond:
       if self._stopping:
         raise QueueFull("the server is shutting down.")
@@ -176,10 +191,25 @@ class EngineLoop:
 
   # -- The loop thread -------------------------------------------------------------------------
 
+  def _warm(self) -> None:
+    start = time.monotonic()
+
+    def progress(done: int, total: int) -> None:
+      self.warmup_progress = f"{done} of {total}"
+      if done == total or done % max(1, total // 4) == 0:
+        log.info("warm-up: %d of %d step shapes compiled", done, total)
+
+    self.warmup_shapes = self.engine.warmup(progress)
+    self.warmup_s = time.monotonic() - start
+    log.info("warm-up: %d step shapes in %.1f s", self.warmup_shapes, self.warmup_s)
+    self.ready.set()
+
   def _has_work(self) -> bool:
     return self.scheduler.has_work() or bool(self._quarantine)
 
   def _run(self) -> None:
+    if not self.ready.is_set():
+      self._warm()
     while True:
       with self._cond:
         while not (self._inbox or self._cancels or self._stopping or self._has_work()):
