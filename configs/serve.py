@@ -53,6 +53,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.serve.max_logprobs = 5  # Largest `logprobs` a request may ask for (as OpenAI's API).
   c.serve.drain_timeout_s = 600.0  # After SIGTERM, wait this long for requests in flight.
   c.serve.warmup = True  # Compile every step shape before serving (no request waits for one).
+  c.serve.max_body_bytes = 1 << 22  # Request bodies over this many bytes get HTTP 413.
   if "smoke" in args:
     c.serve.kv_budget_bytes = 4e6
   return c

@@ -15,11 +15,14 @@ at the chosen token.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+
+# Beyond this every temperature samples the same (near-uniform) distribution; the bound keeps
+# 1 / T and the logits' scaling finite in float32.
+MAX_TEMPERATURE = 100.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,8 +45,8 @@ class SamplingParams:
       raise bad("max_new_tokens", self.max_new_tokens, "must be an integer")
     if self.max_new_tokens < 1:
       raise bad("max_new_tokens", self.max_new_tokens, "must be >= 1")
-    if not 0 <= self.temperature < math.inf:
-      raise bad("temperature", self.temperature, "must be a finite number >= 0")
+    if not 0 <= self.temperature <= MAX_TEMPERATURE:
+      raise bad("temperature", self.temperature, f"must be in [0, {MAX_TEMPERATURE:g}]")
     if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
       raise bad("top_k", self.top_k, "must be an integer in [0, vocab_size] (0: no top-k)")
     if not 0 <= self.top_k <= vocab_size:

@@ -19,8 +19,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from looped.engine.requests import GenRequest
 from looped.engine.sampling import SamplingParams
-from looped.server import protocol
-from looped.server.engine_loop import Done, EngineLoop, Failed, QueueFull
+from looped.server import guards, openapi, protocol
+from looped.server.engine_loop import Done, EngineLoop, Failed, QueueFull, Warming
 
 _FINISH = {"length": "length", "stop_token": "stop", "stop_string": "stop"}
 
@@ -89,7 +89,7 @@ def _prompt_logprobs(out: _Logprobs, prompt: protocol.Prompt, positions: dict, t
 
 
 def _error(e: protocol.RequestError) -> JSONResponse:
-  return JSONResponse(e.payload(), status_code=e.status)
+  return JSONResponse(guards.error_body(str(e), e.status, e.param), status_code=e.status)
 
 
 async def _watch_disconnect(request: Request, on_gone) -> None:
@@ -106,15 +106,24 @@ def create_app(
 ) -> FastAPI:
   """stop_token_ids: tokens that end a request unless it sets ignore_eos (the tokenizer's EOS)."""
   app = FastAPI(title="looped", docs_url=None, redoc_url=None, openapi_url=None)
+  guards.install(app, limits.max_body_bytes)
   ids = itertools.count()
   metrics = loop.metrics
   created = int(time.time())
+  document = openapi.document(limits)
 
   @app.get("/health")
   async def health() -> Response:
     if not loop.alive():
-      return JSONResponse({"status": "unavailable"}, status_code=503)
+      return JSONResponse(guards.error_body("the engine is not running.", 503), status_code=503)
+    if not loop.ready.is_set():
+      message = f"warming up: compiling step shapes ({loop.warmup_progress})."
+      return JSONResponse(guards.error_body(message, 503), status_code=503)
     return JSONResponse({"status": "ok"})
+
+  @app.get("/openapi.json")
+  async def openapi_json() -> JSONResponse:
+    return JSONResponse(document)
 
   @app.get("/v1/models")
   async def models() -> JSONResponse:
@@ -148,32 +157,37 @@ def create_app(
 
   @app.post("/tokenize")
   async def tokenize(request: Request) -> JSONResponse:
-    try:
-      body = protocol.json_object(await request.body())
-      prompt = body.get("prompt")
+    def parse(raw: bytes) -> list[int]:
+      prompt = protocol.json_object(raw).get("prompt")
       if not isinstance(prompt, str):
         raise protocol.RequestError("prompt must be a string.", "prompt")
+      return [int(t) for t in tokenizer.encode(protocol.check_text(prompt, "prompt", "prompt"))]
+
+    try:
+      tokens = await asyncio.to_thread(parse, await request.body())
     except protocol.RequestError as e:
       return _error(e)
-    tokens = [int(t) for t in tokenizer.encode(prompt)]
     return JSONResponse(
       {"tokens": tokens, "count": len(tokens), "max_model_len": limits.max_model_len}
     )
 
   @app.post("/detokenize")
   async def detokenize(request: Request) -> JSONResponse:
-    try:
-      body = protocol.json_object(await request.body())
-      tokens = body.get("tokens")
+    def parse(raw: bytes) -> str:
+      tokens = protocol.json_object(raw).get("tokens")
       if not isinstance(tokens, list) or not all(
         protocol.is_int(t) and 0 <= t < limits.vocab_size for t in tokens
       ):
         raise protocol.RequestError(
           f"tokens must be a list of token ids in [0, {limits.vocab_size}).", "tokens"
         )
+      return tokenizer.decode(tokens)
+
+    try:
+      text = await asyncio.to_thread(parse, await request.body())
     except protocol.RequestError as e:
       return _error(e)
-    return JSONResponse({"prompt": tokenizer.decode(tokens)})
+    return JSONResponse({"prompt": text})
 
   @app.get("/metrics")
   async def prometheus() -> PlainTextResponse:
@@ -181,8 +195,8 @@ def create_app(
 
   @app.post("/v1/completions")
   async def completions(request: Request) -> Response:
-    try:
-      params = protocol.parse(await request.body(), tokenizer, limits)
+    try:  # Off the event loop: /health and streams go on while a large body is checked.
+      params = await asyncio.to_thread(protocol.parse, await request.body(), tokenizer, limits)
     except protocol.RequestError as e:
       metrics.inc("looped:requests_rejected_total", reason="invalid")
       return _error(e)
@@ -209,6 +223,8 @@ def create_app(
     except QueueFull as e:
       metrics.inc("looped:requests_rejected_total", reason="queue_full")
       return _error(protocol.RequestError(f"the server is busy: {e}", None, 429))
+    except Warming as e:
+      return _error(protocol.RequestError(str(e), None, 503))
     except ValueError as e:  # The engine's own checks (protocol.parse should have caught it).
       metrics.inc("looped:requests_rejected_total", reason="invalid")
       return _error(protocol.RequestError(str(e)))
@@ -243,10 +259,7 @@ def create_app(
         finished.add(r.request_id)
         if isinstance(event, Failed):
           gone()
-          return JSONResponse(
-            {"error": {"message": event.message, "type": "server_error", "param": None}},
-            status_code=event.status,
-          )
+          return JSONResponse(guards.error_body(event.message, event.status), event.status)
         choices.append(_choice(i, params, prompt, event, tokenizer))
         usage["prompt_tokens"] += len(prompt.tokens)
         usage["completion_tokens"] += len(event.tokens)
@@ -303,8 +316,7 @@ async def _stream(
     while True:
       event = await queue.get()
       if isinstance(event, Failed):
-        error = {"message": event.message, "type": "server_error", "param": None}
-        yield f"data: {json.dumps({'error': error})}\n\n"
+        yield f"data: {json.dumps(guards.error_body(event.message, event.status))}\n\n"
         break
       if isinstance(event, Done):
         finished.add(request.request_id)

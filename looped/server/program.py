@@ -75,6 +75,7 @@ def validate(config, chosen: tuple[str, ...] = ()) -> None:
   _buckets(config, "serve.column_buckets", None)
   cc.integer(config, "serve.max_waiting", min_value=0)
   cc.boolean(config, "serve.warmup")
+  cc.integer(config, "serve.max_body_bytes", min_value=1024)
   cc.integer(config, "serve.max_logprobs", min_value=0, max_value=20)
   cc.number(config, "serve.drain_timeout_s", min_value=0.0)
   budget = cc.number(config, "serve.kv_budget_bytes", min_value=0.0, min_exclusive=True)
@@ -123,6 +124,7 @@ def build(config, chosen: tuple[str, ...] = ()) -> tuple[Any, EngineLoop]:
     max_waiting=s.max_waiting,
     max_logprobs=s.max_logprobs,
     warmup=s.warmup,
+    max_body_bytes=s.max_body_bytes,
   )
 
 
@@ -134,6 +136,7 @@ def serve_engine(
   max_waiting: int,
   max_logprobs: int,
   warmup: bool = False,
+  max_body_bytes: int = 1 << 22,
 ):
   """An app and a started loop around an Engine (also what tests build directly); warmup: the
   loop compiles every step shape before it is ready (EngineLoop)."""
@@ -145,6 +148,7 @@ def serve_engine(
     max_pages=engine.num_pages,
     page_size=engine.config.page_size,
     max_batch=max(1, max_waiting),
+    max_body_bytes=max_body_bytes,
   )
   loop = EngineLoop(engine, max_waiting=max_waiting, metrics=Metrics(name), warmup=warmup)
   loop.start()

@@ -14,6 +14,8 @@ import math
 import secrets
 from typing import Any
 
+from looped.engine import sampling
+
 FIELDS = frozenset(
   {
     "model",
@@ -45,17 +47,6 @@ class RequestError(ValueError):
     self.param = param
     self.status = status
 
-  def payload(self) -> dict[str, Any]:
-    kind = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error"}
-    return {
-      "error": {
-        "message": str(self),
-        "type": kind.get(self.status, "server_error"),
-        "param": self.param,
-        "code": None,
-      }
-    }
-
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
@@ -68,6 +59,7 @@ class Limits:
   max_pages: int  # KV pages in the pool: a request needing more can never run.
   page_size: int
   max_batch: int = 256  # Prompts in one request (serve.max_waiting: a batch queues at once).
+  max_body_bytes: int = 1 << 22  # Request bodies over this many bytes get a 413.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,8 +199,10 @@ def parse(raw: bytes, tokenizer, limits: Limits) -> Completion:
   prompts = _prompts(body["prompt"], tokenizer, limits)
   max_tokens = _integer(body, "max_tokens", 16, 1)
   temperature = _number(body, "temperature", 1.0)
-  if temperature < 0:
-    raise RequestError(f"temperature must be >= 0, got {temperature}.", "temperature")
+  if not 0 <= temperature <= sampling.MAX_TEMPERATURE:
+    raise RequestError(
+      f"temperature must be in [0, {sampling.MAX_TEMPERATURE:g}], got {temperature}.", "temperature"
+    )
   top_p = _number(body, "top_p", 1.0)
   if not 0 < top_p <= 1:
     raise RequestError(f"top_p must be in (0, 1], got {top_p}.", "top_p")
@@ -225,7 +219,7 @@ def parse(raw: bytes, tokenizer, limits: Limits) -> Completion:
   else:
     raise RequestError(f"stop must be a string or a list of strings, got {stop!r}.", "stop")
   if len(stop) > MAX_STOP_STRINGS or not all(stop):
-    raise RequestError(f"stop must hold 1 to {MAX_STOP_STRINGS} non-empty strings.", "stop")
+    raise RequestError(f"stop must hold at most {MAX_STOP_STRINGS} non-empty strings.", "stop")
   for i, s in enumerate(stop):
     if len(s) > MAX_STOP_CHARS:
       raise RequestError(f"stop[{i}] is {len(s)} characters; at most {MAX_STOP_CHARS}.", "stop")
@@ -234,7 +228,8 @@ def parse(raw: bytes, tokenizer, limits: Limits) -> Completion:
   if not is_int(n) or n != 1:
     raise RequestError(f"n must be 1 (one completion per prompt), got {n!r}.", "n")
   stream = _boolean(body, "stream", False)
-  options = body.get("stream_options") or {}
+  options = body.get("stream_options")
+  options = {} if options is None else options
   if not isinstance(options, dict) or set(options) - {"include_usage"}:
     raise RequestError("stream_options may only hold include_usage.", "stream_options")
   include_usage = _boolean(options, "include_usage", False)
