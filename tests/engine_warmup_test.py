@@ -66,6 +66,9 @@ class WarmupTest(absltest.TestCase):
       page_size=4,
       max_num_batched_tokens=6,
       max_num_seqs=3,
+      row_buckets=(3,),  # Few shapes: each compile takes seconds on a CPU.
+      token_buckets=(2, 6),
+      column_buckets=(2,),
     )
     shapes = engine.warmup()
     step = executor_lib.compiled_step(cfg, True, None, True, False, 0)
@@ -79,7 +82,7 @@ class WarmupTest(absltest.TestCase):
     engine.generate(requests)
     self.assertGreater(len(engine.executor.step_log), 5)
     seen = {tuple(s["bucket"]) for s in engine.executor.step_log}
-    self.assertGreater(len(seen), 2)
+    self.assertGreater(len(seen), 1)
     self.assertEqual(step._cache_size(), compiled)
 
 

@@ -277,9 +277,9 @@ class EngineLoop:
 
   def _restart(self, message: str) -> None:
     """Fresh pages, pool and scheduler: the cached K/V every request relied on are gone, so
-    every request in flight fails (none can be resumed)."""
-    for seq in list(self.scheduler.running) + list(self.scheduler.waiting) + list(self._quarantine):
-      self._fail(seq.request.request_id, 500, message)
+    every request in flight fails (none can be resumed). The new pool is in place before any
+    request hears of its failure."""
+    lost = list(self.scheduler.running) + list(self.scheduler.waiting) + list(self._quarantine)
     self._quarantine.clear()
     self._probe = None
     self.executor.reset_pages()
@@ -287,6 +287,8 @@ class EngineLoop:
     stats = self.scheduler.stats
     self.scheduler = scheduler_lib.Scheduler(self.engine.config, self.pool, self.executor)
     self.scheduler.stats = stats
+    for seq in lost:
+      self._fail(seq.request.request_id, 500, message)
 
   def _on_token(self, state: RequestState) -> None:
     """Called by the executor after each generated token (inside the step)."""
