@@ -53,7 +53,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from configs import pretrain  # noqa: E402
 from looped.engine import padding, paged_cache  # noqa: E402
-from looped.engine.engine import Engine, pages_for_budget  # noqa: E402
+from looped.engine.engine import Engine, EngineConfig, pages_for_budget  # noqa: E402
 from looped.engine.executor import ModelExecutor, powers_of_two  # noqa: E402
 from looped.engine.requests import GenRequest  # noqa: E402
 from looped.engine.sampling import SamplingParams  # noqa: E402
@@ -88,12 +88,14 @@ def throughput(model, params, requests, budget, args):
       engine = Engine(
         model,
         params,
-        share_kv=share,
-        num_pages=num_pages,
-        page_size=PAGE,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=seqs,
-        max_model_len=args.max_model_len,
+        EngineConfig(
+          share_kv=share,
+          num_pages=num_pages,
+          page_size=PAGE,
+          max_num_batched_tokens=args.max_num_batched_tokens,
+          max_num_seqs=seqs,
+          max_model_len=args.max_model_len,
+        ),
       )
       assert engine.executor.padding == _padding(args, seqs, share)  # What the replay prices.
       engine.generate(requests)  # Compiles every bucket this workload meets.

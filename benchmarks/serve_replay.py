@@ -244,7 +244,7 @@ def engine_alone(args, requests, warmup, share_kv: bool, num_pages: int) -> dict
   simulator). Separates the engine's own speed from the server's overhead."""
   from looped.checkpoints import restore
   from looped.data.tokenizers import BytesTokenizer
-  from looped.engine.engine import Engine
+  from looped.engine.engine import Engine, EngineConfig
   from looped.engine.requests import GenRequest
   from looped.engine.sampling import SamplingParams
   from looped.model import config as model_lib
@@ -259,14 +259,16 @@ def engine_alone(args, requests, warmup, share_kv: bool, num_pages: int) -> dict
     engine = Engine(
       model,
       params,
-      share_kv=share_kv,
-      num_pages=num_pages,
-      page_size=args.page_size,
-      max_num_batched_tokens=args.max_num_batched_tokens,
-      max_num_seqs=args.max_num_seqs,
-      row_buckets=tuple(args.row_buckets),
-      token_buckets=tuple(args.token_buckets),
-      column_buckets=tuple(args.column_buckets),
+      EngineConfig(
+        share_kv=share_kv,
+        num_pages=num_pages,
+        page_size=args.page_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        row_buckets=tuple(args.row_buckets),
+        token_buckets=tuple(args.token_buckets),
+        column_buckets=tuple(args.column_buckets),
+      ),
       decode=BytesTokenizer().decode,
     )
     gens = engine.generate(

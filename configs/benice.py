@@ -18,16 +18,20 @@ and MLA 3:1 over the distinct layers: prelude KDA, core KDA + MLA, coda KDA; doc
 
   python -m looped.main --config=configs/benice.py:smoke,kda --workdir=/tmp/benice_kda
 
-Stage configs: pretraining reads seed/model/data/depth/train (fields and comments as in
-configs/pretrain.py). Both post-training stages (standard finetune and BeNice!) read the same
-with `post.depth` in place of `depth` and `post.train`'s fields in place of those of `train`,
-so they share data order, steps, optimizer and schedule.
+Stage configs: pretraining reads seed/model/data/depth/train (as configs/pretrain.py sets
+them; each section's fields, docs and ranges are in its schema, listed by `--help`). Both
+post-training stages (standard finetune and BeNice!) read the same with `post.depth` in place
+of `depth` and `post.train`'s fields in place of those of `train`, so they share data order,
+steps, optimizer and schedule.
 """
 
 import ml_collections
 
 import configs
 from configs import pretrain
+from looped import schema
+from looped.benice.config import BeniceConfig, EvalConfig, PipelineConfig
+from looped.train.config import DepthConfig
 
 # Mixer per stage (prelude, core, coda) for each mixer arg; patterns repeat over the layers.
 MIXERS = {
@@ -57,7 +61,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
 
   # seed, model, data, depth and train of stage 1, with `smoke`/`fixed` applied as there.
   c = pretrain.get_config(",".join(sorted(args - {"zero_shot", "composition"} - set(MIXERS))))
-  if mixer:
+  if mixer:  # The mixer of every stage's layers (patterns repeat over the layers).
     m = c.model
     m.prelude_mixers, m.core_mixers, m.coda_mixers = MIXERS[mixer.pop()]
   c.program = "benice"  # Which program main runs: the whole BeNice! pipeline.
@@ -68,13 +72,13 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.train.eval_every = c.train.num_steps // 2  # Pretraining steps between validation passes.
   c.train.checkpoint_every = c.train.num_steps // 2  # Pretraining steps between checkpoints.
 
+  # Sections: every field, default, doc and range in its schema (see `--help`).
   c.post = ml_collections.ConfigDict()  # Post-training: standard finetune and BeNice! alike.
-  c.post.depth = ml_collections.ConfigDict()  # Replaces config.depth in post-training.
-  c.post.depth.sampler = "fixed"  # 'fixed' (train at depth R, as evaluated), 'poisson', ...
-  c.post.depth.poisson_mean = 2.0  # Mean of the truncated Poisson depth (sampler='poisson').
-  c.post.depth.survival = 0.7  # Keep probability per recurrence (sampler='bernoulli').
-  c.post.depth.backprop_recurrences = 0  # Only the last k active recurrences get gradient.
-  c.post.train = ml_collections.ConfigDict()  # These fields replace config.train's.
+  # Replaces config.depth in post-training: looped/train/config.py (DepthConfig).
+  c.post.depth = schema.defaults(DepthConfig)
+  c.post.depth.sampler = "fixed"  # Train at depth R, as evaluated.
+  # These fields replace config.train's (looped/train/config.py, TrainConfig) in post-training.
+  c.post.train = ml_collections.ConfigDict()
   c.post.train.num_steps = 200  # Post-training steps (both arms).
   c.post.train.learning_rate = 1e-3  # Peak learning rate (both arms).
   c.post.train.warmup_steps = 20  # Linear warmup steps.
@@ -82,69 +86,43 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.post.train.eval_every = 100  # Steps between validation passes (unshared val_loss).
   c.post.train.checkpoint_every = 100  # Steps between checkpoints.
 
-  c.benice = ml_collections.ConfigDict()  # The BeNice! objective (looped/benice/objectives.py).
-  c.benice.read_recurrences = "all"  # Which recurrences read the broadcast K/V: 'all', 'first'
-  # (the paper's wording) or 'none' (control: the shared pass is then the unshared forward).
-  c.benice.shared_ce_weight = 1.0  # Weight of the CE of the shared pass.
-  c.benice.unshared_ce_weight = 1.0  # Weight of the CE of the unshared pass.
-  c.benice.kl_weight = 0.0  # Weight of KL(frozen pretrained model || student) (0: off).
-  c.benice.kl_pass = "shared"  # Student pass the KL applies to: 'shared', 'unshared', 'both'.
-  c.benice.residual_weight = 0.0  # Weight of shared-vs-unshared state matching (0: off).
-  c.benice.kv_passes = 0  # Shared Jacobi passes (no gradient) before the broadcast K/V are
-  # taken: 0 = the unshared pass's final K/V (the paper); n = trained pass is Jacobi pass n + 1.
-  # 3 closed the fixed-depth gap where 0 did not (docs/results.md, ablation (c)), at +25% time.
-  c.benice.kv_passes_ramp_steps = 0  # Curriculum: kv_passes grows 0 -> kv_passes over these
-  # steps, each count an equal share (0: kv_passes from the first step).
-  c.benice.distill_weight = 0.0  # Weight of KL(sg(unshared pass) || shared pass) (0: off).
-  c.benice.shared_ramp_steps = 0  # Shared-pass weights ramp 0 -> value over these steps (0: off).
-
-  c.eval = ml_collections.ConfigDict()  # Shareability evaluation of each model.
-  c.eval.jacobi_passes = (1, 4)  # Jacobi shared-pass counts reported (one compilation for all).
-  c.eval.decode_batches = 0  # First N eval batches also measured by exact decode (0: all).
-  c.eval.decode_rows = 0  # Rows per exact-decode call (a multiple of the eval batch; 0: all).
-  c.eval.kv_formats = ("bf16", "fp8", "mxfp8", "nvfp4")  # Cache formats also evaluated.
-  c.eval.samples = 2  # Eval rows each model continues greedily in the report (0: none).
-  c.eval.sample_prompt_tokens = 48  # Prompt: the first tokens of each of those rows.
-  c.eval.sample_new_tokens = 48  # Greedy tokens generated, unshared and with the shared cache.
-
-  c.pipeline = ml_collections.ConfigDict()  # Reuse of finished stages from other runs.
-  c.pipeline.pretrain_workdir = ""  # Finished pretraining run to start from ('' = train one).
-  c.pipeline.finetune_workdir = ""  # Finished standard-finetune run ('' = train one).
-  c.pipeline.models = ("zero_shot", "finetune", "benice")  # Models trained and evaluated.
+  c.benice = schema.defaults(BeniceConfig)  # The objective: looped/benice/config.py.
+  c.eval = schema.defaults(EvalConfig)  # Shareability evaluation: looped/benice/config.py.
+  c.pipeline = schema.defaults(PipelineConfig)  # Reuse of finished stages: the same file.
 
   if "smoke" in args:
-    c.train.num_steps = 20
-    c.train.eval_every = 20
-    c.train.checkpoint_every = 20
-    c.post.train.num_steps = 6
-    c.post.train.warmup_steps = 2
-    c.post.train.log_every = 2
-    c.post.train.eval_every = 6
-    c.post.train.checkpoint_every = 6
-    c.eval.jacobi_passes = (1, 2)
-    c.eval.decode_batches = 1
-    c.eval.kv_formats = ("nvfp4",)
-    c.eval.samples = 1
-    c.eval.sample_prompt_tokens = 8
-    c.eval.sample_new_tokens = 8
+    c.train.num_steps = 20  # Pretraining steps.
+    c.train.eval_every = 20  # One validation pass, at the end.
+    c.train.checkpoint_every = 20  # One checkpoint, at the end.
+    c.post.train.num_steps = 6  # Post-training steps.
+    c.post.train.warmup_steps = 2  # Linear warmup steps.
+    c.post.train.log_every = 2  # Steps between metrics records.
+    c.post.train.eval_every = 6  # One validation pass, at the end.
+    c.post.train.checkpoint_every = 6  # One checkpoint, at the end.
+    c.eval.jacobi_passes = (1, 2)  # Jacobi shared-pass counts reported.
+    c.eval.decode_batches = 1  # Exact decode on the first eval batch.
+    c.eval.kv_formats = ("nvfp4",)  # One cache format.
+    c.eval.samples = 1  # One sample row in the report.
+    c.eval.sample_prompt_tokens = 8  # Short prompts.
+    c.eval.sample_new_tokens = 8  # Short continuations.
   if "fixed" in args:  # Chosen by experiments/gap_sweep.sh (docs/results.md, the gap sweep).
-    c.model.injection = "linear"
-    c.model.num_prelude_layers = 0
-    c.model.num_coda_layers = 0
+    c.model.injection = "linear"  # A non-contracting loop.
+    c.model.num_prelude_layers = 0  # No prelude: the core's attention does all the mixing.
+    c.model.num_coda_layers = 0  # No coda, likewise.
     c.benice.kv_passes = 3  # Recommended where there is a gap (docs/results.md, ablation (c)).
     # The 200-step recipe stays: no recipe of docs/benice_recipe.md meets all its targets yet.
   if "composition" in args:  # 4 mixers x 2 arms x 2 seeds (experiments/composition.sh).
-    c.train.num_steps = 300
-    c.train.eval_every = 150
-    c.train.checkpoint_every = 150
-    c.post.train.num_steps = 100
-    c.post.train.warmup_steps = 10
-    c.post.train.eval_every = 50
-    c.post.train.checkpoint_every = 50
+    c.train.num_steps = 300  # Pretraining steps.
+    c.train.eval_every = 150  # Pretraining validation passes.
+    c.train.checkpoint_every = 150  # Pretraining checkpoints.
+    c.post.train.num_steps = 100  # Post-training steps.
+    c.post.train.warmup_steps = 10  # Linear warmup steps.
+    c.post.train.eval_every = 50  # Post-training validation passes.
+    c.post.train.checkpoint_every = 50  # Post-training checkpoints.
     c.eval.decode_batches = 2  # Exact decode on the first 32 rows; Jacobi passes on all 128.
-    c.eval.kv_formats = ("bf16", "fp8", "nvfp4")
-    c.eval.samples = 0
+    c.eval.kv_formats = ("bf16", "fp8", "nvfp4")  # Three cache formats.
+    c.eval.samples = 0  # No sample rows.
   if "zero_shot" in args:  # Pretraining and its zero-shot evaluation only (sweeps).
-    c.pipeline.models = ("zero_shot",)
-    c.eval.kv_formats = ()
+    c.pipeline.models = ("zero_shot",)  # Only the pretrained model.
+    c.eval.kv_formats = ()  # No cache formats.
   return c

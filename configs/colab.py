@@ -57,15 +57,15 @@ def benice_config(runtime: Runtime, small: bool = False) -> ml_collections.Confi
   c = benice.get_config("")
   c.model.dtype = "bfloat16"  # Accelerator recipe: bf16 compute, fp32 master params.
   if runtime.platform == "tpu":
-    m = c.model
+    m = c.model  # Wider: 8 query heads and 4 KV heads of 64, MLP 3 d_model.
     m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 512, 8, 4, 64, 1536
-    m.max_seq_len = 512
-    c.data.seq_len = 512
+    m.max_seq_len = 512  # Longer rows.
+    c.data.seq_len = 512  # Tokens per row: the model's whole context.
     per_core = 8
     c.data.batch_size = per_core * runtime.num_devices  # Divisible by the data axis.
-    c.data.eval_batch_size = per_core * runtime.num_devices
-    c.train.num_steps = 2000
-    c.post.train.num_steps = 400
+    c.data.eval_batch_size = per_core * runtime.num_devices  # Likewise.
+    c.train.num_steps = 2000  # Pretraining steps.
+    c.post.train.num_steps = 400  # Post-training steps (both arms).
   return c
 
 

@@ -14,12 +14,12 @@ checkpoints/0.
 
 import ml_collections
 
+from looped import schema
+from looped.convert.config import ConvertConfig
+
 
 def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.program = "convert"  # Which program main runs.
-  c.convert = ml_collections.ConfigDict()
-  c.convert.source = ""  # Hugging Face folder: config.json, *.safetensors, tokenizer.json.
-  c.convert.num_recurrences = 0  # R recorded for the model (0: the family's default depth).
-  c.convert.max_seq_len = 0  # Longest sequence recorded for the model (0: config.json's).
+  c.convert = schema.defaults(ConvertConfig)  # looped/convert/config.py: every field, doc, range.
   return c

@@ -21,6 +21,9 @@ import ml_collections
 
 import configs
 from configs import pretrain
+from looped import schema
+from looped.data.config import TOKENIZER_FIELDS, DataConfig
+from looped.engine.config import GenConfig
 
 VARIANTS = {
   "smoke": "the model of configs/pretrain.py:smoke (its trainer workdirs), 16 new tokens",
@@ -32,35 +35,14 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
 
   c = ml_collections.ConfigDict()
   c.program = "generate"  # Which program main runs.
+  # Sections: every field, default, doc and range in its schema (see `--help`).
   c.model = pretrain.model_config()  # The model, if the checkpoint records none (old workdirs).
-  c.data = ml_collections.ConfigDict()
-  c.data.tokenizer = "bytes"  # 'bytes', 'sentencepiece' or 'huggingface' (recorded: ignored).
-  c.data.spm_path = ""  # SentencePiece model file for tokenizer='sentencepiece'.
-  c.data.tokenizer_json = ""  # Hugging Face tokenizer.json for tokenizer='huggingface'.
-
-  c.gen = ml_collections.ConfigDict()
-  c.gen.checkpoint = ""  # Trainer workdir, pipeline stage dir or converted model (checkpoints/).
-  c.gen.step = -1  # Checkpoint step to load (-1: the latest).
-  c.gen.prompts = ""  # One prompt, a tuple of prompts, or a file: .jsonl ({"prompt": ...} per
-  # line) or text (one prompt per line; '\n' in a line stands for a newline).
-  c.gen.share_kv = True  # KV-sharing: cache only the final recurrence's K/V of core layers.
-  c.gen.kv_format = ""  # Page storage: '' (raw, compute dtype), 'bf16', 'fp8', 'mxfp8',
-  # 'mxfp8_rceil', 'nvfp4'.
-  c.gen.kv_budget_bytes = 64e6  # KV page pool in bytes (None: room for every prompt at once).
-  c.gen.page_size = 16  # Tokens per KV page (prefix-cache granularity).
-  c.gen.max_num_batched_tokens = 64  # Per-step token budget (decodes + prefill chunks).
-  c.gen.max_num_seqs = 8  # Cap on requests running at once.
-  c.gen.max_new_tokens = 64  # Tokens generated per prompt at most.
-  c.gen.temperature = 0.0  # 0: greedy; > 0: sample from softmax(logits / temperature).
-  c.gen.top_k = 0  # Sample among the k most likely tokens (0: all).
-  c.gen.top_p = 1.0  # Nucleus sampling mass in (0, 1] (1: off).
-  c.gen.seed = 0  # Sampler seed; prompt i uses seed + i.
-  c.gen.stop_strings = ()  # Generated text containing one of these ends the prompt's output.
-  c.gen.stop_at_eos = True  # The tokenizer's EOS ends a prompt's output.
-  c.gen.stream = True  # With a single prompt, print its text as it is generated.
+  # The tokenizer's fields of looped/data/config.py (DataConfig) (recorded: ignored).
+  c.data = schema.defaults(DataConfig, only=TOKENIZER_FIELDS)
+  c.gen = schema.defaults(GenConfig)  # looped/engine/config.py (GenConfig).
 
   if "smoke" in args:
     pretrain.smoke_model(c.model)
-    c.gen.max_new_tokens = 16
-    c.gen.kv_budget_bytes = 4e6
+    c.gen.max_new_tokens = 16  # Short outputs.
+    c.gen.kv_budget_bytes = 4e6  # Room for the smoke model's pages.
   return c

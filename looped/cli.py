@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import glob
 import importlib
 import importlib.util
 import os
@@ -19,6 +20,7 @@ import sys
 from absl import flags, logging
 
 import configs
+from looped import schema
 from looped.config_checks import ConfigError
 
 EXIT_USAGE = 2
@@ -35,7 +37,7 @@ def usage() -> str:
     "Usage: python -m looped.main --config=configs/FILE.py[:VARIANT[,VARIANT]] --workdir=DIR "
     "[--config.FIELD=VALUE ...]",
     "",
-    "Config files (every field is commented in its file):",
+    "Config files (--config=FILE --help lists every field with its doc and valid values):",
   ]
   for name, module in _config_modules():
     summary = (module.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
@@ -155,14 +157,30 @@ def check_overrides(config, argv: list[str]) -> None:
       )
 
 
+def field_doc(path: str, comments: dict[str, str]) -> str:
+  """The doc of config field `path` ('config.model.d_model'): its section schema's doc and
+  valid values (configs.SECTIONS), else the field's comment in the config file."""
+  section, _, name = path.removeprefix("config.").rpartition(".")
+  schema_cls = configs.SECTIONS.get(section)
+  described = schema.describe(schema_cls, name) if schema_cls is not None else None
+  return described or comments.get(name, "")
+
+
 def config_help(spec: str) -> str:
-  """`--config=FILE[:ARGS] --help`: every field of that config with its default and comment."""
+  """`--config=FILE[:ARGS] --help`: every field of that config with its default, doc and valid
+  values (from its section's schema; the file's comment for a field outside the sections)."""
   module, config = load_config(spec)
-  comments = _field_comments(spec.partition(":")[0])
+  path = spec.partition(":")[0]
+  # Comments of the fields outside the sections; one that another config file sets (seed, which
+  # configs/benice.py takes from configs/pretrain.py) keeps its comment there.
+  comments = {}
+  for other in sorted(glob.glob(os.path.join(os.path.dirname(path) or ".", "*.py"))):
+    comments.update(_field_comments(other))
+  comments.update(_field_comments(path))
   doc = (module.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
   lines = [f"{spec}: {doc}", "", "Fields (override with --config.FIELD=VALUE):"]
-  for name, leaf, value in _leaves(config):
-    comment = comments.get(leaf, "")
+  for name, _, value in _leaves(config):
+    comment = field_doc(name, comments)
     lines.append(f"  {name} = {value!r}" + (f"  # {comment}" if comment else ""))
   variants = getattr(module, "VARIANTS", {})
   if variants:

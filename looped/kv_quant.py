@@ -292,17 +292,17 @@ def _e2m1_encode(y_f32: jax.Array) -> jax.Array:
 # JAX backend) because strided even/odd slices made XLA:CPU's fused quantizer ~7x slower.
 
 
-def _pack_nibbles(codes_Nx2: jax.Array) -> jax.Array:
+def _pack_nibbles(codes: jax.Array) -> jax.Array:
   """uint8 [..., n, 2] codes < 16 -> [..., n] bytes, element 2i in the low nibble."""
-  v = lax.bitcast_convert_type(codes_Nx2, jnp.uint16)  # codes[0] | codes[1] << 8
+  v = lax.bitcast_convert_type(codes, jnp.uint16)  # codes[0] | codes[1] << 8
   return (v | (v >> 4)).astype(jnp.uint8)
 
 
-def _unpack_nibbles(packed_N: jax.Array) -> jax.Array:
+def _unpack_nibbles(packed: jax.Array) -> jax.Array:
   """[..., n] bytes -> uint8 [..., 2n] codes, the inverse of _pack_nibbles."""
-  v = (packed_N & 0xF).astype(jnp.uint16) | ((packed_N >> 4).astype(jnp.uint16) << 8)
+  v = (packed & 0xF).astype(jnp.uint16) | ((packed >> 4).astype(jnp.uint16) << 8)
   codes = lax.bitcast_convert_type(v, jnp.uint8)
-  return codes.reshape(*packed_N.shape[:-1], packed_N.shape[-1] * 2)
+  return codes.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
 def _quantize_nvfp4(x_f32: jax.Array, tensor_scale) -> QuantizedKV:

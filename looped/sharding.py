@@ -18,6 +18,7 @@ weight [embed, mlp] puts it on embed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -29,9 +30,34 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from looped import config_checks as cc
+from looped import schema
+from looped.schema import field as schema_field
 
 AXES = ("data", "fsdp", "tensor")  # Mesh axes, outermost first (data crosses hosts/slices).
 BATCH_AXES = ("data", "fsdp")  # The mesh axes the batch is split over.
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """`config.mesh` (docs/scaling.md): sizes multiply to the device count; looped.schema derives
+  the config files' ConfigDict, the range checks and help, `mesh_shape` the rest."""
+
+  data: int = schema_field(
+    -1, "Data parallel: batch split, params replicated (-1: the devices left over).", min=-1
+  )
+  fsdp: int = schema_field(
+    1, "Fully sharded data parallel: batch split, params and Adam moments sharded.", min=-1
+  )
+  tensor: int = schema_field(
+    1, "Tensor parallel: heads, KV heads, MLP width and vocabulary split.", min=-1
+  )
+  cpu_devices: int = schema_field(
+    0,
+    "CPU backend of `python -m looped.main`: devices the host is split into (0: one per core, "
+    "as many as mesh and batch divide; 1: one multi-threaded device).",
+    min=0,
+  )
+
 
 # Logical axes whose sharding is optional: with fewer KV heads (GQA) or a vocabulary not
 # divisible by the tensor axis they are replicated instead (what MaxText does for KV heads).
@@ -42,7 +68,7 @@ def mesh_shape(mesh_cfg, num_devices: int) -> dict[str, int]:
   """{axis: size} of config.mesh with its one -1 resolved; ConfigError if it does not fit."""
   sizes = {}
   for axis in AXES:
-    size = cc.integer(mesh_cfg, axis, min_value=-1)
+    size = cc.integer({"mesh": mesh_cfg}, f"mesh.{axis}", min_value=-1)
     if size == 0:
       cc.fail(f"mesh.{axis}", size, "must be >= 1, or -1 for the rest of the devices")
     sizes[axis] = size
@@ -68,6 +94,7 @@ def mesh_shape(mesh_cfg, num_devices: int) -> dict[str, int]:
 def validate(config, num_devices: int | None = None) -> dict[str, int]:
   """Checks config.mesh / mesh_rules against the devices, batch and model shape (no compute)."""
   num_devices = jax.device_count() if num_devices is None else num_devices
+  schema.validate(MeshConfig, config, "mesh")
   sizes = mesh_shape(cc.get(config, "mesh"), num_devices)
   _check_rules(cc.get(config, "mesh_rules"))
   batch_shards = sizes["data"] * sizes["fsdp"]
@@ -97,7 +124,8 @@ def validate(config, num_devices: int | None = None) -> dict[str, int]:
 def cpu_device_count(config, cores: int) -> int:
   """Devices to split a CPU host into: config.mesh.cpu_devices, or for 0 the most, up to
   `cores`, that config.mesh, the batch sizes and the model divide evenly (validate)."""
-  wanted = cc.integer(config, "mesh.cpu_devices", min_value=0)
+  schema.validate(MeshConfig, config, "mesh")
+  wanted = config.mesh.cpu_devices
   if wanted:
     return wanted
   for n in range(max(cores, 1), 1, -1):

@@ -9,7 +9,7 @@ import numpy as np
 from absl.testing import absltest
 
 from looped.engine import sampling
-from looped.engine.engine import Engine
+from looped.engine.engine import Engine, EngineConfig
 from looped.engine.requests import GenRequest
 from looped.engine.sampling import SamplingParams
 from looped.model import init_params
@@ -125,16 +125,18 @@ class EngineSamplingTest(absltest.TestCase):
     return Engine(
       self.model,
       self.params,
-      share_kv=True,
-      num_pages=16,
-      page_size=4,
-      max_num_batched_tokens=8,
-      max_num_seqs=4,
-      row_buckets=(4,),
-      token_buckets=(8,),
-      column_buckets=(),  # One page-table width: fewer compilations.
+      EngineConfig(
+        share_kv=True,
+        num_pages=16,
+        page_size=4,
+        max_num_batched_tokens=8,
+        max_num_seqs=4,
+        row_buckets=(4,),
+        token_buckets=(8,),
+        column_buckets=(),  # One page-table width: fewer compilations.
+        **kw,
+      ),
       decode=_decode,
-      **kw,
     )
 
   def test_logprobs_and_seeds_through_the_engine(self):

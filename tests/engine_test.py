@@ -9,7 +9,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 from looped.engine import padding, paged_cache
-from looped.engine.engine import Engine
+from looped.engine.engine import Engine, EngineConfig
 from looped.engine.requests import GenRequest
 from looped.engine.sampling import SamplingParams
 from looped.model import init_params
@@ -95,17 +95,19 @@ class EngineLogitsTest(parameterized.TestCase):
     engine = Engine(
       model,
       params,
-      share_kv=share_kv,
-      kv_format=kv_format,
-      num_pages=10,
-      page_size=4,
-      max_num_batched_tokens=8,
-      max_num_seqs=3,
-      row_buckets=(3,),
-      token_buckets=(8,),
-      column_buckets=(),  # One page-table width: fewer compilations.
-      record_logits=True,
-      check_invariants=True,
+      EngineConfig(
+        share_kv=share_kv,
+        kv_format=kv_format,
+        num_pages=10,
+        page_size=4,
+        max_num_batched_tokens=8,
+        max_num_seqs=3,
+        row_buckets=(3,),
+        token_buckets=(8,),
+        column_buckets=(),  # One page-table width: fewer compilations.
+        record_logits=True,
+        check_invariants=True,
+      ),
     )
     gens = engine.generate(requests)
     summary = engine.summary(gens)
@@ -151,14 +153,16 @@ class EngineConcurrencyTest(parameterized.TestCase):
     engine = Engine(
       model,
       params,
-      share_kv=share_kv,
-      num_pages=num_pages,
-      page_size=page_size,
-      row_buckets=(8,),
-      token_buckets=(16,),
+      EngineConfig(
+        share_kv=share_kv,
+        num_pages=num_pages,
+        page_size=page_size,
+        row_buckets=(8,),
+        token_buckets=(16,),
+        check_invariants=True,
+        **sched_config,
+      ),
       clock=price(),
-      check_invariants=True,
-      **sched_config,
     )
     gens = engine.generate(requests)
     expected = _greedy_reference(model, params, requests, share_kv)
@@ -197,17 +201,41 @@ class PagedCacheTest(absltest.TestCase):
     self.assertEqual(paged_cache.bytes_per_token(CFG, False, "fp8"), 8 * 2 * (32 + 4))
 
   def test_executor_pads_as_the_simulator_prices(self):
-    engine = Engine(LoopedLM(CFG), None, share_kv=False, kv_format="fp8", num_pages=4, page_size=4)
+    engine = Engine(
+      LoopedLM(CFG),
+      None,
+      EngineConfig(
+        share_kv=False,
+        kv_format="fp8",
+        num_pages=4,
+        page_size=4,
+      ),
+    )
     expected = padding.Padding.engine_default(engine.config, sequential=True)
     self.assertEqual(engine.executor.padding, expected)
 
   def test_kda_is_refused(self):
     cfg = dataclasses.replace(CFG, core_mixers=("kda",))
     with self.assertRaisesRegex(ValueError, "kda"):
-      Engine(LoopedLM(cfg), None, share_kv=True, num_pages=4)
+      Engine(
+        LoopedLM(cfg),
+        None,
+        EngineConfig(
+          share_kv=True,
+          num_pages=4,
+        ),
+      )
 
   def test_unservable_request_is_refused_before_compute(self):
-    engine = Engine(LoopedLM(CFG), _params(), share_kv=True, num_pages=2, page_size=4)
+    engine = Engine(
+      LoopedLM(CFG),
+      _params(),
+      EngineConfig(
+        share_kv=True,
+        num_pages=2,
+        page_size=4,
+      ),
+    )
     long = GenRequest(7, tuple(range(10)), SamplingParams(max_new_tokens=4))
     with self.assertRaisesRegex(ValueError, "request 7: needs 4 KV pages"):
       engine.generate([long])

@@ -13,7 +13,7 @@ from absl.testing import absltest, parameterized
 
 import looped_testing as testing
 from looped.engine import executor as executor_lib
-from looped.engine.engine import Engine
+from looped.engine.engine import Engine, EngineConfig
 from looped.engine.padding import Padding
 from looped.engine.requests import GenRequest
 from looped.engine.sampling import SamplingParams
@@ -61,14 +61,16 @@ class WarmupTest(absltest.TestCase):
     engine = Engine(
       model,
       params,
-      share_kv=True,
-      num_pages=16,
-      page_size=4,
-      max_num_batched_tokens=6,
-      max_num_seqs=3,
-      row_buckets=(3,),  # Few shapes: each compile takes seconds on a CPU.
-      token_buckets=(2, 6),
-      column_buckets=(2,),
+      EngineConfig(
+        share_kv=True,
+        num_pages=16,
+        page_size=4,
+        max_num_batched_tokens=6,
+        max_num_seqs=3,
+        row_buckets=(3,),  # Few shapes: each compile takes seconds on a CPU.
+        token_buckets=(2, 6),
+        column_buckets=(2,),
+      ),
     )
     shapes = engine.warmup()
     step = executor_lib.compiled_step(cfg, True, None, True, False, 0)

@@ -7,7 +7,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 import looped_testing as testing
-from looped.engine.engine import Engine
+from looped.engine.engine import Engine, EngineConfig
 from looped.engine.requests import GenRequest
 from looped.engine.sampling import SamplingParams
 from looped.model import init_params
@@ -67,16 +67,18 @@ class PositionLogprobsTest(parameterized.TestCase):
     engine = Engine(
       model,
       params,
-      share_kv=share_kv,
-      num_pages=8,
-      page_size=4,
-      max_num_batched_tokens=5,  # Prompts of 7 and 9 tokens: chunked prefill.
-      max_num_seqs=2,
-      row_buckets=(2,),
-      token_buckets=(5,),
-      column_buckets=(),
-      record_logits=True,
-      top_logprobs=3,
+      EngineConfig(
+        share_kv=share_kv,
+        num_pages=8,
+        page_size=4,
+        max_num_batched_tokens=5,  # Prompts of 7 and 9 tokens: chunked prefill.
+        max_num_seqs=2,
+        row_buckets=(2,),
+        token_buckets=(5,),
+        column_buckets=(),
+        record_logits=True,
+        top_logprobs=3,
+      ),
     )
     prompt = tuple(range(3, 12))
     requests = [
@@ -115,7 +117,15 @@ class SubmitTest(absltest.TestCase):
     # Behind the HTTP checks: a request the engine cannot serve never reaches the queue.
     model = LoopedLM(testing.TINY_MODEL)
     params = init_params(model, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
-    engine = Engine(model, params, share_kv=True, num_pages=8, page_size=4)
+    engine = Engine(
+      model,
+      params,
+      EngineConfig(
+        share_kv=True,
+        num_pages=8,
+        page_size=4,
+      ),
+    )
     loop = EngineLoop(engine, max_waiting=4, metrics=Metrics("tiny"))  # Not started.
     for sampling, pattern in (
       (SamplingParams(temperature=float("nan")), "temperature"),

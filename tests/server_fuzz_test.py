@@ -23,7 +23,7 @@ from schemathesis.generation import GenerationMode
 
 import looped_testing as testing
 from looped.data.tokenizers import BytesTokenizer
-from looped.engine.engine import Engine
+from looped.engine.engine import Engine, EngineConfig
 from looped.model import init_params
 from looped.model.looped_lm import LoopedLM
 from looped.server import client, openapi, program, protocol
@@ -55,15 +55,17 @@ class ServerFuzzTest(absltest.TestCase):
     engine = Engine(
       LoopedLM(_MODEL),
       params,
-      share_kv=True,
-      num_pages=32,
-      page_size=4,
-      max_num_batched_tokens=16,
-      max_num_seqs=4,
-      row_buckets=(4,),
-      token_buckets=(16,),
+      EngineConfig(
+        share_kv=True,
+        num_pages=32,
+        page_size=4,
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        row_buckets=(4,),
+        token_buckets=(16,),
+        top_logprobs=5,
+      ),
       decode=tok.decode,
-      top_logprobs=5,
     )
     app, cls.loop = program.serve_engine(
       engine, tok, "tiny", max_waiting=16, max_logprobs=5, max_body_bytes=1 << 16

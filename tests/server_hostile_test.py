@@ -24,7 +24,7 @@ from absl.testing import absltest
 
 import looped_testing as testing
 from looped.data.tokenizers import BytesTokenizer
-from looped.engine.engine import Engine
+from looped.engine.engine import Engine, EngineConfig
 from looped.model import init_params
 from looped.model.looped_lm import LoopedLM
 from looped.server import client, program, protocol
@@ -39,14 +39,16 @@ def _engine(params, tok, **kwargs):
   return Engine(
     LoopedLM(_MODEL),
     params,
-    share_kv=True,
-    num_pages=32,
-    page_size=4,
-    max_num_batched_tokens=16,
-    max_num_seqs=4,
+    EngineConfig(
+      share_kv=True,
+      num_pages=32,
+      page_size=4,
+      max_num_batched_tokens=16,
+      max_num_seqs=4,
+      top_logprobs=5,
+      **kwargs,
+    ),
     decode=tok.decode,
-    top_logprobs=5,
-    **kwargs,
   )
 
 

@@ -19,7 +19,7 @@ from absl.testing import absltest, parameterized
 
 import looped_testing as testing
 from looped.engine import sampling
-from looped.engine.engine import Engine
+from looped.engine.engine import Engine, EngineConfig
 from looped.engine.requests import GenRequest
 from looped.engine.sampling import SamplingParams
 from looped.model import init_params
@@ -35,13 +35,15 @@ def _engine(model, params, share_kv):
   return Engine(
     model,
     params,
-    share_kv=share_kv,
-    num_pages=24,
-    page_size=4,
-    max_num_batched_tokens=8,  # Chunked prefill: the poisoned prompt shares steps with others.
-    max_num_seqs=4,
-    row_buckets=(4,),
-    token_buckets=(8,),
+    EngineConfig(
+      share_kv=share_kv,
+      num_pages=24,
+      page_size=4,
+      max_num_batched_tokens=8,  # Chunked prefill: the poisoned prompt shares steps with others.
+      max_num_seqs=4,
+      row_buckets=(4,),
+      token_buckets=(8,),
+    ),
   )
 
 

@@ -23,7 +23,7 @@ from absl.testing import absltest
 
 import looped_testing as testing
 from looped.data.tokenizers import BytesTokenizer
-from looped.engine.engine import Engine
+from looped.engine.engine import Engine, EngineConfig
 from looped.engine.requests import GenRequest
 from looped.engine.sampling import SamplingParams
 from looped.model import init_params
@@ -73,16 +73,18 @@ def _engine(params, tok):
   return Engine(
     LoopedLM(_MODEL),
     params,
-    share_kv=True,
-    num_pages=40,  # 160 tokens: under 3 requests at their longest, so requests are preempted.
-    page_size=4,
-    max_num_batched_tokens=32,
-    max_num_seqs=8,
-    row_buckets=(8,),
-    token_buckets=(32,),
-    column_buckets=(16,),
+    EngineConfig(
+      share_kv=True,
+      num_pages=40,  # 160 tokens: under 3 requests at their longest, so requests are preempted.
+      page_size=4,
+      max_num_batched_tokens=32,
+      max_num_seqs=8,
+      row_buckets=(8,),
+      token_buckets=(32,),
+      column_buckets=(16,),
+      top_logprobs=5,
+    ),
     decode=tok.decode,
-    top_logprobs=5,
   )
 
 

@@ -68,9 +68,9 @@ METRICS_VERSION = 3  # Bumped when the metrics change, so cached evaluations are
 
 
 class StatsFns(NamedTuple):
-  jacobi: Callable  # (params, inputs, targets, max_passes) -> (ce_PxB, residual_R, relative_R)
+  jacobi: Callable  # (params, inputs, targets, max_passes) -> (ce_IxB, residual_R, relative_R)
   decode: Callable  # (params, inputs, targets) -> ce_B of exact shared decode
-  drift: Callable  # (params, inputs) -> (dk_LxR, dv_LxR, k_L, v_L) squared norms
+  drift: Callable  # (params, inputs) -> squared norms (dk, dv [layer, R]; k, v [layer])
 
 
 @functools.lru_cache(maxsize=16)
@@ -80,7 +80,7 @@ def make_stats_fns(cfg: ModelConfig, kv_format: str | None = None) -> StatsFns:
   model = LoopedLM(cfg)
 
   def jacobi(params, inputs_BxT, targets_BxT, max_passes):
-    """Row CE after 0, 1, ..., max_passes shared passes (P = max_passes + 1 rows)."""
+    """Row CE after 0, 1, ..., max_passes shared passes (I = max_passes + 1 rows)."""
     ce = lambda logits: jnp.sum(token_cross_entropy(logits, targets_BxT), axis=1)
     logits, aux = jacobi_forward(model, params, inputs_BxT, 0, kv_format=kv_format)
 
@@ -88,9 +88,9 @@ def make_stats_fns(cfg: ModelConfig, kv_format: str | None = None) -> StatsFns:
       logits, aux = shared_pass(model, params, inputs_BxT, final_kv, kv_format=kv_format)
       return aux["final_kv"], ce(logits)
 
-    _, ce_NxB = jax.lax.scan(next_pass, aux["final_kv"], None, length=max_passes)
-    ce_PxB = jnp.concatenate([ce(logits)[None], ce_NxB])
-    return ce_PxB, aux["residual_norm_R"], aux["relative_residual_R"]
+    _, shared_ce_IxB = jax.lax.scan(next_pass, aux["final_kv"], None, length=max_passes)
+    ce_IxB = jnp.concatenate([ce(logits)[None], shared_ce_IxB])
+    return ce_IxB, aux["residual_norm_R"], aux["relative_residual_R"]
 
   def decode(params, inputs_BxT, targets_BxT):
     logits, _ = decode_forward(model, params, inputs_BxT, share_kv=True, kv_format=kv_format)
@@ -108,9 +108,10 @@ def make_stats_fns(cfg: ModelConfig, kv_format: str | None = None) -> StatsFns:
       for kv in aux["cache"].layers["core"]
     ]
     for index in (0, 1):  # Per layer (entry sizes differ between mixers), then stacked.
-      x_RxN = [kv[index].reshape(cfg.num_recurrences, -1).astype(jnp.float32) for kv in entries]
-      out.append(jnp.stack([jnp.sum((x - x[-1]) ** 2, axis=-1) for x in x_RxN]))
-      out.append(jnp.stack([jnp.sum(x[-1] ** 2) for x in x_RxN]))
+      # Per layer [R, the entry's values].
+      flat = [kv[index].reshape(cfg.num_recurrences, -1).astype(jnp.float32) for kv in entries]
+      out.append(jnp.stack([jnp.sum((x - x[-1]) ** 2, axis=-1) for x in flat]))
+      out.append(jnp.stack([jnp.sum(x[-1] ** 2) for x in flat]))
     dk, k, dv, v = out
     return dk, dv, k, v
 
@@ -172,10 +173,10 @@ def evaluate(
   residual_R, relative_R = 0.0, 0.0
   for batch in eval_batches:
     inputs, targets = place(batch["inputs"]), place(batch["targets"])
-    ce_PxB, res_R, rel_R = fns.jacobi(params, inputs, targets, passes[-1])
-    ce_PxB = np.asarray(ce_PxB, np.float64)
+    ce_IxB, res_R, rel_R = fns.jacobi(params, inputs, targets, passes[-1])
+    ce_IxB = np.asarray(ce_IxB, np.float64)
     for n in passes:
-      ce_rows[n].append(ce_PxB[n])
+      ce_rows[n].append(ce_IxB[n])
     residual_R = residual_R + np.asarray(res_R, np.float64)
     relative_R = relative_R + np.asarray(rel_R, np.float64)
   ce_rows = {n: np.concatenate(v) for n, v in ce_rows.items()}

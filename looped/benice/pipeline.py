@@ -27,16 +27,17 @@ from absl import logging
 
 from looped import config_checks as cc
 from looped import data as data_lib
-from looped import kv_quant, sharding
+from looped import kv_quant, schema, sharding
 from looped import model as model_lib
 from looped.benice import evaluation, objectives, report, samples, stages, timing
+from looped.benice.config import MODEL_NAMES, BeniceConfig, EvalConfig, PipelineConfig
 from looped.checkpoints import checkpointing, model_record
 from looped.data import tokenizers
 from looped.model.looped_lm import LoopedLM
 from looped.train import objectives as train_objectives
 from looped.train import trainer
 
-MODELS = {"zero_shot": stages.PRETRAIN, "finetune": stages.FINETUNE, "benice": stages.BENICE}
+MODELS = dict(zip(MODEL_NAMES, stages.STAGES, strict=True))  # Model name -> its stage.
 MODELS_OF_STAGE = {stage: name for name, stage in MODELS.items()}
 
 
@@ -58,7 +59,8 @@ def validate(config, chosen: tuple[str, ...] = ()) -> None:
   config = _with_source_model(config, chosen)
   for stage in stages.STAGES:
     stages.validate_stage(config, stage)
-  models = cc.get(config, "pipeline.models")
+  schema.validate(PipelineConfig, config, "pipeline")
+  models = config.pipeline.models
   if (
     not isinstance(models, (tuple, list))
     or not models
@@ -68,12 +70,7 @@ def validate(config, chosen: tuple[str, ...] = ()) -> None:
     cc.fail(
       "pipeline.models", models, f"must be a non-empty tuple of distinct names from {tuple(MODELS)}"
     )
-  cc.choice(config, "benice.read_recurrences", objectives.READ_MODES)
-  for name in ("shared_ce_weight", "unshared_ce_weight", "kl_weight", "residual_weight"):
-    cc.number(config, "benice." + name, min_value=0.0)
-  cc.choice(config, "benice.kl_pass", objectives.KL_PASSES)
-  cc.integer(config, "benice.kv_passes", min_value=0)
-  cc.number(config, "benice.distill_weight", min_value=0.0)
+  schema.validate(BeniceConfig, config, "benice")
   for name in ("shared_ramp_steps", "kv_passes_ramp_steps"):
     cc.integer(config, "benice." + name, min_value=0, max_value=config.post.train.num_steps)
   b = config.benice
@@ -83,7 +80,8 @@ def validate(config, chosen: tuple[str, ...] = ()) -> None:
   if sum(weights) + b.distill_weight <= 0:
     cc.fail("benice.shared_ce_weight", b.shared_ce_weight, "some loss weight must be > 0")
 
-  passes = cc.get(config, "eval.jacobi_passes")
+  schema.validate(EvalConfig, config, "eval")
+  passes = config.eval.jacobi_passes
   if (
     not isinstance(passes, (tuple, list))
     or not passes
@@ -103,7 +101,7 @@ def validate(config, chosen: tuple[str, ...] = ()) -> None:
     config, "eval.decode_batches", min_value=0, max_value=num_eval_batches
   )
   decode_batches = decode_batches or num_eval_batches
-  rows = cc.integer(config, "eval.decode_rows", min_value=0)
+  rows = config.eval.decode_rows
   batch = config.data.eval_batch_size
   if rows and (rows % batch or (decode_batches * batch) % rows):
     cc.fail(
@@ -116,7 +114,7 @@ def validate(config, chosen: tuple[str, ...] = ()) -> None:
   prompt = cc.integer(
     config, "eval.sample_prompt_tokens", min_value=1, max_value=config.data.seq_len
   )
-  new = cc.integer(config, "eval.sample_new_tokens", min_value=1)
+  new = config.eval.sample_new_tokens
   if num_samples and prompt + new > config.model.max_seq_len:  # No samples: no length limit.
     cc.fail(
       "eval.sample_new_tokens",
@@ -125,7 +123,7 @@ def validate(config, chosen: tuple[str, ...] = ()) -> None:
       f"{config.model.max_seq_len}",
     )
   for name, stage in (("pretrain_workdir", "pretrain"), ("finetune_workdir", "finetune")):
-    path = cc.string(config, "pipeline." + name, allow_empty=True)
+    path = config.pipeline[name]
     if path and stages.latest_step(path) is None:
       cc.fail("pipeline." + name, path, f"must be a {stage} run directory with a checkpoint")
   if config.pipeline.finetune_workdir:

@@ -13,7 +13,7 @@ import json
 
 import numpy as np
 
-from looped.engine.engine import Engine
+from looped.engine.engine import Engine, EngineConfig
 from looped.engine.requests import GenRequest
 from looped.engine.sampling import SamplingParams
 from looped.model.looped_lm import LoopedLM
@@ -44,15 +44,17 @@ def generate(model: LoopedLM, params, prompt_ids, new_tokens: int, decode) -> li
     engine = Engine(
       model,
       params,
-      share_kv=layout == "shared",
-      num_pages=n * pages,
-      page_size=PAGE_SIZE,
-      max_num_seqs=n,
-      max_num_batched_tokens=n * prompt,
-      max_model_len=length,
-      row_buckets=(n,),
-      token_buckets=(1, prompt, n * prompt),
-      column_buckets=(pages,),
+      EngineConfig(
+        share_kv=layout == "shared",
+        num_pages=n * pages,
+        page_size=PAGE_SIZE,
+        max_num_seqs=n,
+        max_num_batched_tokens=n * prompt,
+        max_model_len=length,
+        row_buckets=(n,),
+        token_buckets=(1, prompt, n * prompt),
+        column_buckets=(pages,),
+      ),
       decode=decode,
     )
     requests = [

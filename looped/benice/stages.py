@@ -131,17 +131,43 @@ def _recorded_digests(stage_dir: str) -> set[str]:
   return {as_written, _digest(_strip(recorded))}
 
 
-# A model field added to looped after a stage was recorded is absent from its stage_config.json;
-# the stage was trained with the behaviour the field's default keeps, so that default matches.
-_MODEL_DEFAULTS = json.loads(
+# A field added to looped after a stage was recorded is absent from its stage_config.json; the
+# stage was trained with the behaviour the field's default keeps, so that default matches.
+# Model fields: every ModelConfig field at its default (as JSON writes it).
+_MODEL_FIELD_DEFAULTS = json.loads(
   json.dumps({f"model.{f.name}": f.default for f in dataclasses.fields(ModelConfig)})
 )
-# BeNice! recipe fields added later, at the values that leave the objective unchanged, and data
-# fields added later at the values that leave the data unchanged.
-_MODEL_DEFAULTS.update(
-  {"benice.distill_weight": 0.0, "benice.shared_ramp_steps": 0, "benice.kv_passes_ramp_steps": 0}
-)
-_MODEL_DEFAULTS.update({"data.tokenizer_json": ""})
+# Fields outside the model added later: BeNice! recipe fields at the values that leave the
+# objective unchanged, data fields at the values that leave the data unchanged.
+_ADDED_RECIPE_AND_DATA_DEFAULTS = {
+  "benice.distill_weight": 0.0,
+  "benice.shared_ramp_steps": 0,
+  "benice.kv_passes_ramp_steps": 0,
+  "data.tokenizer_json": "",
+}
+_ADDED_FIELD_DEFAULTS = {**_MODEL_FIELD_DEFAULTS, **_ADDED_RECIPE_AND_DATA_DEFAULTS}
+
+
+def _upgrade_old_record(record: dict, current: dict) -> dict:
+  """A recorded stage config (without its parent) in today's layout, to compare with `current`
+  (today's fingerprint of the same stage). Accepts two older layouts:
+
+  - a record written before a field joined the fields that may change on resume (placement,
+    how-to-compute model fields, cadence) still holds it: it is stripped (`_strip`);
+  - a record written before a field was added (`_ADDED_FIELD_DEFAULTS`) lacks it: where this
+    run sets the field to the default that keeps the old behaviour, it is filled in, so it is no
+    difference; set to anything else it stays absent and is reported as such.
+  """
+  record = _strip(record)
+  for name, default in _ADDED_FIELD_DEFAULTS.items():
+    section, field = name.split(".", 1)
+    old, new = record.get(section), current.get(section)
+    if isinstance(old, dict) and isinstance(new, dict) and field not in old:
+      if field in new and new[field] == default:
+        old[field] = new[field]
+  return record
+
+
 _ABSENT = object()
 
 
@@ -151,13 +177,10 @@ def _differences(old, new, prefix="") -> list[str]:
     for key in sorted(set(old) | set(new)):
       out += _differences(old.get(key, _ABSENT), new.get(key, _ABSENT), f"{prefix}{key}.")
     return out
-  name = prefix[:-1]
-  if old is _ABSENT and name in _MODEL_DEFAULTS and new == _MODEL_DEFAULTS[name]:
-    return []
   if old == new:
     return []
   show = lambda v: "(absent)" if v is _ABSENT else repr(v)
-  return [f"{name}: {show(old)} -> {show(new)}"]
+  return [f"{prefix[:-1]}: {show(old)} -> {show(new)}"]
 
 
 def fingerprint_hash(stage_cfg) -> str:
@@ -220,7 +243,7 @@ def begin(stage_dir: str, stage_cfg, parent: dict | None = None) -> None:
     old_parent = recorded.pop("parent", None)
     if parent is not None and old_parent is not None:
       check_parent(os.path.basename(stage_dir), stage_dir, parent)
-    changed = _differences(_strip(recorded), current)
+    changed = _differences(_upgrade_old_record(recorded, current), current)
     if changed:
       raise cc.ConfigError(
         f"{stage_dir} was started with a different config ({'; '.join(changed)}). "

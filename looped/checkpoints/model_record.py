@@ -25,6 +25,7 @@ import os
 import ml_collections
 
 from looped import config_checks as cc
+from looped.data.config import TOKENIZER_FIELDS
 from looped.model.config import ModelConfig
 
 FILENAME = "model_config.json"
@@ -39,7 +40,6 @@ EXECUTION_FIELDS = (
 )
 # Fields a reader of a checkpoint may choose (the record's value otherwise); not when resuming.
 READER_FIELDS = ("num_recurrences",)
-TOKENIZER_FIELDS = ("tokenizer", "spm_path", "tokenizer_json")
 # Paths a record may hold relative to its directory (a converted checkpoint's tokenizer.json).
 _PATH_FIELDS = ("spm_path", "tokenizer_json")
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}

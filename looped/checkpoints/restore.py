@@ -35,8 +35,8 @@ def has_checkpoint(path: str) -> bool:
 
 
 def check_checkpoint(config, section: str) -> None:
-  """`{section}.checkpoint` holds a checkpoint and `{section}.step` is valid (generation and
-  the server read a checkpoint alike)."""
+  """`{section}.checkpoint` holds a checkpoint (generation and the server read a checkpoint
+  alike; their schemas check `{section}.step`)."""
   checkpoint = cc.string(config, f"{section}.checkpoint")
   if not os.path.isdir(checkpoint):
     cc.fail(f"{section}.checkpoint", checkpoint, "must be an existing trainer workdir or stage dir")
@@ -44,4 +44,3 @@ def check_checkpoint(config, section: str) -> None:
     cc.fail(
       f"{section}.checkpoint", checkpoint, "holds no checkpoint (no checkpoints/STEP directory)"
     )
-  cc.integer(config, f"{section}.step", min_value=-1)

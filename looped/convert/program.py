@@ -23,9 +23,10 @@ import numpy as np
 from absl import logging
 
 from looped import config_checks as cc
-from looped import convert
+from looped import convert, schema
 from looped.checkpoints import checkpointing, model_record
 from looped.convert import common, hf_folder
+from looped.convert.config import ConvertConfig
 from looped.data import tokenizers
 from looped.model import config as model_lib
 from looped.model.looped_lm import LoopedLM, init_params
@@ -49,9 +50,8 @@ def model_fields(config, folder: hf_folder.HFFolder) -> dict:
 
 
 def _check(config) -> tuple[hf_folder.HFFolder, dict]:
-  source = cc.string(config, "convert.source")
-  cc.integer(config, "convert.num_recurrences", min_value=0)
-  cc.integer(config, "convert.max_seq_len", min_value=0)
+  schema.validate(ConvertConfig, config, "convert")
+  source = config.convert.source
   folder = hf_folder.open_folder(source)
   family = convert.family(folder.architecture)
   fields = model_fields(config, folder)

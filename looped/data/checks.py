@@ -1,4 +1,5 @@
-"""validate(config): every config.data field, checked before any compute.
+"""validate(config): every config.data field, checked before any compute: the ranges its
+schema declares (looped/data/config.py), then the rules relating fields, files and devices.
 
 Cheap by design: it lists files (a glob, the stdlib tree) and opens a SentencePiece model, but
 reads no corpus. Problems only the data can reveal (an empty corpus, a validation split too small
@@ -12,64 +13,27 @@ import os
 import jax
 
 from looped import config_checks as cc
+from looped import schema
 from looped.data import sources, tokenizers
-
-SOURCES = ("stdlib", "text", "tfds")
-TOKENIZERS = ("bytes", "sentencepiece", "huggingface")
-FIELDS = (
-  "source",
-  "text_glob",
-  "tfds_name",
-  "tfds_data_dir",
-  "tfds_train_split",
-  "tfds_eval_split",
-  "tfds_text_key",
-  "tokenizer",
-  "spm_path",
-  "tokenizer_json",
-  "val_fraction",
-  "max_documents",
-  "segment_bytes",
-  "seq_len",
-  "batch_size",
-  "eval_batch_size",
-  "num_eval_batches",
-  "shuffle",
-  "worker_count",
-)
+from looped.data.config import DataConfig
 
 
 def validate(config) -> None:
   """Raises ConfigError naming the field and the allowed values for any bad config.data value."""
-  data = cc.get(config, "data")
-  unknown = sorted(set(data.keys()) - set(FIELDS))
-  if unknown:
-    raise cc.ConfigError(
-      f"config.data has unknown field(s) {unknown}; known fields: {', '.join(FIELDS)}."
-    )
-  source = cc.choice(config, "data.source", SOURCES)
-  tokenizer = cc.choice(config, "data.tokenizer", TOKENIZERS)
-  for field in ("text_glob", "tfds_name", "tfds_data_dir", "spm_path", "tokenizer_json"):
-    cc.string(config, f"data.{field}", allow_empty=True)
+  schema.validate(DataConfig, config, "data")
+  data = config.data
+  source, tokenizer = data.source, data.tokenizer
   for field in ("tfds_train_split", "tfds_eval_split", "tfds_text_key"):
     cc.string(config, f"data.{field}", allow_empty=source != "tfds")
-  val_fraction = cc.number(config, "data.val_fraction", min_value=0.0, min_exclusive=True)
-  if val_fraction >= 1:
-    cc.fail("data.val_fraction", val_fraction, "must be < 1 (the rest is the train split)")
-  cc.integer(config, "data.max_documents", min_value=0)
-  cc.integer(config, "data.segment_bytes", min_value=0)
-  cc.integer(config, "data.seq_len", min_value=1)
+  if data.val_fraction >= 1:
+    cc.fail("data.val_fraction", data.val_fraction, "must be < 1 (the rest is the train split)")
   max_seq_len = cc.get(config, "model.max_seq_len")
   if data.seq_len > max_seq_len:
     cc.fail("data.seq_len", data.seq_len, f"must be <= config.model.max_seq_len = {max_seq_len}")
   for field in ("batch_size", "eval_batch_size"):
-    cc.integer(config, f"data.{field}", min_value=1)
     cc.divides(config, f"data.{field}", jax.process_count(), "jax.process_count()")
     # Each batch is split over every device of the data mesh, not only over processes.
     cc.divides(config, f"data.{field}", jax.device_count(), "jax.device_count()")
-  cc.integer(config, "data.num_eval_batches", min_value=1)
-  cc.boolean(config, "data.shuffle")
-  cc.integer(config, "data.worker_count", min_value=0)
 
   if source == "text":
     cc.string(config, "data.text_glob")

@@ -31,10 +31,11 @@ def gather_rows(stream: np.ndarray, row_ids, seq_len: int) -> np.ndarray:
   return stream[starts + np.arange(seq_len + 1)].astype(np.int32)
 
 
-def to_example(rows_BxT1: np.ndarray) -> dict[str, np.ndarray]:
-  """Splits packed rows into the model's {'inputs', 'targets'} (targets = inputs shifted by 1)."""
-  rows_BxT1 = np.asarray(rows_BxT1, np.int32)
-  return {"inputs": rows_BxT1[:, :-1], "targets": rows_BxT1[:, 1:]}
+def to_example(rows: np.ndarray) -> dict[str, np.ndarray]:
+  """Splits packed rows [B, T + 1] into the model's {'inputs', 'targets'} (each [B, T]; targets
+  = inputs shifted by 1)."""
+  rows = np.asarray(rows, np.int32)
+  return {"inputs": rows[:, :-1], "targets": rows[:, 1:]}
 
 
 class PackedRowsIterDataset(grain.IterDataset):

@@ -1,5 +1,6 @@
 """Generation on the serving scheduler: page pool, prefix cache, continuous batching, the model.
 
+An `EngineConfig` holds what an engine serves with (layout, budget, limits, padded shapes).
 `Engine.generate` queues requests (by arrival time), lets looped.scheduler.scheduler decide every
 step (admission, chunked prefill, prefix-cache hits, preemption by recompute) exactly as the
 simulator does, and runs each step on the model through `ModelExecutor`. Time is the engine's
@@ -10,6 +11,7 @@ hit rate, identical to the simulator's for the same requests.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,74 +34,96 @@ def pages_for_budget(
   return int(budget_bytes // per_page)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+  """What an Engine serves with: the cache layout and budget, the scheduler's limits and the
+  padded shapes it compiles. Plain values, so one config can be logged, compared and reused."""
+
+  # Cache only the final recurrence's core K/V (docs/design.md §3): fewer bytes per token.
+  share_kv: bool
+  # KV pages in the pool: the memory budget (pages_for_budget converts a byte budget).
+  num_pages: int
+  # Format the cached K/V are stored in (looped.kv_quant; None: raw compute-dtype arrays).
+  kv_format: str | None = None
+  # Tokens per page: the unit of allocation and of prefix-cache hits.
+  page_size: int = 16
+  # Tokens one step computes over all rows; longer prompts are prefilled in chunks.
+  max_num_batched_tokens: int = 64
+  # Requests one step holds (batch rows); more wait in the queue.
+  max_num_seqs: int = 8
+  # Longest prompt + output a request may have (None: the model's max_seq_len).
+  max_model_len: int | None = None
+  # Padded row counts, one compilation each (None: powers of two up to max_num_seqs).
+  row_buckets: tuple[int, ...] | None = None
+  # Padded token counts per step (None: powers of two up to max_num_batched_tokens).
+  token_buckets: tuple[int, ...] | None = None
+  # Padded page-table widths; a step attends over column_bucket * page_size slots
+  # (None: powers of two up to max_model_len's page-table width).
+  column_buckets: tuple[int, ...] | None = None
+  # Run a chunk's tokens one at a time (None: under sharing or a KV format, so cached pages
+  # depend only on their prefix).
+  sequential: bool | None = None
+  # Keep every computed position's logits per request (tests compare them with a reference).
+  record_logits: bool = False
+  # Check the page pool's and scheduler's invariants every step (tests; slower).
+  check_invariants: bool = False
+  # k > 0 lets requests with position_logprobs record each position's next-token logprob and
+  # top k (ModelExecutor).
+  top_logprobs: int = 0
+
+
 class Engine:
   def __init__(
     self,
     model: LoopedLM,
     params,
+    config: EngineConfig,
     *,
-    share_kv: bool,
-    kv_format: str | None = None,
-    num_pages: int,
-    page_size: int = 16,
-    max_num_batched_tokens: int = 64,
-    max_num_seqs: int = 8,
-    max_model_len: int | None = None,
-    row_buckets: tuple[int, ...] | None = None,
-    token_buckets: tuple[int, ...] | None = None,
-    column_buckets: tuple[int, ...] | None = None,
-    sequential: bool | None = None,
     clock: scheduler_lib.Executor | None = None,
-    record_logits: bool = False,
     decode: Callable[[Sequence[int]], str] | None = None,
-    check_invariants: bool = False,
-    top_logprobs: int = 0,
   ):
-    """num_pages: KV pages in the pool (pages_for_budget converts a byte budget).
-
-    row_buckets / token_buckets / column_buckets: padded batch shapes, one compilation each
-    (defaults: powers of two up to max_num_seqs / max_num_batched_tokens / the page-table width
-    of max_model_len); a step attends over column_bucket * page_size slots.
-    top_logprobs: k > 0 lets requests with position_logprobs record each position's next-token
-    logprob and top k (ModelExecutor).
-    """
+    """config: what to serve with (EngineConfig). clock: an executor whose priced duration of a
+    step is the engine's time instead of the measured wall time (e.g. the simulator's cost
+    model). decode: token ids -> text, for each request's generated text."""
+    c = config
     paged_cache.check_model(model.cfg)
-    if num_pages < 1:
-      raise ValueError(f"num_pages = {num_pages}: the KV budget holds no page.")
+    if c.num_pages < 1:
+      raise ValueError(f"num_pages = {c.num_pages}: the KV budget holds no page.")
     self.model = model
-    self.max_model_len = max_model_len or model.cfg.max_seq_len
+    self.engine_config = config
+    self.max_model_len = c.max_model_len or model.cfg.max_seq_len
     self.config = scheduler_lib.SchedulerConfig(
-      page_size, max_num_batched_tokens, max_num_seqs, self.max_model_len
+      c.page_size, c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len
     )
-    row_buckets = tuple(sorted(row_buckets or powers_of_two(max_num_seqs)))
-    token_buckets = tuple(sorted(token_buckets or powers_of_two(max_num_batched_tokens)))
-    if row_buckets[-1] < max_num_seqs or token_buckets[-1] < max_num_batched_tokens:
+    row_buckets = tuple(sorted(c.row_buckets or powers_of_two(c.max_num_seqs)))
+    token_buckets = tuple(sorted(c.token_buckets or powers_of_two(c.max_num_batched_tokens)))
+    if row_buckets[-1] < c.max_num_seqs or token_buckets[-1] < c.max_num_batched_tokens:
       raise ValueError(
-        f"buckets {row_buckets} x {token_buckets} must reach max_num_seqs = {max_num_seqs} and "
-        f"max_num_batched_tokens = {max_num_batched_tokens}."
+        f"buckets {row_buckets} x {token_buckets} must reach max_num_seqs = {c.max_num_seqs} "
+        f"and max_num_batched_tokens = {c.max_num_batched_tokens}."
       )
-    self.num_pages = num_pages
-    self.check_invariants = check_invariants
+    self.num_pages = c.num_pages
+    self.check_invariants = c.check_invariants
     self.executor = ModelExecutor(
       model,
       params,
-      num_pages=num_pages,
-      page_size=page_size,
-      share_kv=share_kv,
-      kv_format=kv_format,
+      num_pages=c.num_pages,
+      page_size=c.page_size,
+      share_kv=c.share_kv,
+      kv_format=c.kv_format,
       max_model_len=self.max_model_len,
       row_buckets=row_buckets,
       token_buckets=token_buckets,
-      column_buckets=powers_of_two(-(-self.max_model_len // page_size))
-      if column_buckets is None
-      else column_buckets,
-      sequential=sequential,
+      column_buckets=powers_of_two(-(-self.max_model_len // c.page_size))
+      if c.column_buckets is None
+      else c.column_buckets,
+      sequential=c.sequential,
       clock=clock,
-      record_logits=record_logits,
+      record_logits=c.record_logits,
       decode=decode,
-      top_logprobs=top_logprobs,
+      top_logprobs=c.top_logprobs,
     )
-    self.page_bytes = page_size * paged_cache.bytes_per_token(model.cfg, share_kv, kv_format)
+    self.page_bytes = c.page_size * paged_cache.bytes_per_token(model.cfg, c.share_kv, c.kv_format)
     self.scheduler: scheduler_lib.Scheduler | None = None
 
   def step_shapes(self) -> list[tuple[int, int, int]]:

@@ -68,7 +68,7 @@ def _step_fn(
   top_logprobs: int,
   params,
   pages,
-  tokens_BxQ,
+  tokens_BxT,
   page_table_BxP,
   context_B,
   num_new_B,
@@ -77,34 +77,35 @@ def _step_fn(
   top_p_B,
   seed_B,
   index_B,
-  targets_BxQ,
+  targets_BxT,
 ):
-  b, q = tokens_BxQ.shape
+  b, t = tokens_BxT.shape
   cache = paged_cache.gather(pages, page_table_BxP, context_B, share_kv, kv_format)
   if sequential:
-    # Only as many micro-steps as the longest chunk: a decode-only step costs one, whatever Q.
+    # Only as many micro-steps as the longest chunk: a decode-only step costs one, whatever T.
     def one_token(j, carry):
-      cache, logits_QxBxV = carry
-      logits, aux = model.apply(params, tokens_BxQ[:, j][:, None], cache=cache)
-      return aux["cache"], logits_QxBxV.at[j].set(logits[:, 0])
+      cache, logits_TxBxV = carry
+      logits, aux = model.apply(params, tokens_BxT[:, j][:, None], cache=cache)
+      return aux["cache"], logits_TxBxV.at[j].set(logits[:, 0])
 
     v = model.cfg.vocab_size
-    init = (cache, jnp.zeros((q, b, v), jnp.float32))
-    cache, logits_QxBxV = jax.lax.fori_loop(0, jnp.max(num_new_B), one_token, init)
-    logits_BxQxV = jnp.moveaxis(logits_QxBxV, 0, 1)
+    init = (cache, jnp.zeros((t, b, v), jnp.float32))
+    cache, logits_TxBxV = jax.lax.fori_loop(0, jnp.max(num_new_B), one_token, init)
+    logits_BxTxV = jnp.moveaxis(logits_TxBxV, 0, 1)
   else:
-    logits_BxQxV, aux = model.apply(params, tokens_BxQ, cache=cache)
+    logits_BxTxV, aux = model.apply(params, tokens_BxT, cache=cache)
     cache = aux["cache"]
-  pages = paged_cache.scatter(pages, cache, page_table_BxP, context_B, num_new_B, q, share_kv)
-  last_BxV = logits_BxQxV[jnp.arange(b), jnp.maximum(num_new_B - 1, 0)]
+  pages = paged_cache.scatter(pages, cache, page_table_BxP, context_B, num_new_B, t, share_kv)
+  last_BxV = logits_BxTxV[jnp.arange(b), jnp.maximum(num_new_B - 1, 0)]
   token_B, logprob_B = sampling.sample(last_BxV, temperature_B, top_k_B, top_p_B, seed_B, index_B)
   positions = None
   if top_logprobs:  # Every position's distribution over the next token (the raw logits').
-    logprobs_BxQxV = jax.nn.log_softmax(logits_BxQxV.astype(jnp.float32), axis=-1)
-    target_BxQ = jnp.take_along_axis(logprobs_BxQxV, targets_BxQ[..., None], axis=-1)[..., 0]
-    top_BxQxK, top_ids_BxQxK = jax.lax.top_k(logprobs_BxQxV, top_logprobs)
-    positions = (target_BxQ, top_ids_BxQxK, top_BxQxK)
-  return pages, token_B, logprob_B, (logits_BxQxV if return_logits else None), positions
+    logprobs_BxTxV = jax.nn.log_softmax(logits_BxTxV.astype(jnp.float32), axis=-1)
+    target_BxT = jnp.take_along_axis(logprobs_BxTxV, targets_BxT[..., None], axis=-1)[..., 0]
+    # Each [B, T, top_logprobs]: the best next tokens' logprobs and their ids.
+    top, top_ids = jax.lax.top_k(logprobs_BxTxV, top_logprobs)
+    positions = (target_BxT, top_ids, top)
+  return pages, token_B, logprob_B, (logits_BxTxV if return_logits else None), positions
 
 
 @functools.lru_cache(maxsize=32)

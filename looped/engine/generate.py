@@ -18,10 +18,12 @@ import ml_collections
 from absl import logging
 
 from looped import config_checks as cc
+from looped import schema
 from looped.checkpoints import model_record, restore
 from looped.data import tokenizers
 from looped.engine import checks, paged_cache
-from looped.engine.engine import Engine, pages_for_budget
+from looped.engine.config import GenConfig
+from looped.engine.engine import Engine, EngineConfig, pages_for_budget
 from looped.engine.requests import GenRequest
 from looped.engine.sampling import SamplingParams
 from looped.model import config as model_lib
@@ -111,20 +113,11 @@ def model_source(config) -> str:
 def validate(config, chosen: tuple[str, ...] = ()) -> None:
   """Checks every field before any compute; raises ConfigError naming the field."""
   cc.choice(config, "program", ("generate",))
+  schema.validate(GenConfig, config, "gen")
   restore.check_checkpoint(config, "gen")
   model_cfg, data_cfg = model_and_data(config, chosen=chosen)
   cfg, fmt = checks.check_model_and_format(config, "gen", model_cfg)
-  cc.boolean(config, "gen.share_kv")
-  page_size = cc.integer(config, "gen.page_size", min_value=1)
-  cc.integer(config, "gen.max_num_batched_tokens", min_value=1)
-  cc.integer(config, "gen.max_num_seqs", min_value=1)
-  max_new = cc.integer(config, "gen.max_new_tokens", min_value=1)
-  cc.number(config, "gen.temperature", min_value=0.0)
-  cc.integer(config, "gen.top_k", min_value=0)
-  cc.number(config, "gen.top_p", min_value=0.0, max_value=1.0, min_exclusive=True)
-  cc.integer(config, "gen.seed", min_value=0)
-  cc.boolean(config, "gen.stop_at_eos")
-  cc.boolean(config, "gen.stream")
+  page_size, max_new = config.gen.page_size, config.gen.max_new_tokens
   stops = cc.get(config, "gen.stop_strings")
   if isinstance(stops, str) or not all(isinstance(s, str) and s for s in stops):
     cc.fail("gen.stop_strings", stops, "must be a tuple of non-empty strings")
@@ -197,13 +190,15 @@ def run(config, workdir: str, chosen: tuple[str, ...] = ()) -> dict[str, Any]:
   engine = Engine(
     model,
     params,
-    share_kv=g.share_kv,
-    kv_format=fmt,
-    num_pages=num_pages,
-    page_size=g.page_size,
-    max_num_batched_tokens=g.max_num_batched_tokens,
-    max_num_seqs=g.max_num_seqs,
-    max_model_len=cfg.max_seq_len,
+    EngineConfig(
+      share_kv=g.share_kv,
+      kv_format=fmt,
+      num_pages=num_pages,
+      page_size=g.page_size,
+      max_num_batched_tokens=g.max_num_batched_tokens,
+      max_num_seqs=g.max_num_seqs,
+      max_model_len=cfg.max_seq_len,
+    ),
     decode=tokenizer.decode,
   )
   stream = g.stream and len(prompts) == 1

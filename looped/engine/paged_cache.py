@@ -1,8 +1,8 @@
 """Paged KV storage for the engine: one page array per cached entry, in either sharing layout.
 
 Every per-token cache entry of the model (GQA's K and V, MLA's latent and RoPE key) is stored as
-pages [N + 1, page_size, ...] (core layers in the unshared layout [R, N + 1, page_size, ...]: one
-copy per recurrence; shared: the final recurrence only, as looped.model.kv_cache). Page N is a
+pages [N + 1, page_size, ...], with the leading R axis looped.model.cache_layout gives a layer
+cached per recurrence ([R, N + 1, page_size, ...]: core layers in the unshared layout). Page N is a
 scratch page: writes of padding tokens and page-table slots past a request's pages point there,
 so every step has static shapes. With a KV format the pages hold the packed bytes and scales
 exactly as looped.model.kv_cache stores them per token, so a page is never dequantized in place.
@@ -18,12 +18,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from looped.model import cache_layout, mixers
 from looped.model import kv_cache as kv_cache_lib
-from looped.model import mixers
+from looped.model.cache_layout import STAGES
 from looped.model.config import ModelConfig
 from looped.model.kv_cache import KVCache
-
-STAGES = ("prelude", "core", "coda")
 
 
 def check_model(cfg: ModelConfig) -> None:
@@ -34,10 +33,6 @@ def check_model(cfg: ModelConfig) -> None:
         f"The engine pages per-token K/V; {stage} layers use 'kda', whose cache is a per-sequence "
         "state (not pageable, so not prefix-cacheable). Use 'gqa' or 'mla' mixers."
       )
-
-
-def _lead(stage: str, share_kv: bool, cfg: ModelConfig) -> tuple[int, ...]:
-  return (cfg.num_recurrences,) if stage == "core" and not share_kv else ()
 
 
 def init_pages(
@@ -52,28 +47,28 @@ def init_pages(
     x = jnp.zeros(shape, cfg.compute_dtype)
     return x if kv_format is None else kv_cache_lib.quantize_tokens(x, kv_format)
 
+  layout = cache_layout.cache_layout(cfg, share_kv)
   return {
     stage: [
-      tuple(
-        zeros(_lead(stage, share_kv, cfg) + (num_pages + 1, page_size, *s))
-        for s in mixers.token_shapes(cfg, kind)
-      )
-      for kind in cfg.mixers(stage)
+      tuple(zeros(layer.lead + (num_pages + 1, page_size, *s)) for s in layer.cache.token_shapes)
+      for layer in layout.stage(stage)
     ]
     for stage in STAGES
   }
 
 
 def bytes_per_token(cfg: ModelConfig, share_kv: bool, kv_format: str | None) -> float:
-  """Stored bytes per token over all layers (packed elements and scales, nvfp4's per-token
-  tensor scale included), measured on a one-page pool so it is what the arrays really take."""
-  pages = jax.eval_shape(lambda: init_pages(cfg, 1, 1, share_kv, kv_format))
-  total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(pages))
-  return total / 2  # Two one-token pages: the real one and the scratch page.
+  """Stored bytes per token over all paged layers: raw pages at the compute dtype, or packed
+  elements and scales with nvfp4's per-token tensor scale included, as init_pages stores them.
+  A model with KDA layers is refused by check_model; for it this is what the pages would hold
+  (KDA's per-sequence state is not paged)."""
+  return cache_layout.cache_layout(cfg, share_kv).bytes_per_token(
+    kv_format, raw_itemsize=cfg.compute_dtype.itemsize, tensor_scales=True
+  )
 
 
 def _batch_axis(stage: str, share_kv: bool) -> int:
-  return 1 if stage == "core" and not share_kv else 0
+  return 1 if cache_layout.per_recurrence(stage, share_kv) else 0
 
 
 def gather(

@@ -1,22 +1,15 @@
 """GQA attention with RoPE and QK-norm, behind the sequence-mixer interface.
 
-A sequence mixer maps x_BxTxD to y_BxTxD and returns the per-token state that a decode cache
-stores for it (for attention: post-RoPE keys and values). What the new tokens attend to is
-described by a `MixerContext`, so the same layer serves every KV-sharing mode (docs/design.md §3):
-
-- parallel unshared forward: no past; causal attention among the T tokens themselves;
-- Jacobi shared pass: past = final-recurrence K/V of the same positions (s < t), plus the token's
-  own K/V on the diagonal;
-- decode / chunked prefill: past = the cache (slots < length), plus causal attention within the
-  new chunk.
-MLA and KDA implement the same call signature.
+The layer (mixer_interface.SequenceMixer) returns post-RoPE keys and values as its cache entry;
+its `MixerContext` says what the new tokens attend to (docs/design.md §3): nothing past (causal
+within the chunk), a function of its own K/V (Jacobi and BeNice! passes), or the cache (decode,
+chunked prefill). `attend` is the reference math; attention_impl='pallas' routes through
+pallas_attention.py instead.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
-from typing import Any
+from typing import ClassVar
 
 import flax.linen as nn
 import jax
@@ -25,25 +18,7 @@ import jax.numpy as jnp
 from looped.model import pallas_attention
 from looped.model.config import ModelConfig
 from looped.model.layers import RMSNorm, projection, rope
-
-KV = tuple[jax.Array, jax.Array]  # (k_BxSxKxH, v_BxSxKxH)
-
-
-@dataclasses.dataclass(frozen=True)
-class MixerContext:
-  """What the new tokens of one mixer call may attend to.
-
-  self_mask_BxTxT: which of the chunk's own tokens each token sees (causal, or diagonal only).
-  past: None, a cache-format KV for slots S, or a function of the chunk's own KV returning the
-    past KV (lets a Jacobi pass choose, per recurrence, the shared or its own keys).
-  past_mask_BxTxS: which past slots each new token sees (ignored when past is None).
-  read_past: optional function applied to the past KV on every read (e.g. dequantize).
-  """
-
-  self_mask_BxTxT: jax.Array
-  past: KV | Callable[[KV], KV] | None = None
-  past_mask_BxTxS: jax.Array | None = None
-  read_past: Callable[[Any], KV] | None = None
+from looped.model.mixer_interface import KV, MixerContext, gqa_cache
 
 
 def attend(
@@ -87,6 +62,7 @@ class Attention(nn.Module):
 
   cfg: ModelConfig
   out_std: float
+  mixer_cache: ClassVar = staticmethod(gqa_cache)
 
   @nn.compact
   def __call__(self, x_BxTxD, positions_BxT, ctx: MixerContext) -> tuple[jax.Array, KV]:

@@ -1,7 +1,10 @@
-"""Typed, hashable model config built from the `config.model` ConfigDict.
+"""The model section: every field of `config.model` declared once, with its default, doc and
+range, as a typed, hashable dataclass.
 
-The Flax modules take this frozen dataclass (hashable, so it can be a static jit argument) rather
-than a ConfigDict, and `validate` checks every field before any compute starts.
+The Flax modules take a ModelConfig (hashable, so it can be a static jit argument) rather than a
+ConfigDict. The config files' `model` section is its defaults (looped.schema.defaults), and
+`validate` checks every field before any compute starts: the declared ranges, then the rules
+that relate fields.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ import dataclasses
 import jax.numpy as jnp
 
 from looped import config_checks as cc
+from looped import schema
+from looped.schema import field
 
 MLP_TYPES = ("swiglu", "relu2")
 INJECTIONS = ("diagonal", "linear", "additive", "none")
@@ -31,46 +36,114 @@ STAGES = ("prelude", "core", "coda")
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  vocab_size: int = 257
-  d_model: int = 256
-  num_heads: int = 4
-  num_kv_heads: int = 2
-  head_dim: int = 64
-  mlp_dim: int = 768
-  mlp_type: str = "swiglu"
-  num_prelude_layers: int = 1
-  num_core_layers: int = 2
-  num_coda_layers: int = 1
-  num_recurrences: int = 4
-  injection: str = "diagonal"
-  diagonal_decay_init: float = 0.5
-  state_init: str = "like_init"
-  state_init_std: float = 0.02
-  prelude_norm: bool = True
-  qk_norm: bool = True
-  rope_base: float = 10000.0
-  tie_embeddings: bool = True
-  max_seq_len: int = 512
-  init_std: float = 0.02
-  dtype: str = "float32"
-  param_dtype: str = "float32"
-  scan_recurrences: bool = True
-  scan_unroll: int = 0
-  remat: str = "none"
-  attention_impl: str = "xla"
-  prelude_mixers: tuple[str, ...] = ("gqa",)
-  core_mixers: tuple[str, ...] = ("gqa",)
-  coda_mixers: tuple[str, ...] = ("gqa",)
-  mla_kv_rank: int = 64
-  mla_q_rank: int = 0
-  mla_rope_dim: int = 32
-  kda_conv_size: int = 4
-  kda_chunk_size: int = 16
-  block_norm: str = "pre"
-  qk_bias: bool = False
-  embed_scale: float = 1.0
-  core_out_norm: str = "none"
-  exit_gate: bool = False
+  """The looped LM (docs/design.md §2): the `config.model` section of every config file, its
+  defaults, docs and ranges (looped.schema derives the ConfigDict, validation and help)."""
+
+  vocab_size: int = field(
+    257, "Embedding rows; >= the tokenizer's vocabulary (bytes: 256 + EOS).", min=1
+  )
+  d_model: int = field(128, "Residual stream width.", min=1)
+  num_heads: int = field(4, "Query heads per attention layer; a multiple of num_kv_heads.", min=1)
+  num_kv_heads: int = field(2, "Key/value heads (GQA); divides num_heads.", min=1)
+  head_dim: int = field(32, "Width of one attention head (even: RoPE rotates pairs).", min=1)
+  mlp_dim: int = field(384, "Hidden width of the MLP.", min=1)
+  mlp_type: str = field("swiglu", "MLP kind.", choices=MLP_TYPES)
+  num_prelude_layers: int = field(
+    1, "P: layers before the loop (run once, ordinary KV-cache).", min=0
+  )
+  num_core_layers: int = field(2, "B: layers of the looped core block (one set of weights).", min=1)
+  num_coda_layers: int = field(1, "C: layers after the loop (run once, ordinary KV-cache).", min=0)
+  num_recurrences: int = field(
+    4, "R: core-block recurrences at evaluation (and the training maximum).", min=1
+  )
+  injection: str = field(
+    "diagonal",
+    "How e enters each recurrence ('none': h alone, a stack looped as a whole, as Ouro).",
+    choices=INJECTIONS,
+  )
+  diagonal_decay_init: float = field(
+    0.5, "injection='diagonal': per-channel decay of h at init.", gt=0.0, lt=1.0
+  )
+  state_init: str = field(
+    "like_init", "h_0: 'like_init' (scaled noise), 'zeros', 'embed' (h_0 = e).", choices=STATE_INITS
+  )
+  state_init_std: float = field(0.02, "Std of h_0 noise for state_init='like_init'.", min=0.0)
+  prelude_norm: bool = field(True, "RMSNorm on the prelude output e before injection.")
+  qk_norm: bool = field(True, "RMSNorm on queries and keys per head.")
+  rope_base: float = field(10000.0, "RoPE base frequency.", gt=1.0)
+  tie_embeddings: bool = field(True, "LM head reuses the embedding matrix.")
+  max_seq_len: int = field(512, "Longest sequence (positions) the model is used with.", min=1)
+  init_std: float = field(
+    0.02, "Std of weight initialisation (output projections scaled by depth).", gt=0.0
+  )
+  dtype: str = field("float32", "Compute dtype.", choices=DTYPES)
+  param_dtype: str = field("float32", "Parameter storage dtype.", choices=DTYPES)
+  scan_recurrences: bool = field(
+    True, "Loop the core with lax.scan (False: Python-unrolled, same math)."
+  )
+  scan_unroll: int = field(
+    0,
+    "Recurrences per scan iteration, unrolled by XLA (0: all R, the speed of the unrolled "
+    "loop; 1: compile time constant in R; same math).",
+    min=0,
+  )
+  remat: str = field("none", "Per-recurrence remat (saves memory).", choices=REMAT_POLICIES)
+  attention_impl: str = field(
+    "xla",
+    "'xla' (einsum) or 'pallas' (pallas_kernels; interpreted on CPU).",
+    choices=ATTENTION_IMPLS,
+  )
+  prelude_mixers: tuple[str, ...] = field(
+    ("gqa",),
+    "Sequence mixer per prelude layer, repeated.",
+    items=MIXERS,
+    noun="mixers",
+    nonempty=True,
+  )
+  core_mixers: tuple[str, ...] = field(
+    ("gqa",),
+    "Mixer per core layer, repeated, e.g. ('kda', 'kda', 'kda', 'mla').",
+    items=MIXERS,
+    noun="mixers",
+    nonempty=True,
+  )
+  coda_mixers: tuple[str, ...] = field(
+    ("gqa",), "Mixer per coda layer, repeated.", items=MIXERS, noun="mixers", nonempty=True
+  )
+  mla_kv_rank: int = field(
+    64, "MLA: latent c_kv width (cached per token with the RoPE key).", min=1
+  )
+  mla_q_rank: int = field(0, "MLA: low-rank query width (0 = full-rank query projection).", min=0)
+  mla_rope_dim: int = field(
+    32, "MLA: decoupled RoPE key/query width (even; shared by the heads).", min=2
+  )
+  kda_conv_size: int = field(4, "KDA: short causal conv width on q, k, v.", min=1)
+  kda_chunk_size: int = field(
+    16,
+    "KDA: chunk length of the chunkwise-parallel (training) form (16: 3x faster training "
+    "steps than 64 on CPU, same math; docs/mixers.md).",
+    min=1,
+  )
+  block_norm: str = field(
+    "pre",
+    "Layer norms: 'pre', 'sandwich' (x + n(f(n(x))), Ouro), 'post' (Huginn).",
+    choices=BLOCK_NORMS,
+  )
+  qk_bias: bool = field(
+    False, "GQA: a learned per-head bias on queries and keys before RoPE (Huginn)."
+  )
+  embed_scale: float = field(
+    1.0, "Token embeddings are multiplied by this (Huginn: sqrt(d_model)).", gt=0.0
+  )
+  core_out_norm: str = field(
+    "none",
+    "'final': the final norm also on h_R before the coda (Huginn); 'every': a norm ends every "
+    "recurrence and is the final norm (Ouro; no coda).",
+    choices=CORE_OUT_NORMS,
+  )
+  exit_gate: bool = field(
+    False, "A per-recurrence exit logit w.h_r + b (Ouro's early-exit gate), in aux."
+  )
 
   def mixers(self, stage: str) -> tuple[str, ...]:
     """The mixer of each layer of a stage: its pattern repeated over the stage's layers."""
@@ -92,74 +165,39 @@ class ModelConfig:
     return self.num_prelude_layers + self.num_core_layers + self.num_coda_layers
 
   def kv_entries_per_token(self, share_kv: bool) -> int:
-    """Cached (layer, K-or-V) head vectors per token, times kv heads: the KV memory unit of
-    an all-GQA model (looped.model.mixers.cache_bytes counts every mixer)."""
-    core = self.num_core_layers * (1 if share_kv else self.num_recurrences)
-    layers = self.num_prelude_layers + self.num_coda_layers + core
-    return layers * 2 * self.num_kv_heads
+    """Cached head vectors per token over all layers (an all-GQA model: layers x K and V x kv
+    heads), from looped.model.cache_layout; mixers.cache_bytes counts bytes."""
+    from looped.model.cache_layout import cache_layout  # It reads this config's fields.
+
+    return cache_layout(self, share_kv).vectors_per_token
 
 
 def from_config(model_cfg) -> ModelConfig:
   """Builds a ModelConfig from `config.model` (validate first)."""
-  fields = {f.name for f in dataclasses.fields(ModelConfig)}
-  unknown = set(model_cfg.keys()) - fields
-  if unknown:
-    raise cc.ConfigError(f"config.model has unknown fields {sorted(unknown)}.")
+  schema.check_unknown(ModelConfig, model_cfg, "model")
   # Tuples (hashable) even where a command-line override gave a list.
   value = lambda v: tuple(v) if isinstance(v, list) else v
   return ModelConfig(**{k: value(model_cfg[k]) for k in model_cfg.keys()})
 
 
 def validate(config, prefix: str = "model") -> None:
-  """Checks every config.<prefix> field; raises ConfigError naming the field."""
+  """Checks every config.<prefix> field (the schema's ranges, then the rules relating
+  fields); raises ConfigError naming the field."""
+  schema.validate(ModelConfig, config, prefix)
   p = prefix + "."
-  for name in ("vocab_size", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
-    cc.integer(config, p + name, min_value=1)
-  cc.integer(config, p + "num_prelude_layers", min_value=0)
-  cc.integer(config, p + "num_core_layers", min_value=1)
-  cc.integer(config, p + "num_coda_layers", min_value=0)
-  cc.integer(config, p + "num_recurrences", min_value=1)
-  cc.integer(config, p + "max_seq_len", min_value=1)
-  cc.choice(config, p + "mlp_type", MLP_TYPES)
-  cc.choice(config, p + "injection", INJECTIONS)
-  cc.choice(config, p + "block_norm", BLOCK_NORMS)
-  cc.choice(config, p + "core_out_norm", CORE_OUT_NORMS)
-  cc.number(config, p + "embed_scale", min_value=0.0, min_exclusive=True)
-  cc.choice(config, p + "state_init", STATE_INITS)
-  cc.choice(config, p + "dtype", DTYPES)
-  cc.choice(config, p + "param_dtype", DTYPES)
-  cc.choice(config, p + "attention_impl", ATTENTION_IMPLS)
-  cc.number(config, p + "state_init_std", min_value=0.0)
-  cc.number(
-    config,
-    p + "diagonal_decay_init",
-    min_value=0.0,
-    max_value=1.0,
-    min_exclusive=True,
-    max_exclusive=True,
-  )
-  cc.number(config, p + "rope_base", min_value=1.0, min_exclusive=True)
-  cc.number(config, p + "init_std", min_value=0.0, min_exclusive=True)
-  cc.choice(config, p + "remat", REMAT_POLICIES)
-  cc.integer(config, p + "scan_unroll", min_value=0)
-  for name in ("prelude_norm", "qk_norm", "tie_embeddings", "scan_recurrences", "qk_bias"):
-    cc.boolean(config, p + name)
-  cc.boolean(config, p + "exit_gate")
-  if cc.get(config, p + "core_out_norm") == "every" and cc.get(config, p + "num_coda_layers"):
+  get = lambda name: cc.get(config, p + name)
+  if get("core_out_norm") == "every" and get("num_coda_layers"):
     cc.fail(
       p + "core_out_norm",
       "every",
       "needs num_coda_layers = 0 (the recurrence's norm is the final norm)",
     )
-  cc.divides(config, p + "num_heads", cc.get(config, p + "num_kv_heads"), p + "num_kv_heads")
-  if cc.get(config, p + "head_dim") % 2:
-    cc.fail(p + "head_dim", cc.get(config, p + "head_dim"), "must be even (RoPE rotates pairs)")
-  for stage in STAGES:
-    _check_mixers(config, f"{p}{stage}_mixers")
-  if cc.get(config, p + "qk_bias"):
+  cc.divides(config, p + "num_heads", get("num_kv_heads"), p + "num_kv_heads")
+  if get("head_dim") % 2:
+    cc.fail(p + "head_dim", get("head_dim"), "must be even (RoPE rotates pairs)")
+  if get("qk_bias"):
     for stage in STAGES:
-      pattern = tuple(cc.get(config, f"{p}{stage}_mixers"))
-      count = cc.get(config, f"{p}num_{stage}_layers")
+      pattern, count = tuple(get(f"{stage}_mixers")), get(f"num_{stage}_layers")
       others = sorted({pattern[i % len(pattern)] for i in range(count)} - {"gqa"})
       if others:
         cc.fail(
@@ -168,20 +206,5 @@ def validate(config, prefix: str = "model") -> None:
           f"biases GQA queries and keys, so every layer must be GQA, but {p}{stage}_mixers has "
           f"{others[0]} layers",
         )
-  cc.integer(config, p + "mla_kv_rank", min_value=1)
-  cc.integer(config, p + "mla_q_rank", min_value=0)
-  cc.integer(config, p + "mla_rope_dim", min_value=2)
-  if cc.get(config, p + "mla_rope_dim") % 2:
-    cc.fail(p + "mla_rope_dim", cc.get(config, p + "mla_rope_dim"), "must be even (RoPE)")
-  cc.integer(config, p + "kda_conv_size", min_value=1)
-  cc.integer(config, p + "kda_chunk_size", min_value=1)
-  from_config(cc.get(config, prefix))  # Unknown fields.
-
-
-def _check_mixers(config, path: str) -> None:
-  value = cc.get(config, path)
-  if isinstance(value, str) or not isinstance(value, (tuple, list)) or not value:
-    cc.fail(path, value, f"must be a non-empty tuple of mixers from {MIXERS}")
-  bad = [m for m in value if m not in MIXERS]
-  if bad:
-    cc.fail(path, value, f"unknown mixers {bad}; allowed: {MIXERS}")
+  if get("mla_rope_dim") % 2:
+    cc.fail(p + "mla_rope_dim", get("mla_rope_dim"), "must be even (RoPE)")

@@ -28,6 +28,7 @@ rewritten every token; quantizing them would make the chunkwise form sequential)
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import flax.linen as nn
 import flax.struct
@@ -36,6 +37,7 @@ import jax.numpy as jnp
 
 from looped.model.config import ModelConfig
 from looped.model.layers import projection
+from looped.model.mixer_interface import MixerContext, kda_cache
 
 
 @flax.struct.dataclass
@@ -243,7 +245,7 @@ def _dt_bias_init(key, shape, dtype):
 class KDA(nn.Module):
   """Kimi delta attention: num_heads heads of key and value width head_dim.
 
-  ctx.past (looped.model.attention.MixerContext) selects the form: None: chunkwise causal
+  ctx.past (mixer_interface.MixerContext) selects the form: None: chunkwise causal
   forward; a `KDAState`: recurrent decode from it (returns the new state); a function of the
   own `KDARecord` (parallel shared / quantized-read passes): the shared read of the returned
   records' states (the own records give the ordinary causal output). ctx.read_past and the
@@ -252,9 +254,10 @@ class KDA(nn.Module):
 
   cfg: ModelConfig
   out_std: float
+  mixer_cache: ClassVar = staticmethod(kda_cache)
 
   @nn.compact
-  def __call__(self, x_BxTxD, positions_BxT, ctx):
+  def __call__(self, x_BxTxD, positions_BxT, ctx: MixerContext):
     del positions_BxT  # The conv carries position information.
     cfg = self.cfg
     h, kd = cfg.num_heads, cfg.head_dim

@@ -1,8 +1,8 @@
 """Decode-time KV cache in the two layouts of docs/design.md §3, stored raw or in a KV format.
 
-Unshared: one K/V per core layer *per recurrence* (core entries are [R, B, S, K, H]); memory
-grows with R. Shared: the final recurrence's K/V only (core entries are [B, S, K, H]). Prelude
-and coda layers are not looped and keep ordinary caches in both layouts.
+Which layers are cached in how many copies is cache_layout.py's: unshared, core entries are
+[R, B, S, K, H] (one per recurrence; memory grows with R); shared, [B, S, K, H] (the final
+recurrence only); prelude and coda entries are [B, S, K, H] in both.
 
 Layers whose mixer keeps a recurrent state instead of per-token entries (KDA) hold a
 `KDAState` (state and conv tail, raw float32) that each chunk replaces rather than appends to,
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from looped import kv_quant
-from looped.model import mixers
+from looped.model import cache_layout, mixers
 from looped.model.config import ModelConfig
 from looped.model.kda import KDAState
 
@@ -100,17 +100,15 @@ def init_cache(
     x = jnp.zeros(shape, dtype)
     return x if kv_format is None else quantize_tokens(x, kv_format)
 
-  def entry(kind: str, lead: tuple[int, ...]):
-    if kind == "kda":
-      state, conv = mixers.kda_state_shapes(cfg)
+  def entry(layer: cache_layout.CachedLayer):
+    lead, cache = layer.lead, layer.cache
+    if cache.state_shapes:
+      state, conv = cache.state_shapes
       return KDAState(jnp.zeros(lead + (batch, *state)), jnp.zeros(lead + (batch, *conv)))
-    return tuple(zeros(lead + (batch, max_len, *s)) for s in mixers.token_shapes(cfg, kind))
+    return tuple(zeros(lead + (batch, max_len, *s)) for s in cache.token_shapes)
 
-  core_lead = () if share_kv else (cfg.num_recurrences,)
-  layers = {
-    stage: [entry(kind, core_lead if stage == "core" else ()) for kind in cfg.mixers(stage)]
-    for stage in ("prelude", "core", "coda")
-  }
+  layout = cache_layout.cache_layout(cfg, share_kv)
+  layers = {stage: [entry(layer) for layer in layout.stage(stage)] for stage in cache_layout.STAGES}
   return KVCache(jnp.zeros((batch,), jnp.int32), layers, share_kv, kv_format)
 
 
@@ -153,8 +151,7 @@ def write_chunk(cache: KVCache, new: dict, num_tokens: int) -> KVCache:
   write = lambda old, chunk: _write_rows(old, chunk, cache.length_B)
   layers = {}
   for name, kvs in cache.layers.items():
-    per_recurrence = name == "core" and not cache.share_kv
-    write_entry = jax.vmap(write) if per_recurrence else write
+    write_entry = jax.vmap(write) if cache_layout.per_recurrence(name, cache.share_kv) else write
     layers[name] = [
       kv_new if is_state(kv) else _constrain_entry(jax.tree.map(write_entry, kv, kv_new))
       for kv, kv_new in zip(kvs, new[name], strict=True)

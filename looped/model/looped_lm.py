@@ -5,10 +5,13 @@
     -> coda -> final norm -> lm head
 
 One `__call__` serves two modes, chosen by whether a decode cache is passed (static):
-- parallel (training, evaluation, Jacobi shared passes): all T positions at once;
-- decode (prefill chunks and token-by-token generation): new tokens against a `KVCache`.
-Both build the core block as the same `Recurrence` module named 'recurrence', so one parameter
-tree serves both, and `scan_recurrences` (lax.scan vs a Python loop) does not change it either.
+- parallel (`_parallel`: training, evaluation, Jacobi shared passes): all T positions at once;
+- decode (`_decode`: prefill chunks and token-by-token generation): new tokens against a
+  `KVCache`.
+Both run the same steps (`_embed`, `_plain_layers` for prelude and coda, `_prelude_out`, the
+recurrences, `_coda_and_head`) and differ only in what attention reads. Both build the core
+block as the same `Recurrence` module named 'recurrence', so one parameter tree serves both,
+and `scan_recurrences` (lax.scan vs a Python loop) does not change it either.
 """
 
 from __future__ import annotations
@@ -20,11 +23,11 @@ import jax.numpy as jnp
 from looped.model import depth as depth_lib
 from looped.model import kv_cache as kv_cache_lib
 from looped.model import mixers as mixers_lib
-from looped.model.attention import KV, MixerContext
 from looped.model.config import ModelConfig
 from looped.model.injection import Injection
 from looped.model.kv_cache import KVCache, write_chunk
 from looped.model.layers import Mlp, RMSNorm, normal_init, projection
+from looped.model.mixer_interface import KV, MixerContext
 
 
 def causal_mask(t: int, batch: int) -> jax.Array:
@@ -94,8 +97,8 @@ class Recurrence(nn.Module):
   def __call__(self, carry, xs, bcast):
     cfg = self.cfg
     h_prev = carry["h"]
-    stop_B11 = xs["stop_B"][:, None, None]
-    h_in = jnp.where(stop_B11, jax.lax.stop_gradient(h_prev), h_prev)
+    stop_Bx1x1 = xs["stop_B"][:, None, None]
+    h_in = jnp.where(stop_Bx1x1, jax.lax.stop_gradient(h_prev), h_prev)
     if not self.is_initializing():
       # Adds a 'perturbations' variable when the caller passes one (never created by init):
       # the gradient w.r.t. a zero probe is dLoss/dh at this recurrence's entry (tests).
@@ -109,8 +112,8 @@ class Recurrence(nn.Module):
       kvs.append(kv)
     if cfg.core_out_norm == "every":
       x = RMSNorm(cfg.weight_dtype, name="out_norm")(x)
-    active_B11 = xs["active_B"][:, None, None]
-    h_new = jnp.where(active_B11, x, h_in)
+    active_Bx1x1 = xs["active_B"][:, None, None]
+    h_new = jnp.where(active_Bx1x1, x, h_in)
 
     res_BxT = _token_norms(h_new - h_prev)
     ys = {
@@ -186,11 +189,11 @@ class LoopedLM(nn.Module):
 
     Args:
       tokens_BxT: int token ids (in decode mode: the new chunk).
-      depth_mask_BxR: active recurrences (default: all). Parallel mode only.
+      depth_mask_BxR: active recurrences (default: all).
       backprop_recurrences: k > 0 cuts the gradient before the last k active recurrences.
       shared_kv: per core layer (k, v) of the final recurrence from a previous pass; switches
         the core attention to shared reads (Jacobi pass). Parallel mode only.
-      read_shared_R: which recurrences read `shared_kv` (default: all).
+      read_shared_R: which recurrences read `shared_kv` (default: all). Parallel mode only.
       cache: a KVCache: decode mode (prefill a chunk or decode tokens; returned updated).
       collect_states: also return every recurrence's state h_r (aux['states_RxBxTxD']).
         With core_out_norm 'every' and no coda, the head on h_r gives recurrence r's logits
@@ -204,31 +207,121 @@ class LoopedLM(nn.Module):
       'relative_residual_R' (means over active sequences), optionally 'states_RxBxTxD', and
       with cfg.exit_gate 'exit_logits_RxBxT' (each recurrence's exit-gate logit per token).
     """
+    if cache is None:
+      return self._parallel(
+        tokens_BxT,
+        depth_mask_BxR,
+        backprop_recurrences,
+        shared_kv,
+        read_shared_R,
+        collect_states,
+        kv_format,
+        initial_state_BxTxD,
+      )
+    return self._decode(
+      tokens_BxT, cache, depth_mask_BxR, backprop_recurrences, collect_states, initial_state_BxTxD
+    )
+
+  def _parallel(
+    self,
+    tokens_BxT,
+    depth_mask_BxR,
+    backprop_recurrences,
+    shared_kv,
+    read_shared_R,
+    collect_states,
+    kv_format,
+    initial_state_BxTxD,
+  ):
+    """All T positions at once (training, evaluation, Jacobi shared passes); aux['final_kv'] is
+    each core layer's K/V of the last active recurrence, what the next Jacobi pass reads."""
     cfg = self.cfg
     b, t = tokens_BxT.shape
-    r = cfg.num_recurrences
-    decode = cache is not None
-    if decode:
-      read_past = kv_cache_lib.reader(cache.kv_format, cfg.compute_dtype)
-    elif kv_format is not None:
+    read_past = None
+    if kv_format is not None:
       read_past = lambda kv: kv_cache_lib.quantize_roundtrip(kv, kv_format)
-    else:
-      read_past = None
-    # In parallel mode, reads of s < t go through the "past" path (where quantization applies)
-    # whenever K/V are shared or quantized; the diagonal is always the token's own fresh K/V.
-    past_path = not decode and (shared_kv is not None or read_past is not None)
-    if decode:
-      positions_BxT = cache.length_B[:, None] + jnp.arange(t)[None, :]
-      s = cache.max_len
-      past_mask_BxTxS = jnp.broadcast_to(
-        (jnp.arange(s)[None, :] < cache.length_B[:, None])[:, None, :], (b, t, s)
-      )
-      self_mask = causal_mask(t, b)
-    else:
-      positions_BxT = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
-      past_mask_BxTxS = causal_mask(t, b) & ~diagonal_mask(t, b)
-      self_mask = diagonal_mask(t, b) if past_path else causal_mask(t, b)
+    # Reads of s < t go through the "past" path (where quantization applies) whenever K/V are
+    # shared or quantized; the diagonal is always the token's own fresh K/V.
+    past_path = shared_kv is not None or read_past is not None
+    positions_BxT = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
+    past_mask_BxTxS = causal_mask(t, b) & ~diagonal_mask(t, b)
+    self_mask_BxTxT = diagonal_mask(t, b) if past_path else causal_mask(t, b)
 
+    def plain_context(prefix: str, i: int) -> MixerContext:
+      if read_past is not None:  # Quantized reads of the own past.
+        return MixerContext(self_mask_BxTxT, lambda own: own, past_mask_BxTxS, read_past)
+      return MixerContext(causal_mask(t, b))
+
+    embed, x_BxTxD = self._embed(tokens_BxT)
+    x_BxTxD, _ = self._plain_layers(x_BxTxD, "prelude", positions_BxT, plain_context)
+    e_BxTxD, h0_BxTxD = self._prelude_out(x_BxTxD, positions_BxT, initial_state_BxTxD)
+    depth_mask_BxR, xs = self._recurrence_inputs(b, depth_mask_BxR, backprop_recurrences)
+    if read_shared_R is None:
+      read_shared_R = jnp.ones((cfg.num_recurrences,), bool)
+    xs["read_shared"] = read_shared_R
+    bcast = self._broadcasts(
+      e_BxTxD, positions_BxT, self_mask_BxTxT, past_mask_BxTxS, shared_kv, read_past
+    )
+    carry = {
+      "h": h0_BxTxD,
+      "final_kv": [mixers_lib.parallel_entry_zeros(cfg, kind, b, t) for kind in cfg.mixers("core")],
+    }
+    carry, ys = self._recurrences(False, collect_states)(carry, xs, bcast)
+    logits_BxTxV, _ = self._coda_and_head(carry["h"], embed, positions_BxT, plain_context)
+    aux = self._diagnostics(ys, depth_mask_BxR, collect_states)
+    aux["final_kv"] = carry["final_kv"]
+    return logits_BxTxV, aux
+
+  def _decode(
+    self,
+    tokens_BxT,
+    cache,
+    depth_mask_BxR,
+    backprop_recurrences,
+    collect_states,
+    initial_state_BxTxD,
+  ):
+    """New tokens (a prefill chunk or one decode step per row) against a KVCache: they attend
+    to the cache's slots below each row's length and causally to each other; aux['cache'] is the
+    cache with their K/V written (core layers: every recurrence's, or the final one's under
+    sharing, docs/design.md §3)."""
+    cfg = self.cfg
+    b, t = tokens_BxT.shape
+    read_past = kv_cache_lib.reader(cache.kv_format, cfg.compute_dtype)
+    positions_BxT = cache.length_B[:, None] + jnp.arange(t)[None, :]
+    s = cache.max_len
+    past_mask_BxTxS = jnp.broadcast_to(
+      (jnp.arange(s)[None, :] < cache.length_B[:, None])[:, None, :], (b, t, s)
+    )
+    self_mask_BxTxT = causal_mask(t, b)
+
+    def plain_context(prefix: str, i: int) -> MixerContext:
+      return MixerContext(self_mask_BxTxT, cache.layers[prefix][i], past_mask_BxTxS, read_past)
+
+    embed, x_BxTxD = self._embed(tokens_BxT)
+    x_BxTxD, prelude_kvs = self._plain_layers(x_BxTxD, "prelude", positions_BxT, plain_context)
+    e_BxTxD, h0_BxTxD = self._prelude_out(x_BxTxD, positions_BxT, initial_state_BxTxD)
+    depth_mask_BxR, xs = self._recurrence_inputs(b, depth_mask_BxR, backprop_recurrences)
+    shared_kv = cache.layers["core"] if cache.share_kv else None
+    if not cache.share_kv:
+      xs["past"] = cache.layers["core"]  # Unshared: recurrence r reads its own cached K/V.
+    bcast = self._broadcasts(
+      e_BxTxD, positions_BxT, self_mask_BxTxT, past_mask_BxTxS, shared_kv, read_past
+    )
+    carry, ys = self._recurrences(True, collect_states)({"h": h0_BxTxD}, xs, bcast)
+    logits_BxTxV, coda_kvs = self._coda_and_head(carry["h"], embed, positions_BxT, plain_context)
+    aux = self._diagnostics(ys, depth_mask_BxR, collect_states)
+    if cache.share_kv:
+      core_new = [jax.tree.map(lambda a: a[-1], kv) for kv in ys["kv"]]
+    else:
+      core_new = ys["kv"]
+    new_cache = {"prelude": prelude_kvs, "core": core_new, "coda": coda_kvs}
+    aux["cache"] = write_chunk(cache, new_cache, t)
+    return logits_BxTxV, aux
+
+  def _embed(self, tokens_BxT):
+    """The embedding module (the tied head reuses it) and the scaled token embeddings."""
+    cfg = self.cfg
     embed = nn.Embed(
       cfg.vocab_size,
       cfg.d_model,
@@ -237,72 +330,77 @@ class LoopedLM(nn.Module):
       param_dtype=cfg.weight_dtype,
       name="embed",
     )
-    x = embed(tokens_BxT)
+    x_BxTxD = embed(tokens_BxT)
     if cfg.embed_scale != 1.0:
-      x = x * jnp.asarray(cfg.embed_scale, x.dtype)
-    x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
-    new_cache = {}
+      x_BxTxD = x_BxTxD * jnp.asarray(cfg.embed_scale, x_BxTxD.dtype)
+    return embed, nn.with_logical_constraint(x_BxTxD, ("batch", "length", "embed"))
 
-    def run_plain_layers(x, prefix: str):
-      kvs = []
-      for i, mixer in enumerate(cfg.mixers(prefix)):
-        if decode:
-          ctx = MixerContext(self_mask, cache.layers[prefix][i], past_mask_BxTxS, read_past)
-        elif read_past is not None:
-          ctx = MixerContext(self_mask, lambda own: own, past_mask_BxTxS, read_past)
-        else:
-          ctx = MixerContext(causal_mask(t, b))
-        x, kv = Block(cfg, _out_std(cfg), mixer, name=f"{prefix}_{i}")(x, positions_BxT, ctx)
-        kvs.append(kv)
-      return x, kvs
+  def _plain_layers(self, x_BxTxD, prefix: str, positions_BxT, context):
+    """The prelude's or coda's layers (not looped); context(prefix, i) is layer i's
+    MixerContext. Returns the output and each layer's cache entry."""
+    cfg = self.cfg
+    kvs = []
+    for i, mixer in enumerate(cfg.mixers(prefix)):
+      x_BxTxD, kv = Block(cfg, _out_std(cfg), mixer, name=f"{prefix}_{i}")(
+        x_BxTxD, positions_BxT, context(prefix, i)
+      )
+      kvs.append(kv)
+    return x_BxTxD, kvs
 
-    x, prelude_kvs = run_plain_layers(x, "prelude")
-    e = RMSNorm(cfg.weight_dtype, name="prelude_norm")(x) if cfg.prelude_norm else x
+  def _prelude_out(self, x_BxTxD, positions_BxT, initial_state_BxTxD):
+    """e (the prelude's output, optionally normalized, injected into every recurrence) and
+    h_0."""
+    cfg = self.cfg
+    e_BxTxD = (
+      RMSNorm(cfg.weight_dtype, name="prelude_norm")(x_BxTxD) if cfg.prelude_norm else x_BxTxD
+    )
     if initial_state_BxTxD is None:
-      h0 = self._initial_state(e, positions_BxT)
-    else:
-      h0 = initial_state_BxTxD.astype(e.dtype)
+      return e_BxTxD, self._initial_state(e_BxTxD, positions_BxT)
+    return e_BxTxD, initial_state_BxTxD.astype(e_BxTxD.dtype)
 
+  def _recurrence_inputs(self, b: int, depth_mask_BxR, backprop_recurrences: int):
+    """The depth mask (default: all recurrences active) and the scan's per-recurrence inputs."""
     if depth_mask_BxR is None:
-      depth_mask_BxR = jnp.ones((b, r), bool)
+      depth_mask_BxR = jnp.ones((b, self.cfg.num_recurrences), bool)
     stop_BxR = depth_lib.stop_gradient_mask(depth_mask_BxR, backprop_recurrences)
-    if read_shared_R is None:
-      read_shared_R = jnp.ones((r,), bool)
-    xs = {"active_B": depth_mask_BxR.T, "stop_B": stop_BxR.T, "read_shared": read_shared_R}
+    return depth_mask_BxR, {"active_B": depth_mask_BxR.T, "stop_B": stop_BxR.T}
+
+  def _broadcasts(
+    self, e_BxTxD, positions_BxT, self_mask_BxTxT, past_mask_BxTxS, shared_kv, read_past
+  ) -> dict:
+    """What every recurrence reads unchanged (Recurrence's `bcast`)."""
     bcast = {
-      "e": e,
+      "e": e_BxTxD,
       "positions": positions_BxT,
-      "self_mask": self_mask,
+      "self_mask": self_mask_BxTxT,
       "past_mask": past_mask_BxTxS,
       "shared_kv": shared_kv,
     }
     if read_past is not None:
       bcast["read_past"] = read_past
-    carry = {"h": h0}
-    if decode:
-      if cache.share_kv:
-        bcast["shared_kv"] = cache.layers["core"]
-      else:
-        xs["past"] = cache.layers["core"]
-    else:
-      carry["final_kv"] = [
-        mixers_lib.parallel_entry_zeros(cfg, kind, b, t) for kind in cfg.mixers("core")
-      ]
+    return bcast
 
-    carry, ys = self._recurrences(decode, collect_states)(carry, xs, bcast)
-    x = carry["h"]
+  def _coda_and_head(self, h_BxTxD, embed, positions_BxT, context):
+    """h_R -> coda -> final norm -> LM head: float32 logits and the coda's cache entries."""
+    cfg = self.cfg
+    x_BxTxD = h_BxTxD
     final_norm = RMSNorm(cfg.weight_dtype, name="final_norm")
     if cfg.core_out_norm == "final":
-      x = final_norm(x)
-    x, coda_kvs = run_plain_layers(x, "coda")
+      x_BxTxD = final_norm(x_BxTxD)
+    x_BxTxD, coda_kvs = self._plain_layers(x_BxTxD, "coda", positions_BxT, context)
     if cfg.core_out_norm != "every":  # 'every': h_R is already normalized by its recurrence.
-      x = final_norm(x)
+      x_BxTxD = final_norm(x_BxTxD)
     if cfg.tie_embeddings:
-      logits = embed.attend(x.astype(cfg.compute_dtype))
+      logits_BxTxV = embed.attend(x_BxTxD.astype(cfg.compute_dtype))
     else:
-      logits = projection(cfg, cfg.vocab_size, cfg.init_std, "head", axes=("embed", "vocab"))(x)
-    logits = nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
+      head = projection(cfg, cfg.vocab_size, cfg.init_std, "head", axes=("embed", "vocab"))
+      logits_BxTxV = head(x_BxTxD)
+    logits_BxTxV = nn.with_logical_constraint(logits_BxTxV, ("batch", "length", "vocab"))
+    return logits_BxTxV.astype(jnp.float32), coda_kvs
 
+  def _diagnostics(self, ys, depth_mask_BxR, collect_states: bool) -> dict:
+    """The aux entries both modes return: residual norms averaged over active sequences,
+    optionally the states and the exit-gate logits."""
     active_RxB = depth_mask_BxR.T.astype(jnp.float32)
     count_R = jnp.maximum(jnp.sum(active_RxB, axis=1), 1.0)
     aux = {
@@ -311,18 +409,9 @@ class LoopedLM(nn.Module):
     }
     if collect_states:
       aux["states_RxBxTxD"] = ys["h"]
-    if cfg.exit_gate:
+    if self.cfg.exit_gate:
       aux["exit_logits_RxBxT"] = ys["exit_logit_BxT"]
-    if decode:
-      if cache.share_kv:
-        core_new = [jax.tree.map(lambda a: a[-1], kv) for kv in ys["kv"]]
-      else:
-        core_new = ys["kv"]
-      new_cache = {"prelude": prelude_kvs, "core": core_new, "coda": coda_kvs}
-      aux["cache"] = write_chunk(cache, new_cache, t)
-    else:
-      aux["final_kv"] = carry["final_kv"]
-    return logits.astype(jnp.float32), aux
+    return aux
 
   def _initial_state(self, e_BxTxD, positions_BxT):
     cfg = self.cfg

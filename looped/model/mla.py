@@ -15,12 +15,15 @@ on the diagonal, as for GQA.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from looped.model.config import ModelConfig
 from looped.model.layers import RMSNorm, normal_init, projection, rope
+from looped.model.mixer_interface import MixerContext, mla_cache
 
 Entry = tuple[jax.Array, jax.Array]  # (c_kv_BxSx1xL, k_rope_BxSx1xY)
 
@@ -83,15 +86,16 @@ def mla_absorbed(
 class MLA(nn.Module):
   """Multi-head latent attention with num_heads heads; see the module docstring.
 
-  ctx (looped.model.attention.MixerContext) as for GQA; a concrete ctx.past (a cache read)
+  ctx (mixer_interface.MixerContext) as for GQA; a concrete ctx.past (a cache read)
   selects the absorbed form, None or a function of the own entries the expanded one.
   """
 
   cfg: ModelConfig
   out_std: float
+  mixer_cache: ClassVar = staticmethod(mla_cache)
 
   @nn.compact
-  def __call__(self, x_BxTxD, positions_BxT, ctx) -> tuple[jax.Array, Entry]:
+  def __call__(self, x_BxTxD, positions_BxT, ctx: MixerContext) -> tuple[jax.Array, Entry]:
     cfg = self.cfg
     n, h, c, r = cfg.num_heads, cfg.head_dim, cfg.mla_kv_rank, cfg.mla_rope_dim
     if cfg.mla_q_rank:

@@ -13,16 +13,12 @@ past mask, a prefix of the cache); a context with other masks needs attention_im
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import jax
 import jax.numpy as jnp
 
 import pallas_kernels
 from looped import kv_quant
-
-if TYPE_CHECKING:
-  from looped.model.attention import MixerContext
+from looped.model.mixer_interface import MixerContext
 
 _PAGE_SIZES = (64, 32, 16, 8, 4, 2, 1)
 

@@ -3,6 +3,7 @@
 Handlers parse and check a request (protocol.py), hand one engine request per prompt to the
 engine loop and turn its events into OpenAI's response objects or server-sent events. A task per
 request watches for the client going away and cancels the request, which frees its pages.
+`create_app` routes each endpoint to one method of `_Routes`.
 """
 
 from __future__ import annotations
@@ -89,7 +90,22 @@ def _prompt_logprobs(out: _Logprobs, prompt: protocol.Prompt, positions: dict, t
 
 
 def _error(e: protocol.RequestError) -> JSONResponse:
+  """OpenAI's error object, with the error's status."""
   return JSONResponse(guards.error_body(str(e), e.status, e.param), status_code=e.status)
+
+
+async def _field(request: Request, name: str, valid, message: str, then=None):
+  """Field `name` of a JSON object body, or then(value); protocol.RequestError (naming the
+  field) when the body is not a JSON object or valid(value) is false. Parsed and checked on a
+  worker thread: a large body does not hold the event loop (/health, the streams in flight)."""
+
+  def parse(raw: bytes):
+    value = protocol.json_object(raw).get(name)
+    if not valid(value):
+      raise protocol.RequestError(message, name)
+    return value if then is None else then(value)
+
+  return await asyncio.to_thread(parse, await request.body())
 
 
 async def _watch_disconnect(request: Request, on_gone) -> None:
@@ -107,39 +123,60 @@ def create_app(
   """stop_token_ids: tokens that end a request unless it sets ignore_eos (the tokenizer's EOS)."""
   app = FastAPI(title="looped", docs_url=None, redoc_url=None, openapi_url=None)
   guards.install(app, limits.max_body_bytes)
-  ids = itertools.count()
-  metrics = loop.metrics
-  created = int(time.time())
-  document = openapi.document(limits)
+  routes = _Routes(loop, tokenizer, limits, stop_token_ids)
+  app.add_api_route("/health", routes.health, methods=["GET"])
+  app.add_api_route("/openapi.json", routes.openapi, methods=["GET"])
+  app.add_api_route("/v1/models", routes.models, methods=["GET"])
+  app.add_api_route("/tokenizer_info", routes.tokenizer_info, methods=["GET"])
+  app.add_api_route("/tokenize", routes.tokenize, methods=["POST"])
+  app.add_api_route("/detokenize", routes.detokenize, methods=["POST"])
+  app.add_api_route("/metrics", routes.prometheus, methods=["GET"])
+  app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
+  return app
 
-  @app.get("/health")
-  async def health() -> Response:
-    if not loop.alive():
+
+class _Routes:
+  """One handler per endpoint, over what they share: the engine loop, the tokenizer, the
+  limits and the request-id counter."""
+
+  def __init__(self, loop: EngineLoop, tokenizer, limits: protocol.Limits, stop_token_ids):
+    self.loop, self.tokenizer, self.limits = loop, tokenizer, limits
+    self.stop_token_ids = stop_token_ids
+    self.metrics = loop.metrics
+    self.ids = itertools.count()
+    self.created = int(time.time())
+    self.document = openapi.document(limits)
+
+  def _refuse(self, e: protocol.RequestError, reason: str) -> JSONResponse:
+    """A refused completion: counted by reason, answered with OpenAI's error object."""
+    self.metrics.inc("looped:requests_rejected_total", reason=reason)
+    return _error(e)
+
+  async def health(self) -> Response:
+    if not self.loop.alive():
       return JSONResponse(guards.error_body("the engine is not running.", 503), status_code=503)
-    if not loop.ready.is_set():
-      message = f"warming up: compiling step shapes ({loop.warmup_progress})."
+    if not self.loop.ready.is_set():
+      message = f"warming up: compiling step shapes ({self.loop.warmup_progress})."
       return JSONResponse(guards.error_body(message, 503), status_code=503)
     return JSONResponse({"status": "ok"})
 
-  @app.get("/openapi.json")
-  async def openapi_json() -> JSONResponse:
-    return JSONResponse(document)
+  async def openapi(self) -> JSONResponse:
+    return JSONResponse(self.document)
 
-  @app.get("/v1/models")
-  async def models() -> JSONResponse:
+  async def models(self) -> JSONResponse:
     card = {
-      "id": limits.model_name,
+      "id": self.limits.model_name,
       "object": "model",
-      "created": created,
+      "created": self.created,
       "owned_by": "looped",
-      "max_model_len": limits.max_model_len,
+      "max_model_len": self.limits.max_model_len,
     }
     return JSONResponse({"object": "list", "data": [card]})
 
   # vLLM's tokenizer endpoints: lm-evaluation-harness's `local-completions` finds them and then
   # tokenizes with the served model's own tokenizer (its "remote" tokenizer backend).
-  @app.get("/tokenizer_info")
-  async def tokenizer_info() -> JSONResponse:
+  async def tokenizer_info(self) -> JSONResponse:
+    tokenizer = self.tokenizer
     eos = tokenizer.decode([tokenizer.eos_id]) or None  # The bytes tokenizer's EOS has no text.
     return JSONResponse(
       {
@@ -150,84 +187,83 @@ def create_app(
         "eos_token_id": int(tokenizer.eos_id),
         "bos_token": None,
         "pad_token": None,
-        "model_max_length": limits.max_model_len,
-        "vocab_size": limits.vocab_size,
+        "model_max_length": self.limits.max_model_len,
+        "vocab_size": self.limits.vocab_size,
       }
     )
 
-  @app.post("/tokenize")
-  async def tokenize(request: Request) -> JSONResponse:
-    def parse(raw: bytes) -> list[int]:
-      prompt = protocol.json_object(raw).get("prompt")
-      if not isinstance(prompt, str):
-        raise protocol.RequestError("prompt must be a string.", "prompt")
-      return [int(t) for t in tokenizer.encode(protocol.check_text(prompt, "prompt", "prompt"))]
+  async def tokenize(self, request: Request) -> JSONResponse:
+    def encode(prompt: str) -> list[int]:
+      return [
+        int(t) for t in self.tokenizer.encode(protocol.check_text(prompt, "prompt", "prompt"))
+      ]
 
     try:
-      tokens = await asyncio.to_thread(parse, await request.body())
+      tokens = await _field(
+        request, "prompt", lambda p: isinstance(p, str), "prompt must be a string.", encode
+      )
     except protocol.RequestError as e:
       return _error(e)
     return JSONResponse(
-      {"tokens": tokens, "count": len(tokens), "max_model_len": limits.max_model_len}
+      {"tokens": tokens, "count": len(tokens), "max_model_len": self.limits.max_model_len}
     )
 
-  @app.post("/detokenize")
-  async def detokenize(request: Request) -> JSONResponse:
-    def parse(raw: bytes) -> str:
-      tokens = protocol.json_object(raw).get("tokens")
-      if not isinstance(tokens, list) or not all(
-        protocol.is_int(t) and 0 <= t < limits.vocab_size for t in tokens
-      ):
-        raise protocol.RequestError(
-          f"tokens must be a list of token ids in [0, {limits.vocab_size}).", "tokens"
-        )
-      return tokenizer.decode(tokens)
-
+  async def detokenize(self, request: Request) -> JSONResponse:
+    vocab = self.limits.vocab_size
     try:
-      text = await asyncio.to_thread(parse, await request.body())
+      text = await _field(
+        request,
+        "tokens",
+        lambda ts: isinstance(ts, list) and all(protocol.is_int(t) and 0 <= t < vocab for t in ts),
+        f"tokens must be a list of token ids in [0, {vocab}).",
+        self.tokenizer.decode,
+      )
     except protocol.RequestError as e:
       return _error(e)
     return JSONResponse({"prompt": text})
 
-  @app.get("/metrics")
-  async def prometheus() -> PlainTextResponse:
-    return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+  async def prometheus(self) -> PlainTextResponse:
+    return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
-  @app.post("/v1/completions")
-  async def completions(request: Request) -> Response:
+  async def completions(self, request: Request) -> Response:
+    """Parses and checks the request, submits one engine request per prompt, then streams the
+    first one's tokens or answers with every prompt's choice once all are done."""
     try:  # Off the event loop: /health and streams go on while a large body is checked.
-      params = await asyncio.to_thread(protocol.parse, await request.body(), tokenizer, limits)
+      params = await asyncio.to_thread(
+        protocol.parse, await request.body(), self.tokenizer, self.limits
+      )
     except protocol.RequestError as e:
-      metrics.inc("looped:requests_rejected_total", reason="invalid")
-      return _error(e)
+      return self._refuse(e, "invalid")
     sampling = SamplingParams(
       max_new_tokens=params.max_tokens,
       temperature=params.temperature,
       top_k=params.top_k,
       top_p=params.top_p,
       seed=params.seed,
-      stop_token_ids=() if params.ignore_eos else stop_token_ids,
+      stop_token_ids=() if params.ignore_eos else self.stop_token_ids,
       stop_strings=params.stop,
     )
     # Echo needs every prompt position's logprob, top alternatives every token's.
     positions = params.logprobs is not None and (params.echo or params.logprobs > 0)
     engine_requests = [
-      GenRequest(next(ids), p.tokens, sampling, prompt_text=p.text, position_logprobs=positions)
+      GenRequest(
+        next(self.ids), p.tokens, sampling, prompt_text=p.text, position_logprobs=positions
+      )
       for p in params.prompts
     ]
     aio = asyncio.get_running_loop()
     queues = [asyncio.Queue() for _ in engine_requests]
     sinks = [lambda event, q=q: aio.call_soon_threadsafe(q.put_nowait, event) for q in queues]
     try:
-      loop.submit(engine_requests, sinks)
+      self.loop.submit(engine_requests, sinks)
     except QueueFull as e:
-      metrics.inc("looped:requests_rejected_total", reason="queue_full")
-      return _error(protocol.RequestError(f"the server is busy: {e}", None, 429))
+      return self._refuse(
+        protocol.RequestError(f"the server is busy: {e}", None, 429), "queue_full"
+      )
     except Warming as e:
       return _error(protocol.RequestError(str(e), None, 503))
     except ValueError as e:  # The engine's own checks (protocol.parse should have caught it).
-      metrics.inc("looped:requests_rejected_total", reason="invalid")
-      return _error(protocol.RequestError(str(e)))
+      return self._refuse(protocol.RequestError(str(e)), "invalid")
     finished = set()
 
     def gone() -> None:
@@ -235,7 +271,7 @@ def create_app(
       for r, q in zip(engine_requests, queues):
         if r.request_id not in finished:
           finished.add(r.request_id)
-          loop.cancel(r.request_id)
+          self.loop.cancel(r.request_id)
           q.put_nowait(Failed(499, "the client disconnected."))
 
     watcher = asyncio.ensure_future(_watch_disconnect(request, gone))
@@ -243,35 +279,43 @@ def create_app(
       "id": f"cmpl-{uuid.uuid4().hex}",
       "object": "text_completion",
       "created": int(time.time()),
-      "model": limits.model_name,
+      "model": self.limits.model_name,
     }
     if params.stream:
       stream = _stream(
-        params, engine_requests[0], queues[0], head, tokenizer, finished, gone, watcher
+        params, engine_requests[0], queues[0], head, self.tokenizer, finished, gone, watcher
       )
       return StreamingResponse(stream, media_type="text/event-stream")
-    try:
-      choices = []
-      usage = {"prompt_tokens": 0, "completion_tokens": 0}
-      for i, (prompt, r, q) in enumerate(zip(params.prompts, engine_requests, queues)):
-        while not isinstance(event := await q.get(), (Done, Failed)):
-          pass
-        finished.add(r.request_id)
-        if isinstance(event, Failed):
-          gone()
-          return JSONResponse(guards.error_body(event.message, event.status), event.status)
-        choices.append(_choice(i, params, prompt, event, tokenizer))
-        usage["prompt_tokens"] += len(prompt.tokens)
-        usage["completion_tokens"] += len(event.tokens)
-    except asyncio.CancelledError:
-      gone()
-      raise
-    finally:
-      watcher.cancel()
-    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-    return JSONResponse({**head, "choices": choices, "usage": usage})
+    return await _answer(
+      params, engine_requests, queues, head, self.tokenizer, finished, gone, watcher
+    )
 
-  return app
+
+async def _answer(
+  params, engine_requests, queues, head: dict, tokenizer, finished, gone, watcher
+) -> JSONResponse:
+  """The non-streaming response: every prompt's choice and the usage once all are done, or
+  the first failure's error (cancelling the rest)."""
+  try:
+    choices = []
+    usage = {"prompt_tokens": 0, "completion_tokens": 0}
+    for i, (prompt, r, q) in enumerate(zip(params.prompts, engine_requests, queues)):
+      while not isinstance(event := await q.get(), (Done, Failed)):
+        pass
+      finished.add(r.request_id)
+      if isinstance(event, Failed):
+        gone()
+        return JSONResponse(guards.error_body(event.message, event.status), event.status)
+      choices.append(_choice(i, params, prompt, event, tokenizer))
+      usage["prompt_tokens"] += len(prompt.tokens)
+      usage["completion_tokens"] += len(event.tokens)
+  except asyncio.CancelledError:
+    gone()
+    raise
+  finally:
+    watcher.cancel()
+  usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+  return JSONResponse({**head, "choices": choices, "usage": usage})
 
 
 def _choice(index: int, params, prompt: protocol.Prompt, done: Done, tokenizer) -> dict:

@@ -20,14 +20,16 @@ import ml_collections
 from absl import logging
 
 from looped import config_checks as cc
+from looped import schema
 from looped.checkpoints import model_record, restore
 from looped.data import tokenizers
 from looped.engine import checks, paged_cache
-from looped.engine.engine import Engine, pages_for_budget
+from looped.engine.engine import Engine, EngineConfig, pages_for_budget
 from looped.model import config as model_lib
 from looped.model.looped_lm import LoopedLM
 from looped.server import protocol
 from looped.server.app import create_app
+from looped.server.config import ServeConfig
 from looped.server.engine_loop import EngineLoop
 from looped.server.metrics import Metrics
 
@@ -59,26 +61,16 @@ def validate(config, chosen: tuple[str, ...] = ()) -> None:
   """Checks every field before any compute; raises ConfigError naming the field. chosen: the
   recorded model fields the command line chose (looped.programs)."""
   cc.choice(config, "program", ("server",))
+  schema.validate(ServeConfig, config, "serve")
   restore.check_checkpoint(config, "serve")
-  cc.string(config, "serve.model_name", allow_empty=True)
-  cc.string(config, "serve.host")
-  cc.integer(config, "serve.port", min_value=0, max_value=65535)
   model_cfg, data_cfg = _model(config, chosen)
   cfg, fmt = checks.check_model_and_format(config, "serve", model_cfg)
   tokenizers.get(data_cfg)
-  share = cc.boolean(config, "serve.share_kv")
-  page_size = cc.integer(config, "serve.page_size", min_value=1)
-  cc.integer(config, "serve.max_num_batched_tokens", min_value=1)
-  cc.integer(config, "serve.max_num_seqs", min_value=1)
   _buckets(config, "serve.row_buckets", config.serve.max_num_seqs)
   _buckets(config, "serve.token_buckets", config.serve.max_num_batched_tokens)
   _buckets(config, "serve.column_buckets", None)
-  cc.integer(config, "serve.max_waiting", min_value=0)
-  cc.boolean(config, "serve.warmup")
-  cc.integer(config, "serve.max_body_bytes", min_value=1024)
-  cc.integer(config, "serve.max_logprobs", min_value=0, max_value=20)
-  cc.number(config, "serve.drain_timeout_s", min_value=0.0)
-  budget = cc.number(config, "serve.kv_budget_bytes", min_value=0.0, min_exclusive=True)
+  s = config.serve
+  share, page_size, budget = s.share_kv, s.page_size, float(s.kv_budget_bytes)
   need = -(-(cfg.max_seq_len - 1) // page_size)
   have = pages_for_budget(LoopedLM(cfg), budget, page_size, share, fmt or None)
   if have < need:
@@ -103,18 +95,20 @@ def build(config, chosen: tuple[str, ...] = ()) -> tuple[Any, EngineLoop]:
   engine = Engine(
     model,
     params,
-    share_kv=s.share_kv,
-    kv_format=fmt,
-    num_pages=pages_for_budget(model, s.kv_budget_bytes, s.page_size, s.share_kv, fmt),
-    page_size=s.page_size,
-    max_num_batched_tokens=s.max_num_batched_tokens,
-    max_num_seqs=s.max_num_seqs,
-    max_model_len=cfg.max_seq_len,
+    EngineConfig(
+      share_kv=s.share_kv,
+      kv_format=fmt,
+      num_pages=pages_for_budget(model, s.kv_budget_bytes, s.page_size, s.share_kv, fmt),
+      page_size=s.page_size,
+      max_num_batched_tokens=s.max_num_batched_tokens,
+      max_num_seqs=s.max_num_seqs,
+      max_model_len=cfg.max_seq_len,
+      top_logprobs=max(s.max_logprobs, 1),
+      row_buckets=_buckets(config, "serve.row_buckets", None) or None,
+      token_buckets=_buckets(config, "serve.token_buckets", None) or None,
+      column_buckets=_buckets(config, "serve.column_buckets", None) or None,
+    ),
     decode=tokenizer.decode,
-    top_logprobs=max(s.max_logprobs, 1),
-    row_buckets=_buckets(config, "serve.row_buckets", None) or None,
-    token_buckets=_buckets(config, "serve.token_buckets", None) or None,
-    column_buckets=_buckets(config, "serve.column_buckets", None) or None,
   )
   name = s.model_name or os.path.basename(os.path.normpath(s.checkpoint))
   return serve_engine(

@@ -7,17 +7,20 @@ layer executions per token (the core block runs R times), N parameters per layer
         + 4 * H * head_dim * L * sum(q_i*c_i + q_i*(q_i+1)/2)   QK^T and PV, causal
         + 2 * V * d * (requests that emit a token)       LM head on sampled positions only
   bytes = w * (L * N + V * d)                            weights, read once per layer execution
-        + L * kv_tok * sum(c_i)                          context K/V read by every execution
-        + L_kv * kv_tok * sum(q_i)                       new K/V written
+        + kv_read * sum(c_i)                             context K/V read by every execution
+        + kv_write * sum(q_i)                            new K/V written
   time  = max(FLOPs / peak, bytes / bandwidth) + overhead      (hardware.combine 'max')
         = FLOPs / peak + bytes / bandwidth + overhead           (hardware.combine 'sum')
 
-kv_tok = num_kv_heads * head_dim * 2 * bytes_per_value(format) is one token's K and V in one
-layer, and L_kv the cached layers: P + B + C shared, P + R*B + C unshared. Sharing changes what is
-*stored* (and so how many requests and cached prefixes fit), not what is *read*: each of the R
+kv_write is the bytes one token leaves in the cache (ModelShape.kv_bytes_per_token, from the
+model's cache layout: for GQA, num_kv_heads * head_dim * 2 * bytes_per_value(format) per cached
+layer, P + B + C layers shared, P + R*B + C unshared), and kv_read the same over every layer
+execution, i.e. the unshared layout's bytes. Sharing changes what is *stored* (and so how many
+requests and cached prefixes fit), not what is *read*: each of the R
 recurrences still attends over the whole context, reading the one shared copy R times, since the
 recurrences run one after another. Activations, norms, the injection and the embedding lookup are
-left out (each is under ~1% of a step's bytes or FLOPs at the paper's size).
+left out (each is under ~1% of a step's bytes or FLOPs at the paper's size), and so are KDA
+layers' per-sequence state traffic and the FLOPs of MLA and KDA, priced as GQA's.
 
 This prices the batch an ideal engine computes. `engine_cost.executor_for` picks its pricing
 instead for a profile with pricing 'engine' (what looped/engine really computes on its hardware).
@@ -47,14 +50,13 @@ class CostModelExecutor:
     self.shape = shape
     self.hardware = hardware
     executions = shape.layer_executions
-    kv_tok = shape.kv_bytes_per_token_layer(kv_format)
     head = shape.vocab_size * shape.d_model
     self._flops_per_token = 2.0 * executions * shape.params_per_layer
     self._flops_per_pair = 4.0 * shape.num_heads * shape.head_dim * executions
     self._flops_per_sample = 2.0 * head
     self._weight_bytes = WEIGHT_BYTES[weight_format] * (executions * shape.params_per_layer + head)
-    self._read_per_context_token = executions * kv_tok
-    self._write_per_token = shape.kv_layers(share_kv) * kv_tok
+    self._read_per_context_token = shape.kv_bytes_per_token(False, kv_format)
+    self._write_per_token = shape.kv_bytes_per_token(share_kv, kv_format)
     self._inv_flops = 1.0 / hardware.peak_flops
     self._inv_bw = 1.0 / hardware.mem_bandwidth
     self._overhead = hardware.step_overhead_s

@@ -8,15 +8,17 @@ of N matrix parameters, H query heads of width hd, vocabulary V, width d:
 
   FLOPs = n * b * t * (2 * L * N + 2 * V * d + 4 * H * hd * L * (S + t))
   bytes = n * (w * (L * N + V * d)                   weights, read by every call
-               + L * b * (S + t) * kv_raw            K/V at compute precision, every execution
-               + L * b * S * (kv_page + kv_raw) [fmt] packed past read, dequantized copy written
+               + b * (S + t) * kv_raw                K/V at compute precision, every execution
+               + b * S * (kv_page + kv_raw) [fmt]    packed past read, dequantized copy written
                + 2 * 4 * L * H * b * t * (S + t))   float32 attention scores, written and read
-        + 2 * L_kv * kv_page * b * S                 gather: pages read, dense cache written
+        + 2 * kv_stored * b * S                      gather: pages read, dense cache written
   time  = step_overhead + n * call_overhead + combine(FLOPs / peak, bytes / bandwidth)
 
-w is the compute/weight bytes per value, kv_raw one token's K and V in one layer at w bytes,
-kv_page the same as stored (kv_raw for raw pages, else the format's packed bytes and scales),
-L_kv the cached layers. Nothing here depends on the batch beyond its padded shape.
+w is the compute/weight bytes per value, kv_raw one token's cache entries over all L layer
+executions at w bytes (the unshared layout's bytes, ModelShape.kv_bytes_per_token), kv_page the
+same as stored (kv_raw for raw pages, else the format's packed bytes and scales), kv_stored the
+stored bytes of the cached layers (the layout's, shared or not). Nothing here depends on the
+batch beyond its padded shape.
 
 Fitted to this machine's CPU (hardware 'cpu_2core', benchmarks/engine.py) it predicts held-out
 step shapes with ~19-21% median error, up to ~70-85%: it under-prices context in the token-by-token
@@ -54,9 +56,10 @@ class EngineCostExecutor:
     self.kv_format = kv_format
     w = cost_model.WEIGHT_BYTES[weight_format]
     self._w = w
-    self._kv_raw = shape.num_kv_heads * shape.head_dim * 2 * w
+    self._kv_raw = shape.kv_bytes_per_token(False, None, raw_itemsize=w)
     formatted = kv_format is not None
-    self._kv_page = shape.kv_bytes_per_token_layer(kv_format) if formatted else self._kv_raw
+    self._kv_page = shape.kv_bytes_per_token(False, kv_format) if formatted else self._kv_raw
+    self._kv_stored = shape.kv_bytes_per_token(share_kv, kv_format, raw_itemsize=w)
     self._formatted = formatted
 
   def padded_terms(self, rows: int, tokens: int, slots: int, calls: int) -> tuple[float, float]:
@@ -71,11 +74,11 @@ class EngineCostExecutor:
     flops = n * b * t * (per_position + 4 * heads * s.head_dim * layers * (S + t))
     per_call = (
       self._w * (layers * s.params_per_layer + head)
-      + layers * b * (S + t) * self._kv_raw
-      + (layers * b * S * (self._kv_page + self._kv_raw) if self._formatted else 0)
+      + b * (S + t) * self._kv_raw
+      + (b * S * (self._kv_page + self._kv_raw) if self._formatted else 0)
       + 2 * 4 * layers * heads * b * t * (S + t)
     )
-    moved = n * per_call + 2 * s.kv_layers(self.share_kv) * self._kv_page * b * S
+    moved = n * per_call + 2 * self._kv_stored * b * S
     return float(flops), float(moved)
 
   def terms(self, batch: scheduler_lib.StepBatch) -> tuple[float, float, int]:

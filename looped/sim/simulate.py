@@ -19,25 +19,15 @@ from typing import Any
 from absl import logging
 
 from looped import config_checks as checks
-from looped import kv_quant
+from looped import kv_quant, schema
+from looped.model.config import ModelConfig
 from looped.scheduler import pages as pages_lib
 from looped.scheduler import replay
 from looped.scheduler import scheduler as scheduler_lib
-from looped.sim import cost_model, engine_cost, hardware, metrics, report, traces
+from looped.sim import engine_cost, hardware, metrics, report, traces
 from looped.sim import shape as shape_lib
+from looped.sim.config import SimConfig, SyntheticConfig
 from looped.sim.progress import Progress
-
-_SHAPE_INTS = (
-  "vocab_size",
-  "d_model",
-  "num_heads",
-  "num_kv_heads",
-  "head_dim",
-  "mlp_dim",
-  "num_core_layers",
-  "num_recurrences",
-  "max_seq_len",
-)
 
 
 def _as_tuple(config: Any, path: str) -> tuple:
@@ -86,20 +76,15 @@ def kv_formats(config: Any) -> tuple[str, ...]:
 
 
 def model_shape(config: Any) -> shape_lib.ModelShape:
-  for name in _SHAPE_INTS:
-    checks.integer(config, f"model.{name}", min_value=1)
-  for name in ("num_prelude_layers", "num_coda_layers"):
-    checks.integer(config, f"model.{name}", min_value=0)
-  checks.choice(config, "model.mlp_type", ("swiglu", "relu2"))
-  checks.boolean(config, "model.tie_embeddings")
+  """The shape of config.model (its schema's ranges checked; only shape fields are read)."""
+  schema.validate(ModelConfig, config, "model")
   if config.model.num_heads % config.model.num_kv_heads:
     checks.fail("model.num_heads", config.model.num_heads, "must be a multiple of num_kv_heads")
   return shape_lib.ModelShape.from_config(config.model)
 
 
 def _hardware(config: Any) -> hardware.Hardware:
-  name = checks.choice(config, "sim.hardware", hardware.PROFILES)
-  path = checks.string(config, "sim.hardware_json", allow_empty=True)
+  name, path = config.sim.hardware, config.sim.hardware_json
   try:
     return hardware.load(name, path)
   except (OSError, ValueError) as e:
@@ -107,23 +92,17 @@ def _hardware(config: Any) -> hardware.Hardware:
 
 
 def _synthetic_spec(config: Any) -> traces.SyntheticSpec:
-  s = "synthetic"
-  return traces.SyntheticSpec(
-    num_requests=checks.integer(config, f"{s}.num_requests", min_value=1),
-    rate_per_s=checks.number(config, f"{s}.rate_per_s", min_value=0, min_exclusive=True),
-    num_sessions=checks.integer(config, f"{s}.num_sessions", min_value=1),
-    system_prompt_tokens=checks.integer(config, f"{s}.system_prompt_tokens", min_value=0),
-    mean_turn_tokens=checks.number(config, f"{s}.mean_turn_tokens", min_value=1),
-    mean_output_tokens=checks.number(config, f"{s}.mean_output_tokens", min_value=1),
-    max_prompt_tokens=checks.integer(config, f"{s}.max_prompt_tokens", min_value=1),
-    seed=checks.integer(config, f"{s}.seed", min_value=0),
-  )
+  """The synthetic trace of config.synthetic (validated: SyntheticConfig)."""
+  kinds = {name: kind for name, (kind, _, _) in schema.fields(SyntheticConfig).items()}
+  return traces.SyntheticSpec(**{k: kinds[k](v) for k, v in config.synthetic.items()})
 
 
 def validate(config: Any) -> None:
   """Checks every field before any compute; raises ConfigError naming the field."""
   checks.choice(config, "program", ("serve_sim",))
   shape = model_shape(config)
+  schema.validate(SimConfig, config, "sim")
+  schema.validate(SyntheticConfig, config, "synthetic")
   path = checks.string(config, "sim.trace", allow_empty=True)
   if path and not os.path.isfile(traces.resolve(path)):
     checks.fail(
@@ -132,20 +111,22 @@ def validate(config: Any) -> None:
       "must be an existing Mooncake JSONL file, a bundled trace "
       f"({', '.join(sorted(traces.BUNDLED))}) or '' (synthetic)",
     )
-  if not path:
-    _synthetic_spec(config)
-  checks.number(config, "sim.time_scale", min_value=0, min_exclusive=True)
-  checks.integer(config, "sim.max_requests", min_value=0)
-  page_size = checks.integer(config, "sim.page_size", min_value=1)
-  checks.integer(config, "sim.max_num_batched_tokens", min_value=1)
-  checks.integer(config, "sim.max_num_seqs", min_value=1)
-  checks.choice(config, "sim.weight_format", cost_model.WEIGHT_BYTES)
-  checks.boolean(config, "sim.check_invariants")
+  page_size = config.sim.page_size
   _hardware(config)
   for budget, share, fmt in itertools.product(
     budgets(config), share_kv_values(config), kv_formats(config)
   ):
-    page_bytes = page_size * shape.kv_bytes_per_token(share, fmt)
+    try:
+      page_bytes = page_size * shape.kv_bytes_per_token(share, fmt)
+    except ValueError as e:  # A per-token entry (e.g. MLA's latent) off the format's block.
+      checks.fail("sim.kv_format", fmt, str(e).rstrip("."))
+    if not page_bytes:
+      checks.fail(
+        "model.core_mixers",
+        shape.core_mixers,
+        "must give some layer a per-token cache for the simulator to page (a model of KDA "
+        "layers only keeps a per-sequence state)",
+      )
     if budget is not None and budget < page_bytes:
       checks.fail(
         "sim.kv_budget_bytes",
@@ -202,6 +183,7 @@ def simulate_one(
     "num_pages": num_pages,
     "page_size": config.page_size,
     "kv_bytes_per_token": shape.kv_bytes_per_token(share_kv, kv_format),
+    "kv_state_bytes_per_sequence": shape.kv_bytes_per_sequence(share_kv),
     **metrics.summarize(sched, page_bytes),
     "ideal_lru_hit_rate": traces.ideal_hit_rate(
       requests, None if num_pages is None else num_pages * config.page_size

@@ -24,11 +24,11 @@ from jax.sharding import Mesh
 from looped import config_checks as cc
 from looped import data as data_lib
 from looped import model as model_lib
-from looped import sharding
+from looped import schema, sharding
 from looped.checkpoints import checkpointing, model_record
-from looped.model import depth as depth_lib
 from looped.model.looped_lm import LoopedLM
 from looped.train import objectives, optim
+from looped.train.config import DepthConfig, TrainConfig
 from looped.train.metrics_writer import MetricsWriter
 
 
@@ -81,31 +81,21 @@ def validate(config) -> None:
 
 
 def validate_training(config) -> None:
+  """seed, model, data, depth, train and mesh: each section's schema, then the rules relating
+  fields."""
   cc.integer(config, "seed", min_value=0)
   model_lib.validate(config)
   data_lib.validate(config)
-  cc.choice(config, "depth.sampler", depth_lib.SAMPLERS)
-  cc.number(config, "depth.poisson_mean", min_value=0.0, min_exclusive=True)
-  cc.number(config, "depth.survival", min_value=0.0, max_value=1.0, min_exclusive=True)
+  schema.validate(DepthConfig, config, "depth")
   cc.integer(
     config,
     "depth.backprop_recurrences",
     min_value=0,
     max_value=config.model.num_recurrences,
   )
-  cc.integer(config, "train.num_steps", min_value=1)
-  cc.number(config, "train.learning_rate", min_value=0.0, min_exclusive=True)
-  cc.integer(config, "train.warmup_steps", min_value=0)
-  cc.number(config, "train.min_lr_ratio", min_value=0.0, max_value=1.0)
-  cc.number(config, "train.weight_decay", min_value=0.0)
-  cc.number(config, "train.b1", min_value=0.0, max_value=1.0)
-  cc.number(config, "train.b2", min_value=0.0, max_value=1.0)
-  cc.number(config, "train.grad_clip", min_value=0.0)
-  for name in ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints"):
-    cc.integer(config, "train." + name, min_value=1)
-  cc.integer(config, "train.grad_accum_steps", min_value=1)
+  schema.validate(TrainConfig, config, "train")
   sharding.validate(config)
-  init_from = cc.string(config, "train.init_from", allow_empty=True)
+  init_from = config.train.init_from
   if init_from and not os.path.isdir(init_from):
     cc.fail("train.init_from", init_from, "must be an existing checkpoint or run directory")
 

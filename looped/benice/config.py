@@ -1,0 +1,101 @@
+"""The BeNice! pipeline's sections: every field of `config.benice`, `config.eval` and
+`config.pipeline` declared once, with its default, doc and range (looped.schema derives
+configs/benice.py's ConfigDicts, the range checks and help; looped/benice/pipeline.py checks
+the rules relating fields). Post-training's `post.depth` and `post.train` follow the training
+schemas (looped/train/config.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from looped import kv_quant
+from looped.benice.objectives import KL_PASSES, READ_MODES
+from looped.schema import field
+
+MODEL_NAMES = ("zero_shot", "finetune", "benice")  # Models the pipeline can train and evaluate.
+
+
+@dataclasses.dataclass(frozen=True)
+class BeniceConfig:
+  """`config.benice`: the BeNice! objective (looped/benice/objectives.py)."""
+
+  read_recurrences: str = field(
+    "all",
+    "Which recurrences read the broadcast K/V: 'all', 'first' (the paper's wording) or 'none' "
+    "(control: the shared pass is then the unshared forward).",
+    choices=READ_MODES,
+  )
+  shared_ce_weight: float = field(1.0, "Weight of the CE of the shared pass.", min=0.0)
+  unshared_ce_weight: float = field(1.0, "Weight of the CE of the unshared pass.", min=0.0)
+  kl_weight: float = field(
+    0.0, "Weight of KL(frozen pretrained model || student) (0: off).", min=0.0
+  )
+  kl_pass: str = field("shared", "Student pass the KL applies to.", choices=KL_PASSES)
+  residual_weight: float = field(
+    0.0, "Weight of shared-vs-unshared state matching (0: off).", min=0.0
+  )
+  kv_passes: int = field(
+    0,
+    "Shared Jacobi passes (no gradient) before the broadcast K/V are taken: 0 = the unshared "
+    "pass's final K/V (the paper); n = trained pass is Jacobi pass n + 1 (3 closed the "
+    "fixed-depth gap where 0 did not, docs/results.md ablation (c), at +25% time).",
+    min=0,
+  )
+  kv_passes_ramp_steps: int = field(
+    0,
+    "Curriculum: kv_passes grows 0 -> kv_passes over these steps, each count an equal share "
+    "(0: kv_passes from the first step); <= post.train.num_steps, needs kv_passes > 0.",
+    min=0,
+  )
+  distill_weight: float = field(
+    0.0, "Weight of KL(sg(unshared pass) || shared pass) (0: off).", min=0.0
+  )
+  shared_ramp_steps: int = field(
+    0,
+    "Shared-pass weights ramp 0 -> value over these steps (0: off); <= post.train.num_steps.",
+    min=0,
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  """`config.eval`: the shareability evaluation of each model."""
+
+  jacobi_passes: tuple[int, ...] = field(
+    (1, 4),
+    "Jacobi shared-pass counts reported (one compilation for all).",
+    by_hand="a non-empty tuple of integers >= 1",
+  )
+  decode_batches: int = field(
+    0,
+    "First N eval batches also measured by exact decode (0: all); <= data.num_eval_batches.",
+    min=0,
+  )
+  decode_rows: int = field(
+    0, "Rows per exact-decode call (a multiple of the eval batch; 0: all).", min=0
+  )
+  kv_formats: tuple[str, ...] = field(
+    ("bf16", "fp8", "mxfp8", "nvfp4"),
+    "Cache formats also evaluated.",
+    by_hand=f"a tuple of formats from {kv_quant.FORMATS}",
+  )
+  samples: int = field(2, "Eval rows each model continues greedily in the report (0: none).", min=0)
+  sample_prompt_tokens: int = field(
+    48, "Prompt: the first tokens of each of those rows; <= data.seq_len.", min=1
+  )
+  sample_new_tokens: int = field(
+    48, "Greedy tokens generated, unshared and with the shared cache.", min=1
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+  """`config.pipeline`: reuse of finished stages from other runs, and the models trained."""
+
+  pretrain_workdir: str = field("", "Finished pretraining run to start from ('' = train one).")
+  finetune_workdir: str = field("", "Finished standard-finetune run ('' = train one).")
+  models: tuple[str, ...] = field(
+    MODEL_NAMES,
+    "Models trained and evaluated.",
+    by_hand=f"a non-empty tuple of distinct names from {MODEL_NAMES}",
+  )

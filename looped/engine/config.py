@@ -1,0 +1,56 @@
+"""The generation section: every field of `config.gen` declared once, with its default, doc and
+range (looped.schema derives configs/generate.py's ConfigDict, the range checks and help;
+looped/engine/generate.py checks the rules relating fields, the prompts and the model)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from looped import kv_quant
+from looped.schema import field
+
+KV_FORMATS = ("",) + kv_quant.FORMATS  # '' : raw pages in the compute dtype.
+
+
+@dataclasses.dataclass(frozen=True)
+class GenConfig:
+  """`config.gen`: the checkpoint, the prompts, the paged engine and the sampler."""
+
+  checkpoint: str = field(
+    "", "Trainer workdir, pipeline stage dir or converted model (checkpoints/).", nonempty=True
+  )
+  step: int = field(-1, "Checkpoint step to load (-1: the latest).", min=-1)
+  prompts: str = field(
+    "",
+    'One prompt, a tuple of prompts, or a file: .jsonl ({"prompt": ...} per line) or text '
+    "(one prompt per line; '\\n' in a line stands for a newline).",
+    by_hand="a string, a tuple of strings or a prompts file",
+  )
+  share_kv: bool = field(True, "KV-sharing: cache only the final recurrence's K/V of core layers.")
+  kv_format: str = field(
+    "", "Page storage: '' (raw, compute dtype) or a packed format.", choices=KV_FORMATS
+  )
+  kv_budget_bytes: float | None = field(
+    64e6,
+    "KV page pool in bytes (None: room for every prompt at once).",
+    by_hand="a positive number of bytes or None",
+  )
+  page_size: int = field(16, "Tokens per KV page (prefix-cache granularity).", min=1)
+  max_num_batched_tokens: int = field(
+    64, "Per-step token budget (decodes + prefill chunks).", min=1
+  )
+  max_num_seqs: int = field(8, "Cap on requests running at once.", min=1)
+  max_new_tokens: int = field(64, "Tokens generated per prompt at most.", min=1)
+  temperature: float = field(
+    0.0, "0: greedy; > 0: sample from softmax(logits / temperature).", min=0.0
+  )
+  top_k: int = field(0, "Sample among the k most likely tokens (0: all).", min=0)
+  top_p: float = field(1.0, "Nucleus sampling mass (1: off).", gt=0.0, max=1.0)
+  seed: int = field(0, "Sampler seed; prompt i uses seed + i.", min=0)
+  stop_strings: tuple[str, ...] = field(
+    (),
+    "Generated text containing one of these ends the prompt's output.",
+    by_hand="a tuple of non-empty strings",
+  )
+  stop_at_eos: bool = field(True, "The tokenizer's EOS ends a prompt's output.")
+  stream: bool = field(True, "With a single prompt, print its text as it is generated.")

@@ -1,0 +1,134 @@
+"""Which layers a looped model caches, in how many copies, and how many bytes that takes.
+
+The layout rule of docs/design.md §3, stated once here and read by the model's caches
+(kv_cache.py), the mixers' byte counts (mixers.py, and the evaluation through it), the engine's
+page pool (looped/engine/paged_cache.py) and the serving simulator (looped/sim/shape.py):
+
+  every prelude and coda layer is cached once; a core layer is cached once under sharing (the
+  final recurrence) and once per recurrence without it.
+
+What one copy of a layer holds is its mixer's `MixerCache` (mixer_interface.py): per-token
+entries (GQA, MLA), which KV formats store packed, and per-sequence state (KDA), always float32.
+
+`cache_layout(cfg, share_kv)` reads only these fields of cfg, so a ModelConfig and the
+simulator's ModelShape both describe a model: num_{prelude,core,coda}_layers,
+{prelude,core,coda}_mixers, num_recurrences and the fields of the mixers present
+(num_kv_heads, head_dim, num_heads, mla_kv_rank, mla_rope_dim, kda_conv_size).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from looped.model.config import STAGES
+from looped.model.mixer_interface import MIXER_CACHES, MixerCache
+
+__all__ = ["STAGES", "CacheLayout", "CachedLayer", "cache_layout", "per_recurrence", "stage_mixers"]
+
+
+def per_recurrence(stage: str, share_kv: bool) -> bool:
+  """The layout rule: only the core's layers, and only without sharing, keep one copy per
+  recurrence (their cache arrays lead with an R axis); every other layer keeps one."""
+  return stage == "core" and not share_kv
+
+
+def stage_mixers(cfg: Any, stage: str) -> tuple[str, ...]:
+  """The mixer of each layer of a stage: its pattern repeated over the stage's layers."""
+  pattern = tuple(getattr(cfg, f"{stage}_mixers"))
+  count = getattr(cfg, f"num_{stage}_layers")
+  return tuple(pattern[i % len(pattern)] for i in range(count))
+
+
+@dataclasses.dataclass(frozen=True)
+class CachedLayer:
+  """One layer's cache: `copies` copies (one per recurrence when per_recurrence) of `cache`."""
+
+  stage: str
+  layer: int  # Index within the stage.
+  mixer: str
+  per_recurrence: bool
+  copies: int
+  cache: MixerCache
+
+  @property
+  def lead(self) -> tuple[int, ...]:
+    """Leading axes of this layer's cache arrays: (R,) per recurrence, else none."""
+    return (self.copies,) if self.per_recurrence else ()
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+  """The cached layers of a model in one sharing layout, in stage and layer order."""
+
+  share_kv: bool
+  layers: tuple[CachedLayer, ...]
+
+  def stage(self, stage: str) -> tuple[CachedLayer, ...]:
+    return tuple(c for c in self.layers if c.stage == stage)
+
+  def entries(self) -> list[tuple[str, int, int | None, str]]:
+    """(stage, layer, recurrence slot, mixer) of every cached copy; the slot is None for a
+    layer cached once (prelude, coda, and the core's final recurrence under sharing)."""
+    return [
+      (c.stage, c.layer, r if c.per_recurrence else None, c.mixer)
+      for c in self.layers
+      for r in range(c.copies)
+    ]
+
+  def bytes_per_token(
+    self,
+    kv_format: str | None,
+    raw_itemsize: float = 2,
+    tensor_scales: bool = False,
+    mixer: str | None = None,
+  ) -> float:
+    """Per-token bytes of all cached layers (or of one mixer's); see MixerCache.bytes_per_token.
+
+    Summed per mixer as copies x one layer's bytes, so a single-mixer model's figure is
+    exactly its layer count times one layer's bytes.
+    """
+    total = 0.0
+    for kind, copies in self.copies_by_mixer().items():
+      if mixer is None or kind == mixer:
+        cache = next(c.cache for c in self.layers if c.mixer == kind)
+        total += copies * cache.bytes_per_token(kv_format, raw_itemsize, tensor_scales)
+    return total
+
+  def bytes_per_sequence(self, mixer: str | None = None) -> float:
+    """Per-sequence state bytes of all cached layers (or of one mixer's): KDA's float32 state."""
+    return float(
+      sum(
+        c.copies * c.cache.bytes_per_sequence
+        for c in self.layers
+        if mixer is None or c.mixer == mixer
+      )
+    )
+
+  def copies_by_mixer(self) -> dict[str, int]:
+    """Cached layer copies per mixer, in order of first appearance."""
+    out: dict[str, int] = {}
+    for c in self.layers:
+      out[c.mixer] = out.get(c.mixer, 0) + c.copies
+    return out
+
+  @property
+  def per_token_layers(self) -> int:
+    """Cached layer copies that hold per-token entries (the pageable ones)."""
+    return sum(c.copies for c in self.layers if c.cache.token_shapes)
+
+  @property
+  def vectors_per_token(self) -> int:
+    """Cached last-axis vectors per token over all layers (GQA: layers x 2 x kv heads)."""
+    return sum(c.copies * c.cache.vectors_per_token for c in self.layers)
+
+
+def cache_layout(cfg: Any, share_kv: bool) -> CacheLayout:
+  """The cached layers of the model cfg describes, shared or unshared (module docstring)."""
+  layers = []
+  for stage in STAGES:
+    for i, mixer in enumerate(stage_mixers(cfg, stage)):
+      repeat = per_recurrence(stage, share_kv)
+      copies = cfg.num_recurrences if repeat else 1
+      layers.append(CachedLayer(stage, i, mixer, repeat, copies, MIXER_CACHES[mixer](cfg)))
+  return CacheLayout(share_kv, tuple(layers))

@@ -1,0 +1,138 @@
+"""The sequence-mixer interface: what a mixer layer is called with, returns and caches.
+
+Every mixer (GQA `attention.py`, MLA `mla.py`, KDA `kda.py`) maps x_BxTxD to y_BxTxD and returns
+the per-token entry a decode cache stores for it. What the new tokens may attend to is described
+by a `MixerContext`, so the same layer serves every KV-sharing mode (docs/design.md §3):
+
+- parallel unshared forward: no past; causal attention among the T tokens themselves;
+- Jacobi shared pass: past = final-recurrence entries of the same positions (s < t), plus the
+  token's own entry on the diagonal;
+- decode / chunked prefill: past = the cache (slots < length), plus the new chunk causally.
+
+What each mixer caches is stated here once, as a `MixerCache` (`MIXER_CACHES`), so that the
+cache layout (cache_layout.py), the model's caches, the engine's pages, the evaluation's byte
+counts and the serving simulator all read the same shapes:
+
+gqa  per token K and V, [num_kv_heads, head_dim] each.
+mla  per token the latent c_kv [1, mla_kv_rank] and the RoPE key [1, mla_rope_dim].
+kda  nothing per token; per sequence the state [num_heads, head_dim, head_dim] and the conv
+     tail [kda_conv_size - 1, 3 x num_heads x head_dim], float32, never quantized.
+
+This module holds no layer, so the layers (and pallas_attention.py) import it and not each
+other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import jax
+
+from looped import kv_quant
+
+KV = tuple[jax.Array, jax.Array]  # (k_BxSxKxH, v_BxSxKxH)
+
+STATE_BYTES = 4  # Per-sequence states are float32.
+TENSOR_SCALE_BYTES = 4  # nvfp4's float32 tensor scale, one per quantized [K, H] token slice.
+
+
+@dataclasses.dataclass(frozen=True)
+class MixerContext:
+  """What the new tokens of one mixer call may attend to.
+
+  self_mask_BxTxT: which of the chunk's own tokens each token sees (causal, or diagonal only).
+  past: None, a cache-format entry for slots S, or a function of the chunk's own entry returning
+    the past entry (lets a Jacobi pass choose, per recurrence, the shared or its own keys).
+  past_mask_BxTxS: which past slots each new token sees (ignored when past is None).
+  read_past: optional function applied to the past entry on every read (e.g. dequantize).
+  """
+
+  self_mask_BxTxT: jax.Array
+  past: KV | Callable[[KV], KV] | None = None
+  past_mask_BxTxS: jax.Array | None = None
+  read_past: Callable[[Any], KV] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class MixerCache:
+  """What one layer of a mixer caches.
+
+  token_shapes: the per-token entries, each a [K, H] slice (quantized one slice at a time by a
+    KV format, along H); a cache holds one per slot.
+  state_shapes: the per-sequence state (float32, never quantized), replaced by every chunk.
+  """
+
+  token_shapes: tuple[tuple[int, int], ...] = ()
+  state_shapes: tuple[tuple[int, ...], ...] = ()
+
+  def bytes_per_token(
+    self, kv_format: str | None, raw_itemsize: float = 2, tensor_scales: bool = False
+  ) -> float:
+    """Bytes one token's entries take: in kv_format (block and vector scales included, see
+    kv_quant.bytes_per_value), or raw at raw_itemsize bytes per value when kv_format is None.
+    tensor_scales adds nvfp4's float32 tensor scale per token slice, which a cache that
+    quantizes one token at a time (kv_cache.py, the engine's pages) stores and
+    kv_quant.bytes_per_value leaves out."""
+    total = 0.0
+    for heads, width in self.token_shapes:
+      if kv_format is None:
+        total += heads * width * raw_itemsize
+      else:
+        total += heads * width * kv_quant.bytes_per_value(kv_format, width)
+        if tensor_scales and kv_format == "nvfp4":
+          total += TENSOR_SCALE_BYTES
+    return total
+
+  @property
+  def values_per_token(self) -> int:
+    return sum(math.prod(s) for s in self.token_shapes)
+
+  @property
+  def vectors_per_token(self) -> int:
+    """Cached last-axis vectors per token (K and V heads for GQA)."""
+    return sum(heads for heads, _ in self.token_shapes)
+
+  @property
+  def bytes_per_sequence(self) -> int:
+    return STATE_BYTES * sum(math.prod(s) for s in self.state_shapes)
+
+
+def gqa_cache(cfg) -> MixerCache:
+  """Grouped-query attention: post-RoPE K and V of every token."""
+  return MixerCache(token_shapes=((cfg.num_kv_heads, cfg.head_dim),) * 2)
+
+
+def mla_cache(cfg) -> MixerCache:
+  """Multi-head latent attention: the normalized latent c_kv and the decoupled RoPE key."""
+  return MixerCache(token_shapes=((1, cfg.mla_kv_rank), (1, cfg.mla_rope_dim)))
+
+
+def kda_cache(cfg) -> MixerCache:
+  """Kimi delta attention: the delta-rule state and the short convolution's tail."""
+  h, d = cfg.num_heads, cfg.head_dim
+  return MixerCache(state_shapes=((h, d, d), (cfg.kda_conv_size - 1, 3 * h * d)))
+
+
+# cfg needs the fields each function reads (a ModelConfig, or the simulator's ModelShape).
+MIXER_CACHES: dict[str, Callable[[Any], MixerCache]] = {
+  "gqa": gqa_cache,
+  "mla": mla_cache,
+  "kda": kda_cache,
+}
+
+
+@runtime_checkable
+class SequenceMixer(Protocol):
+  """A sequence-mixer layer (a Flax module built as Mixer(cfg, out_std)).
+
+  Called with x_BxTxD, positions_BxT and a MixerContext; returns y_BxTxD and the layer's
+  per-token entry for the cache (GQA: (k, v); MLA: (c_kv, k_rope); KDA: a KDARecord from
+  parallel forwards, a KDAState from decode). `mixer_cache` is the mixer's entry in MIXER_CACHES.
+  """
+
+  mixer_cache: ClassVar[Callable[[Any], MixerCache]]
+
+  def __call__(self, x_BxTxD: jax.Array, positions_BxT: jax.Array, ctx: MixerContext) -> Any: ...

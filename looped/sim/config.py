@@ -1,0 +1,72 @@
+"""The simulator's sections: every field of `config.sim` and `config.synthetic` declared once,
+with its default, doc and range (looped.schema derives configs/serve_sim.py's ConfigDicts, the
+range checks and help; looped/sim/simulate.py checks the sweeps and the rules relating fields).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from looped import kv_quant
+from looped.schema import field
+from looped.sim import cost_model, hardware
+
+
+@dataclasses.dataclass(frozen=True)
+class SimConfig:
+  """`config.sim`: the trace, the sweep (budgets x layouts x formats) and the engine's limits."""
+
+  trace: str = field(
+    "",
+    "Mooncake JSONL path or bundled alias ('mooncake_conversation'); '' = synthetic.",
+    by_hand="an existing Mooncake JSONL file, a bundled trace or ''",
+  )
+  time_scale: float = field(
+    1.0, "Arrival times are multiplied by this (0.5 = replay twice as fast).", gt=0
+  )
+  max_requests: int = field(0, "Replay only the first N requests (0 = all).", min=0)
+  kv_budget_bytes: tuple = field(
+    (24e9, 32e9, 48e9, 64e9, 96e9, 128e9),
+    "KV budgets swept (None = unbounded); each holds at least one page.",
+    by_hand="a positive number or None, or a tuple of them",
+  )
+  share_kv: tuple = field(
+    (True, False),
+    "Layouts to compare: shared (final recurrence) / unshared.",
+    by_hand="True, False or a tuple of them",
+  )
+  kv_format: tuple = field(
+    ("bf16",),
+    "KV formats swept ('bf16,fp8' on a command line is a tuple).",
+    by_hand="a tuple of formats from " + ", ".join(kv_quant.FORMATS),
+  )
+  page_size: int = field(16, "Tokens per KV page (vLLM's default block size).", min=1)
+  max_num_batched_tokens: int = field(
+    8192, "Per-step token budget (decodes + prefill chunks).", min=1
+  )
+  max_num_seqs: int = field(256, "Cap on running requests.", min=1)
+  hardware: str = field(
+    "h200",
+    "Hardware profile ('cpu_2core' prices looped/engine's padded CPU step; there 'bf16' stands "
+    "for the engine's raw pages, other formats for packed ones).",
+    choices=hardware.PROFILES,
+  )
+  hardware_json: str = field("", "JSON of measured values overriding the profile ('' = none).")
+  weight_format: str = field(
+    "bf16", "Weight storage read each step.", choices=cost_model.WEIGHT_BYTES
+  )
+  check_invariants: bool = field(False, "Verify pool and block tables after every step (slow).")
+
+
+@dataclasses.dataclass(frozen=True)
+class SyntheticConfig:
+  """`config.synthetic`: the generated multi-turn trace, used when sim.trace is ''."""
+
+  num_requests: int = field(2000, "Requests generated.", min=1)
+  rate_per_s: float = field(2.0, "Mean Poisson arrival rate.", gt=0)
+  num_sessions: int = field(64, "Concurrent multi-turn conversations.", min=1)
+  system_prompt_tokens: int = field(2048, "System prompt shared by every request.", min=0)
+  mean_turn_tokens: float = field(1500.0, "Mean new user tokens per turn (exponential).", min=1)
+  mean_output_tokens: float = field(300.0, "Mean generated tokens per turn (exponential).", min=1)
+  max_prompt_tokens: int = field(65536, "A conversation restarts beyond this prompt length.", min=1)
+  seed: int = field(0, "Seed of the synthetic trace.", min=0)

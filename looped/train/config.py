@@ -1,0 +1,55 @@
+"""The training sections: every field of `config.train` and `config.depth` declared once, with
+its default, doc and range (looped.schema derives the config files' ConfigDicts, the range
+checks and help). Post-training reads the same fields from `config.post.train` (a subset, over
+config.train's) and `config.post.depth`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from looped.model.depth import SAMPLERS
+from looped.schema import field
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """`config.train`: optimizer, schedule and the cadence of logs, evaluations and checkpoints."""
+
+  num_steps: int = field(1500, "Optimizer steps.", min=1)
+  learning_rate: float = field(3e-3, "Peak learning rate.", gt=0.0)
+  warmup_steps: int = field(100, "Linear warmup steps.", min=0)
+  min_lr_ratio: float = field(0.1, "Cosine decays to this fraction of the peak.", min=0.0, max=1.0)
+  weight_decay: float = field(0.1, "AdamW decoupled weight decay (matrices only).", min=0.0)
+  b1: float = field(0.9, "Adam beta1.", min=0.0, max=1.0)
+  b2: float = field(0.95, "Adam beta2.", min=0.0, max=1.0)
+  grad_clip: float = field(1.0, "Global-norm gradient clipping (0: off).", min=0.0)
+  log_every: int = field(25, "Steps between progress lines / metrics.jsonl records.", min=1)
+  eval_every: int = field(250, "Steps between validation passes (and at the end).", min=1)
+  checkpoint_every: int = field(250, "Steps between checkpoints (and at the end).", min=1)
+  keep_checkpoints: int = field(2, "Checkpoints kept in the workdir.", min=1)
+  init_from: str = field(
+    "", "Checkpoint or run directory to take params from at step 0 ('' = random)."
+  )
+  grad_accum_steps: int = field(
+    1, "Microbatches per step (gradients summed; batch split k ways).", min=1
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class DepthConfig:
+  """`config.depth`: the stochastic depth of training (looped/model/depth.py)."""
+
+  sampler: str = field(
+    "poisson", "Stochastic depth: 'poisson' (per sequence), 'bernoulli', 'fixed'.", choices=SAMPLERS
+  )
+  poisson_mean: float = field(
+    2.0, "Mean of the truncated Poisson depth (clipped to [1, R]).", gt=0.0
+  )
+  survival: float = field(
+    0.7, "Bernoulli: probability each recurrence is kept (>= 1 always kept).", gt=0.0, max=1.0
+  )
+  backprop_recurrences: int = field(
+    0,
+    "k: only the last k active recurrences get gradient (0: all); <= model.num_recurrences.",
+    min=0,
+  )
