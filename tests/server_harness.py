@@ -37,9 +37,9 @@ class ServerThread:
   def __enter__(self) -> ServerThread:
     self._thread.start()
     deadline = time.monotonic() + self._timeout
-    while not self.server.started:
+    while not (self.server.started and self.loop.ready.is_set()):
       if time.monotonic() > deadline or not self._thread.is_alive():
-        raise RuntimeError("the server did not start.")
+        raise RuntimeError("the server did not start (or warm up).")
       time.sleep(0.01)
     return self
 

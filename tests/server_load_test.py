@@ -1,5 +1,7 @@
 """200 concurrent HTTP requests against the server: random lengths, shared prefixes, greedy and
-seeded sampling, streamed and not, some cancelled mid-stream, some malformed.
+seeded sampling, streamed and not, some cancelled mid-stream, some malformed, some hostile
+(values the engine cannot hold, lone surrogates, deep JSON, oversized bodies and batches, a
+client that leaves mid-body).
 
 Reference: the engine's own batch mode (Engine.generate) on the well-formed requests, whose
 tokens the engine tests check against token-by-token decoding; under sharing a token depends
@@ -10,6 +12,7 @@ small enough to preempt.
 
 import dataclasses
 import random
+import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -45,6 +48,27 @@ _MALFORMED = [
 ]
 
 
+_MAX_BODY = 1 << 15
+_HOSTILE = [
+  (b'{"prompt": "abc", "max_tokens": 3, "top_k": 1099511627776}', 400),
+  (b'{"prompt": "abc", "max_tokens": 3, "top_k": 2147483648}', 400),
+  (b'{"prompt": "abc\\ud800def"}', 400),
+  (b"[" * 30_000, 400),
+  (b'{"prompt": "' + b"z" * (_MAX_BODY + 1) + b'"}', 413),
+  (b'{"prompt": [' + b'"ab", ' * 256 + b'"ab"]}', 400),
+  (None, None),  # Declares 1,000 bytes, sends 34, leaves.
+]
+
+
+def _leave_mid_body(port: int) -> tuple:
+  with socket.create_connection(("127.0.0.1", port), timeout=_TIMEOUT_S) as sock:
+    sock.sendall(
+      b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+      b'Content-Length: 1000\r\n\r\n{"prompt": "abc", "max_tokens": 2}'
+    )
+  return ("left",)
+
+
 def _engine(params, tok):
   return Engine(
     LoopedLM(_MODEL),
@@ -72,9 +96,21 @@ class ServerLoadTest(absltest.TestCase):
     jobs = []
     for i in range(200):
       roll = rng.random()
-      kind = "malformed" if roll < 0.12 else "cancel" if roll < 0.24 else "good"
+      kind = (
+        "malformed"
+        if roll < 0.12
+        else "hostile"
+        if roll < 0.17
+        else "cancel"
+        if roll < 0.29
+        else "good"
+      )
       if kind == "malformed":
         jobs.append({"kind": kind, "raw": rng.choice(_MALFORMED)})
+        continue
+      if kind == "hostile":
+        raw, status = rng.choice(_HOSTILE)
+        jobs.append({"kind": kind, "raw": raw, "status": status})
         continue
       prefix = rng.choice(_PREFIXES) if rng.random() < 0.8 else ""
       suffix = "".join(rng.choice("abcdefgh ") for _ in range(rng.randint(1, 12)))
@@ -89,7 +125,7 @@ class ServerLoadTest(absltest.TestCase):
       jobs.append({"kind": kind, "body": body, "stream": stream})
 
     app, loop = program.serve_engine(
-      _engine(params, tok), tok, "tiny", max_waiting=256, max_logprobs=5
+      _engine(params, tok), tok, "tiny", max_waiting=256, max_logprobs=5, max_body_bytes=_MAX_BODY
     )
     results = [None] * len(jobs)
     with ServerThread(app, loop) as server:
@@ -100,7 +136,9 @@ class ServerLoadTest(absltest.TestCase):
         job = jobs[i]
         if i < 32:
           start.wait(_TIMEOUT_S)  # The first 32 arrive together.
-        if job["kind"] == "malformed":
+        if job["kind"] == "hostile" and job["raw"] is None:
+          results[i] = _leave_mid_body(server.port)
+        elif job["kind"] in ("malformed", "hostile"):
           results[i] = client.request(url, "POST", raw=job["raw"], timeout_s=_TIMEOUT_S)
         elif job["kind"] == "cancel" and not job["stream"]:
           try:  # Gives up (closes the connection) before the 30 tokens can be done.
@@ -136,6 +174,15 @@ class ServerLoadTest(absltest.TestCase):
       status, body = results[i]
       self.assertEqual(status, 400, (jobs[i], body))
       self.assertIn("error", body)
+    hostile = [i for i, j in enumerate(jobs) if j["kind"] == "hostile"]
+    self.assertGreater(len(hostile), 4)
+    for i in hostile:
+      if jobs[i]["raw"] is None:
+        self.assertEqual(results[i], ("left",))
+        continue
+      status, body = results[i]
+      self.assertEqual(status, jobs[i]["status"], (jobs[i]["raw"][:60], body))
+      self.assertIsInstance(body["error"]["message"], str)
 
     # The reference: the same well-formed requests in the engine's batch mode.
     requests = []

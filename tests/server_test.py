@@ -51,6 +51,7 @@ def _serve_config(checkpoint, share_kv, **overrides):
   config.model.max_seq_len = testing.TINY_RUN_OVERRIDES["model.max_seq_len"]
   config.serve.checkpoint = checkpoint
   config.serve.share_kv = share_kv
+  config.serve.warmup = False  # Compiles only the shapes it meets (warm-up: server_hostile_test).
   for key, value in overrides.items():
     testing.set_field(config, key, value)
   return config

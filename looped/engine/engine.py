@@ -126,6 +126,20 @@ class Engine:
     self.page_bytes = c.page_size * paged_cache.bytes_per_token(model.cfg, c.share_kv, c.kv_format)
     self.scheduler: scheduler_lib.Scheduler | None = None
 
+  def step_shapes(self) -> list[tuple[int, int, int]]:
+    """Every padded step shape the scheduler's batches can produce (one compilation each)."""
+    c = self.config
+    return self.executor.padding.reachable(
+      c.max_num_seqs, c.max_num_batched_tokens, self.max_model_len
+    )
+
+  def warmup(self, on_shape: Callable | None = None) -> int:
+    """Compiles every step shape now (step_shapes), so that no request waits for a compile;
+    returns how many. on_shape(done, total) follows progress."""
+    shapes = self.step_shapes()
+    self.executor.warmup(shapes, on_shape)
+    return len(shapes)
+
   def check_request(self, request: GenRequest) -> None:
     """Raises ValueError naming what makes a request unservable (before any compute)."""
     rid = request.request_id

@@ -36,6 +36,15 @@ from looped.model.looped_lm import LoopedLM
 from looped.scheduler import scheduler as scheduler_lib
 
 
+class RequestFailed(RuntimeError):
+  """A step failed on one request's own data (building its row, or applying its token); the
+  step's results were not applied, so the engine can drop that request and go on."""
+
+  def __init__(self, request_id: int, cause: BaseException):
+    super().__init__(f"request {request_id}: {type(cause).__name__}: {cause}")
+    self.request_id = request_id
+
+
 @dataclasses.dataclass
 class RequestState:
   request: GenRequest
@@ -152,6 +161,7 @@ class ModelExecutor:
     self.decode = decode or (lambda ids: "")
     self.on_token = on_token
     self.states: dict[int, RequestState] = {}
+    self.last_batch: list[int] = []  # Request ids of the step last started (failed or not).
     self.step_log: list[dict] = []  # Per step: rows, tokens, bucket, wall seconds.
     self.top_logprobs = top_logprobs
     self._step = compiled_step(
@@ -161,8 +171,47 @@ class ModelExecutor:
   def add(self, request: GenRequest) -> None:
     self.states[request.request_id] = RequestState(request, list(request.prompt_tokens))
 
+  def warmup(self, shapes, on_shape: Callable | None = None) -> None:
+    """Compiles (or loads from the persistent compilation cache) the step of each padded
+    (rows, tokens, columns) shape by running it once on no tokens: every row reads and writes
+    only the scratch page, so no cached K/V changes."""
+    for i, (b, q, columns) in enumerate(shapes):
+      zeros_B = np.zeros((b,), np.int32)
+      self.pages, *_ = self._step(
+        self.params,
+        self.pages,
+        np.zeros((b, q), np.int32),
+        np.full((b, columns), self.scratch_page, np.int32),
+        zeros_B,
+        zeros_B,
+        np.zeros((b,), np.float32),
+        zeros_B,
+        np.ones((b,), np.float32),
+        zeros_B,
+        zeros_B,
+        np.zeros((b, q), np.int32),
+      )
+      if on_shape is not None:
+        on_shape(i + 1, len(shapes))
+    jax.block_until_ready(self.pages)
+
+  def pages_valid(self) -> bool:
+    """False once a step failed after donating the pages to the device (they are gone)."""
+    return not any(leaf.is_deleted() for leaf in jax.tree.leaves(self.pages))
+
+  def reset_pages(self) -> None:
+    """Fresh, zeroed pages (every cached K/V lost: the caller drops whatever refers to them)."""
+    cfg = self.model.cfg
+    self.pages = paged_cache.init_pages(
+      cfg, self.scratch_page, self.page_size, self.share_kv, self.kv_format
+    )
+
   def execute(self, batch: scheduler_lib.StepBatch) -> float:
+    """Runs one step. Nothing of it is applied (request states, emitted tokens) unless all of it
+    succeeds: a row that fails raises RequestFailed naming its request, anything else fails the
+    step as a whole; either way the scheduler's state is that of before the step."""
     n = len(batch.seqs)
+    self.last_batch = [seq.request.request_id for seq in batch.seqs]
     padded = self.padding.shape(batch.num_new_tokens, batch.num_context_tokens)
     b, q, columns = padded.rows, padded.tokens, padded.columns
     tokens = np.zeros((b, q), np.int32)
@@ -179,17 +228,20 @@ class ModelExecutor:
     for i, (seq, new, ctx) in enumerate(
       zip(batch.seqs, batch.num_new_tokens, batch.num_context_tokens)
     ):
-      state = self.states[seq.request.request_id]
-      states.append(state)
-      tokens[i, :new] = state.tokens[ctx : ctx + new]
-      table[i, : len(seq.pages)] = seq.pages
-      context[i], num_new[i] = ctx, new
-      sp = state.request.sampling
-      temperature[i], top_k[i], top_p[i], seed[i] = sp.temperature, sp.top_k, sp.top_p, sp.seed
-      index[i] = len(state.generated)
-      if self.top_logprobs and state.request.position_logprobs:
-        known = state.tokens[ctx + 1 : ctx + new + 1]  # The last one is sampled if unknown.
-        targets[i, : len(known)] = known
+      try:
+        state = self.states[seq.request.request_id]
+        states.append(state)
+        tokens[i, :new] = state.tokens[ctx : ctx + new]
+        table[i, : len(seq.pages)] = seq.pages
+        context[i], num_new[i] = ctx, new
+        sp = state.request.sampling
+        temperature[i], top_k[i], top_p[i], seed[i] = sp.temperature, sp.top_k, sp.top_p, sp.seed
+        index[i] = len(state.generated)
+        if self.top_logprobs and state.request.position_logprobs:
+          known = state.tokens[ctx + 1 : ctx + new + 1]  # The last one is sampled if unknown.
+          targets[i, : len(known)] = known
+      except Exception as e:
+        raise RequestFailed(seq.request.request_id, e) from e
     start = time.perf_counter()
     self.pages, token_B, logprob_B, logits, positions = self._step(
       self.params,
@@ -214,26 +266,49 @@ class ModelExecutor:
       logits = np.asarray(logits)
     if positions is not None:
       positions = tuple(np.asarray(x) for x in positions)
+    # Every row's results first, applied only once all of them are known (see execute).
+    updates = []
     for i, (seq, state) in enumerate(zip(batch.seqs, states)):
-      ctx, new = int(context[i]), int(num_new[i])
-      if logits is not None:
-        for j in range(new):
-          state.logits[ctx + j] = logits[i, j]
-      sampled = ctx + new == seq.num_tokens
-      if positions is not None and state.request.position_logprobs:
-        target, top_ids, top = positions
-        for j in range(new):
-          lp = float(logprob_B[i]) if sampled and j == new - 1 else float(target[i, j])
-          state.positions[ctx + j] = (lp, top_ids[i, j].tolist(), top[i, j].tolist())
-      if sampled:  # The chunk reaches its last token: sample.
-        self._emit(seq, state, int(token_B[i]), float(logprob_B[i]))
+      try:
+        updates.append(
+          self._row_update(seq, state, i, context, num_new, logits, positions, logprob_B)
+        )
+        if updates[-1]["sampled"]:
+          token, logprob = int(token_B[i]), float(logprob_B[i])
+          updates[-1]["emit"] = (token, logprob, self._stop(state, token))
+      except Exception as e:
+        raise RequestFailed(seq.request.request_id, e) from e
+    for (seq, state), update in zip(zip(batch.seqs, states), updates):
+      state.logits.update(update["logits"])
+      state.positions.update(update["positions"])
+      if "emit" in update:
+        self._emit(seq, state, *update["emit"])
     return wall if self.clock is None else self.clock.execute(batch)
 
-  def _emit(self, seq, state: RequestState, token: int, logprob: float) -> None:
+  def _row_update(self, seq, state, i, context, num_new, logits, positions, logprob_B) -> dict:
+    """Row i's logits and position logprobs to record, and whether its chunk samples a token."""
+    ctx, new = int(context[i]), int(num_new[i])
+    sampled = ctx + new == seq.num_tokens
+    update = {"sampled": sampled, "logits": {}, "positions": {}}
+    if logits is not None:
+      for j in range(new):
+        update["logits"][ctx + j] = logits[i, j]
+    if positions is not None and state.request.position_logprobs:
+      target, top_ids, top = positions
+      for j in range(new):
+        lp = float(logprob_B[i]) if sampled and j == new - 1 else float(target[i, j])
+        update["positions"][ctx + j] = (lp, top_ids[i, j].tolist(), top[i, j].tolist())
+    return update
+
+  def _stop(self, state: RequestState, token: int) -> tuple[str | None, str]:
+    """(finish reason or None, text) once `token` is appended: computed before anything is."""
+    return sampling.check_stop(state.generated + [token], state.request.sampling, self.decode)
+
+  def _emit(self, seq, state: RequestState, token: int, logprob: float, stop) -> None:
     state.generated.append(token)
     state.tokens.append(token)
     state.logprobs.append(logprob)
-    reason, state.text = sampling.check_stop(state.generated, state.request.sampling, self.decode)
+    reason, state.text = stop
     if reason is not None:
       state.finish_reason = reason
       seq.stopped = True

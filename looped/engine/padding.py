@@ -85,3 +85,31 @@ class Padding:
     reach = max(c + tokens for c in num_context)  # Slots the padded step writes up to.
     columns = bucket(-(-reach // self.page_size), self.column_buckets)
     return StepShape(rows, tokens, columns, longest if self.sequential else 1)
+
+  def reachable(
+    self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
+  ) -> list[tuple[int, int, int]]:
+    """Every (rows, tokens, columns) bucket some scheduler batch pads to.
+
+    n rows in (r0, r] with the longest chunk in (t0, t] fit the token budget when the fewest
+    such tokens do (the other rows at one token each). A step writes slots up to
+    max(context + t): at least t, and at most max_model_len - 1 + t when a second row may be a
+    decode at the last position, else (one row) max_model_len - (t0 + 1) + t. Column bucket
+    c in (c0, c] is reached when that range meets (c0 * page_size, c * page_size]."""
+    out = []
+    rows_prev, p = 0, self.page_size
+    for r in self.row_buckets:
+      tokens_prev = 0
+      for t in self.token_buckets:
+        fewest = max(rows_prev + 1, 1)  # Rows in this bucket, at the least.
+        if fewest <= max_num_seqs and fewest - 1 + tokens_prev + 1 <= max_num_batched_tokens:
+          two_rows = 2 <= min(r, max_num_seqs) and 1 + tokens_prev + 1 <= max_num_batched_tokens
+          furthest = max_model_len - 1 + t if two_rows else max_model_len - tokens_prev - 1 + t
+          columns_prev = 0
+          for c in self.column_buckets:
+            if c * p >= t and columns_prev * p < furthest:
+              out.append((r, t, c))
+            columns_prev = c
+        tokens_prev = t
+      rows_prev = r
+    return out

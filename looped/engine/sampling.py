@@ -20,6 +20,10 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+# Beyond this every temperature samples the same (near-uniform) distribution; the bound keeps
+# 1 / T and the logits' scaling finite in float32.
+MAX_TEMPERATURE = 100.0
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -41,10 +45,12 @@ class SamplingParams:
       raise bad("max_new_tokens", self.max_new_tokens, "must be an integer")
     if self.max_new_tokens < 1:
       raise bad("max_new_tokens", self.max_new_tokens, "must be >= 1")
-    if not self.temperature >= 0:
-      raise bad("temperature", self.temperature, "must be >= 0")
-    if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-      raise bad("top_k", self.top_k, "must be an integer >= 0 (0: no top-k)")
+    if not 0 <= self.temperature <= MAX_TEMPERATURE:
+      raise bad("temperature", self.temperature, f"must be in [0, {MAX_TEMPERATURE:g}]")
+    if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
+      raise bad("top_k", self.top_k, "must be an integer in [0, vocab_size] (0: no top-k)")
+    if not 0 <= self.top_k <= vocab_size:
+      raise bad("top_k", self.top_k, f"must be in [0, {vocab_size}] (0: no top-k)")
     if not 0 < self.top_p <= 1:
       raise bad("top_p", self.top_p, "must be in (0, 1]")
     if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**31:

@@ -160,6 +160,21 @@ class Scheduler:
         return seq
     return None
 
+  def requeue(self, request_id: Any) -> Sequence | None:
+    """Puts a running request back at the head of the queue with nothing computed, as a
+    preemption does (pages released, its K/V recomputed on re-admission), for a step whose
+    results were never applied (it failed). Returns its Sequence, or None if not running."""
+    for i, seq in enumerate(self.running):
+      if seq.request.request_id == request_id:
+        del self.running[i]
+        self.pool.release(seq.pages)
+        seq.pages = []
+        seq.num_computed = 0
+        seq.num_registered = 0
+        self.waiting.appendleft(seq)
+        return seq
+    return None
+
   def has_work(self) -> bool:
     return bool(self.running or self.waiting)
 

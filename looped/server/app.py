@@ -20,8 +20,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from looped.engine.requests import GenRequest
 from looped.engine.sampling import SamplingParams
-from looped.server import protocol
-from looped.server.engine_loop import Done, EngineLoop, Failed, QueueFull
+from looped.server import guards, openapi, protocol
+from looped.server.engine_loop import Done, EngineLoop, Failed, QueueFull, Warming
 
 _FINISH = {"length": "length", "stop_token": "stop", "stop_string": "stop"}
 
@@ -91,16 +91,21 @@ def _prompt_logprobs(out: _Logprobs, prompt: protocol.Prompt, positions: dict, t
 
 def _error(e: protocol.RequestError) -> JSONResponse:
   """OpenAI's error object, with the error's status."""
-  return JSONResponse(e.payload(), status_code=e.status)
+  return JSONResponse(guards.error_body(str(e), e.status, e.param), status_code=e.status)
 
 
-async def _field(request: Request, name: str, valid, message: str):
-  """Field `name` of a JSON object body; protocol.RequestError (naming the field) when the body
-  is not a JSON object or valid(value) is false."""
-  value = protocol.json_object(await request.body()).get(name)
-  if not valid(value):
-    raise protocol.RequestError(message, name)
-  return value
+async def _field(request: Request, name: str, valid, message: str, then=None):
+  """Field `name` of a JSON object body, or then(value); protocol.RequestError (naming the
+  field) when the body is not a JSON object or valid(value) is false. Parsed and checked on a
+  worker thread: a large body does not hold the event loop (/health, the streams in flight)."""
+
+  def parse(raw: bytes):
+    value = protocol.json_object(raw).get(name)
+    if not valid(value):
+      raise protocol.RequestError(message, name)
+    return value if then is None else then(value)
+
+  return await asyncio.to_thread(parse, await request.body())
 
 
 async def _watch_disconnect(request: Request, on_gone) -> None:
@@ -117,8 +122,10 @@ def create_app(
 ) -> FastAPI:
   """stop_token_ids: tokens that end a request unless it sets ignore_eos (the tokenizer's EOS)."""
   app = FastAPI(title="looped", docs_url=None, redoc_url=None, openapi_url=None)
+  guards.install(app, limits.max_body_bytes)
   routes = _Routes(loop, tokenizer, limits, stop_token_ids)
   app.add_api_route("/health", routes.health, methods=["GET"])
+  app.add_api_route("/openapi.json", routes.openapi, methods=["GET"])
   app.add_api_route("/v1/models", routes.models, methods=["GET"])
   app.add_api_route("/tokenizer_info", routes.tokenizer_info, methods=["GET"])
   app.add_api_route("/tokenize", routes.tokenize, methods=["POST"])
@@ -138,6 +145,7 @@ class _Routes:
     self.metrics = loop.metrics
     self.ids = itertools.count()
     self.created = int(time.time())
+    self.document = openapi.document(limits)
 
   def _refuse(self, e: protocol.RequestError, reason: str) -> JSONResponse:
     """A refused completion: counted by reason, answered with OpenAI's error object."""
@@ -146,8 +154,14 @@ class _Routes:
 
   async def health(self) -> Response:
     if not self.loop.alive():
-      return JSONResponse({"status": "unavailable"}, status_code=503)
+      return JSONResponse(guards.error_body("the engine is not running.", 503), status_code=503)
+    if not self.loop.ready.is_set():
+      message = f"warming up: compiling step shapes ({self.loop.warmup_progress})."
+      return JSONResponse(guards.error_body(message, 503), status_code=503)
     return JSONResponse({"status": "ok"})
+
+  async def openapi(self) -> JSONResponse:
+    return JSONResponse(self.document)
 
   async def models(self) -> JSONResponse:
     card = {
@@ -179,13 +193,17 @@ class _Routes:
     )
 
   async def tokenize(self, request: Request) -> JSONResponse:
+    def encode(prompt: str) -> list[int]:
+      return [
+        int(t) for t in self.tokenizer.encode(protocol.check_text(prompt, "prompt", "prompt"))
+      ]
+
     try:
-      prompt = await _field(
-        request, "prompt", lambda p: isinstance(p, str), "prompt must be a string."
+      tokens = await _field(
+        request, "prompt", lambda p: isinstance(p, str), "prompt must be a string.", encode
       )
     except protocol.RequestError as e:
       return _error(e)
-    tokens = [int(t) for t in self.tokenizer.encode(prompt)]
     return JSONResponse(
       {"tokens": tokens, "count": len(tokens), "max_model_len": self.limits.max_model_len}
     )
@@ -193,15 +211,16 @@ class _Routes:
   async def detokenize(self, request: Request) -> JSONResponse:
     vocab = self.limits.vocab_size
     try:
-      tokens = await _field(
+      text = await _field(
         request,
         "tokens",
         lambda ts: isinstance(ts, list) and all(protocol.is_int(t) and 0 <= t < vocab for t in ts),
         f"tokens must be a list of token ids in [0, {vocab}).",
+        self.tokenizer.decode,
       )
     except protocol.RequestError as e:
       return _error(e)
-    return JSONResponse({"prompt": self.tokenizer.decode(tokens)})
+    return JSONResponse({"prompt": text})
 
   async def prometheus(self) -> PlainTextResponse:
     return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
@@ -209,8 +228,10 @@ class _Routes:
   async def completions(self, request: Request) -> Response:
     """Parses and checks the request, submits one engine request per prompt, then streams the
     first one's tokens or answers with every prompt's choice once all are done."""
-    try:
-      params = protocol.parse(await request.body(), self.tokenizer, self.limits)
+    try:  # Off the event loop: /health and streams go on while a large body is checked.
+      params = await asyncio.to_thread(
+        protocol.parse, await request.body(), self.tokenizer, self.limits
+      )
     except protocol.RequestError as e:
       return self._refuse(e, "invalid")
     sampling = SamplingParams(
@@ -239,6 +260,8 @@ class _Routes:
       return self._refuse(
         protocol.RequestError(f"the server is busy: {e}", None, 429), "queue_full"
       )
+    except Warming as e:
+      return _error(protocol.RequestError(str(e), None, 503))
     except ValueError as e:  # The engine's own checks (protocol.parse should have caught it).
       return self._refuse(protocol.RequestError(str(e)), "invalid")
     finished = set()
@@ -282,10 +305,7 @@ async def _answer(
       finished.add(r.request_id)
       if isinstance(event, Failed):
         gone()
-        return JSONResponse(
-          {"error": {"message": event.message, "type": "server_error", "param": None}},
-          status_code=event.status,
-        )
+        return JSONResponse(guards.error_body(event.message, event.status), event.status)
       choices.append(_choice(i, params, prompt, event, tokenizer))
       usage["prompt_tokens"] += len(prompt.tokens)
       usage["completion_tokens"] += len(event.tokens)
@@ -340,8 +360,7 @@ async def _stream(
     while True:
       event = await queue.get()
       if isinstance(event, Failed):
-        error = {"message": event.message, "type": "server_error", "param": None}
-        yield f"data: {json.dumps({'error': error})}\n\n"
+        yield f"data: {json.dumps(guards.error_body(event.message, event.status))}\n\n"
         break
       if isinstance(event, Done):
         finished.add(request.request_id)

@@ -45,11 +45,19 @@ class ServeConfig:
   )
   column_buckets: tuple[int, ...] = field((), "Padded page-table widths.", by_hand=_BUCKETS)
   max_waiting: int = field(
-    256, "Requests queued beyond the running ones; more get HTTP 429.", min=0
+    256,
+    "Requests queued beyond the running ones (more get HTTP 429); also a batch's most prompts.",
+    min=0,
   )
   max_logprobs: int = field(
     5, "Largest `logprobs` a request may ask for (as OpenAI's API).", min=0, max=20
   )
   drain_timeout_s: float = field(
     600.0, "After SIGTERM, wait this long for requests in flight.", min=0.0
+  )
+  warmup: bool = field(
+    True, "Compile every step shape before serving, so no request waits for a compile."
+  )
+  max_body_bytes: int = field(
+    1 << 22, "Request bodies over this many bytes get HTTP 413.", min=1024
   )

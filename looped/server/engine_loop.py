@@ -6,10 +6,18 @@ request has a sink, a thread-safe callable that receives its events: a `Token` p
 token, then one `Done` (sent after the step that finished it, so its pages are already free) or
 one `Failed`. Time is wall time since the loop started; the scheduler runs on it as it does on
 the simulator's clock.
+
+A failed step never fails the batch: the executor applies nothing of a step unless all of it
+succeeds, so the loop puts the step's requests back in the queue and finds the culprit. A row
+that failed on its own data names its request (RequestFailed), which alone gets a 500; any other
+failure quarantines the step's requests and re-admits them one at a time (each alone with
+whatever else runs), so the next failure names its culprit. Each failure fails one request at
+most, so the loop always makes progress.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import threading
@@ -17,7 +25,7 @@ import time
 from collections.abc import Callable
 
 from looped.engine.engine import Engine
-from looped.engine.executor import RequestState
+from looped.engine.executor import RequestFailed, RequestState
 from looped.engine.requests import GenRequest
 from looped.scheduler import pages as pages_lib
 from looped.scheduler import scheduler as scheduler_lib
@@ -28,6 +36,10 @@ log = logging.getLogger(__name__)
 
 class QueueFull(RuntimeError):
   """The waiting queue holds max_waiting requests already."""
+
+
+class Warming(RuntimeError):
+  """The engine is still compiling its step shapes (EngineLoop warmup)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,8 +80,10 @@ class _Tracked:
 
 
 class EngineLoop:
-  def __init__(self, engine: Engine, *, max_waiting: int, metrics: Metrics):
-    """max_waiting: requests queued (submitted, not yet running) beyond which submit refuses."""
+  def __init__(self, engine: Engine, *, max_waiting: int, metrics: Metrics, warmup: bool = False):
+    """max_waiting: requests queued (submitted, not yet running) beyond which submit refuses.
+    warmup: the thread first compiles every step shape (Engine.warmup) and only then is `ready`;
+    submit refuses (Warming) until it is, so no request waits for a compile."""
     self.engine = engine
     self.executor = engine.executor
     self.pool = pages_lib.PagePool(engine.num_pages)
@@ -83,9 +97,18 @@ class EngineLoop:
     self._cancels: list[int] = []
     self._tracked: dict[int, _Tracked] = {}
     self._stopping = False
+    self._quarantine: collections.deque[scheduler_lib.Sequence] = collections.deque()
+    self._probe: int | None = None  # The quarantined request re-admitted, until a step clears it.
     self._t0 = time.monotonic()
     self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
     self.error: BaseException | None = None
+    self._warmup = warmup
+    self.ready = threading.Event()
+    self.warmup_s: float | None = None
+    self.warmup_progress = "starting"
+    self.warmup_shapes = 0
+    if not warmup:
+      self.ready.set()
     metrics.gauge("vllm:num_requests_running", "Requests in the running batch.", self.num_running)
     metrics.gauge("vllm:num_requests_waiting", "Requests queued.", self.num_waiting)
     metrics.gauge(
@@ -122,7 +145,7 @@ class EngineLoop:
     return len(self.scheduler.running)
 
   def num_waiting(self) -> int:
-    return len(self._inbox) + len(self.scheduler.waiting)
+    return len(self._inbox) + len(self.scheduler.waiting) + len(self._quarantine)
 
   def pending_cancels(self) -> int:
     return len(self._cancels)
@@ -139,6 +162,8 @@ class EngineLoop:
     refuses (a second line of defence behind the HTTP checks: nothing unservable is queued)."""
     for request in requests:
       self.engine.check_request(request)
+    if not self.ready.is_set():
+      raise Warming(f"the server is warming up: compiling step shapes ({self.warmup_progress}).")
     with self._cond:
       if self._stopping:
         raise QueueFull("the server is shutting down.")
@@ -166,16 +191,34 @@ class EngineLoop:
 
   # -- The loop thread -------------------------------------------------------------------------
 
+  def _warm(self) -> None:
+    start = time.monotonic()
+
+    def progress(done: int, total: int) -> None:
+      self.warmup_progress = f"{done} of {total}"
+      if done == total or done % max(1, total // 4) == 0:
+        log.info("warm-up: %d of %d step shapes compiled", done, total)
+
+    self.warmup_shapes = self.engine.warmup(progress)
+    self.warmup_s = time.monotonic() - start
+    log.info("warm-up: %d step shapes in %.1f s", self.warmup_shapes, self.warmup_s)
+    self.ready.set()
+
+  def _has_work(self) -> bool:
+    return self.scheduler.has_work() or bool(self._quarantine)
+
   def _run(self) -> None:
-    sched = self.scheduler
+    if not self.ready.is_set():
+      self._warm()
     while True:
       with self._cond:
-        while not (self._inbox or self._cancels or self._stopping or sched.has_work()):
+        while not (self._inbox or self._cancels or self._stopping or self._has_work()):
           self._cond.wait()
         inbox, self._inbox = self._inbox, []
         cancels, self._cancels = self._cancels, []
-        if self._stopping and not inbox and not sched.has_work():
+        if self._stopping and not inbox and not self._has_work():
           return
+      sched = self.scheduler  # Read each time: a restart (_restart) replaces it.
       for request, tracked in inbox:
         self._tracked[request.request_id] = tracked
         self.executor.add(request)
@@ -184,17 +227,68 @@ class EngineLoop:
           sched.rejected.clear()
       for rid in cancels:
         self._abort(rid)
+      self._release_probe()
       if not sched.has_work():
         continue
       try:
         sched.step(self.now())
-      except Exception as e:  # Fail the batch, keep serving.
-        log.exception("engine step failed")
-        for seq in list(sched.running) + list(sched.waiting):
-          rid = seq.request.request_id
-          sched.abort(rid)
-          self._fail(rid, 500, f"the engine step failed: {type(e).__name__}: {e}")
+      except Exception as e:
+        self._recover(e)
+        continue
+      if self._probe in self.executor.last_batch:
+        self._probe = None  # It ran a step: not the culprit.
       self._harvest()
+
+  def _release_probe(self) -> None:
+    """Re-admits the next quarantined request (at the head of the queue) once none is probed."""
+    while self._probe is None and self._quarantine:
+      seq = self._quarantine.popleft()
+      if seq.request.request_id in self._tracked:  # Not cancelled meanwhile.
+        self.scheduler.waiting.appendleft(seq)
+        self._probe = seq.request.request_id
+
+  def _recover(self, error: Exception) -> None:
+    """After a failed step (module docstring): its requests back in the queue, the culprit
+    failed alone when known, the others quarantined when not."""
+    log.error("engine step failed: %s: %s", type(error).__name__, error)
+    sched = self.scheduler
+    batch = list(self.executor.last_batch)
+    if not self.executor.pages_valid():  # Failed on the device after taking the pages.
+      self._restart(f"the engine step failed on the device: {type(error).__name__}: {error}")
+      return
+    for rid in reversed(batch):
+      sched.requeue(rid)
+    culprit = None
+    if isinstance(error, RequestFailed):
+      culprit = error.request_id
+    elif self._probe in batch or len(batch) == 1:
+      culprit = self._probe if self._probe in batch else batch[0]
+    if culprit is not None:
+      if culprit == self._probe:
+        self._probe = None
+      sched.abort(culprit)
+      self.metrics.inc("looped:requests_failed_total")
+      self._fail(culprit, 500, f"the engine failed on this request: {error}")
+      return
+    for rid in batch:  # Unknown culprit: each goes back alone (_release_probe).
+      seq = sched.abort(rid)
+      if seq is not None:
+        self._quarantine.append(seq)
+
+  def _restart(self, message: str) -> None:
+    """Fresh pages, pool and scheduler: the cached K/V every request relied on are gone, so
+    every request in flight fails (none can be resumed). The new pool is in place before any
+    request hears of its failure."""
+    lost = list(self.scheduler.running) + list(self.scheduler.waiting) + list(self._quarantine)
+    self._quarantine.clear()
+    self._probe = None
+    self.executor.reset_pages()
+    self.pool = pages_lib.PagePool(self.engine.num_pages)
+    stats = self.scheduler.stats
+    self.scheduler = scheduler_lib.Scheduler(self.engine.config, self.pool, self.executor)
+    self.scheduler.stats = stats
+    for seq in lost:
+      self._fail(seq.request.request_id, 500, message)
 
   def _on_token(self, state: RequestState) -> None:
     """Called by the executor after each generated token (inside the step)."""

@@ -112,12 +112,28 @@ def build(config, chosen: tuple[str, ...] = ()) -> tuple[Any, EngineLoop]:
   )
   name = s.model_name or os.path.basename(os.path.normpath(s.checkpoint))
   return serve_engine(
-    engine, tokenizer, name, max_waiting=s.max_waiting, max_logprobs=s.max_logprobs
+    engine,
+    tokenizer,
+    name,
+    max_waiting=s.max_waiting,
+    max_logprobs=s.max_logprobs,
+    warmup=s.warmup,
+    max_body_bytes=s.max_body_bytes,
   )
 
 
-def serve_engine(engine: Engine, tokenizer, name: str, *, max_waiting: int, max_logprobs: int):
-  """An app and a started loop around an Engine (also what tests build directly)."""
+def serve_engine(
+  engine: Engine,
+  tokenizer,
+  name: str,
+  *,
+  max_waiting: int,
+  max_logprobs: int,
+  warmup: bool = False,
+  max_body_bytes: int = 1 << 22,
+):
+  """An app and a started loop around an Engine (also what tests build directly); warmup: the
+  loop compiles every step shape before it is ready (EngineLoop)."""
   limits = protocol.Limits(
     model_name=name,
     max_model_len=engine.max_model_len,
@@ -125,8 +141,11 @@ def serve_engine(engine: Engine, tokenizer, name: str, *, max_waiting: int, max_
     max_logprobs=max_logprobs,
     max_pages=engine.num_pages,
     page_size=engine.config.page_size,
+    max_batch=max(1, max_waiting),
+    max_body_bytes=max_body_bytes,
   )
-  loop = EngineLoop(engine, max_waiting=max_waiting, metrics=Metrics(name)).start()
+  loop = EngineLoop(engine, max_waiting=max_waiting, metrics=Metrics(name), warmup=warmup)
+  loop.start()
   app = create_app(loop, tokenizer, limits, stop_token_ids=(tokenizer.eos_id,))
   return app, loop
 
@@ -144,11 +163,13 @@ def bind(host: str, port: int) -> socket.socket:
   return sock
 
 
-async def _serve(server, sock: socket.socket, on_started) -> None:
+async def _serve(server, sock: socket.socket, loop: EngineLoop, on_started) -> None:
+  """Serves; on_started runs once the socket accepts and the engine has warmed up (until then
+  /health answers 503)."""
   task = asyncio.ensure_future(server.serve(sockets=[sock]))
-  while not server.started and not task.done():
+  while not (server.started and loop.ready.is_set()) and not task.done():
     await asyncio.sleep(0.02)
-  if server.started:
+  if server.started and loop.ready.is_set():
     on_started()
   await task
 
@@ -170,7 +191,13 @@ def run(config, workdir: str, chosen: tuple[str, ...] = ()) -> dict[str, Any]:
     with open(os.path.join(workdir, "server.json.tmp"), "w") as f:
       json.dump(info, f)
     os.replace(os.path.join(workdir, "server.json.tmp"), os.path.join(workdir, "server.json"))
-    logging.info("serving %s on %s", name, url)
+    logging.info(
+      "serving %s on %s (warm-up: %d step shapes in %.1f s)",
+      name,
+      url,
+      loop.warmup_shapes,
+      loop.warmup_s or 0.0,
+    )
 
   server = uvicorn.Server(
     uvicorn.Config(
@@ -186,7 +213,7 @@ def run(config, workdir: str, chosen: tuple[str, ...] = ()) -> dict[str, Any]:
   signals = (signal.SIGTERM, signal.SIGINT)
   previous = {sig: signal.signal(sig, lambda *_: None) for sig in signals}
   try:
-    asyncio.run(_serve(server, sock, started))
+    asyncio.run(_serve(server, sock, loop, started))
   finally:
     for sig, handler in previous.items():
       signal.signal(sig, handler)

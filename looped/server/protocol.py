@@ -14,6 +14,8 @@ import math
 import secrets
 from typing import Any
 
+from looped.engine import sampling
+
 FIELDS = frozenset(
   {
     "model",
@@ -34,6 +36,7 @@ FIELDS = frozenset(
   }
 )
 MAX_STOP_STRINGS = 4  # As OpenAI's API.
+MAX_STOP_CHARS = 1024  # A stop string's length: streams hold back that many characters.
 
 
 class RequestError(ValueError):
@@ -43,17 +46,6 @@ class RequestError(ValueError):
     super().__init__(message)
     self.param = param
     self.status = status
-
-  def payload(self) -> dict[str, Any]:
-    kind = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error"}
-    return {
-      "error": {
-        "message": str(self),
-        "type": kind.get(self.status, "server_error"),
-        "param": self.param,
-        "code": None,
-      }
-    }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +58,8 @@ class Limits:
   max_logprobs: int  # Largest `logprobs` (top alternatives per token).
   max_pages: int  # KV pages in the pool: a request needing more can never run.
   page_size: int
+  max_batch: int = 256  # Prompts in one request (serve.max_waiting: a batch queues at once).
+  max_body_bytes: int = 1 << 22  # Request bodies over this many bytes get a 413.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +118,20 @@ def _boolean(body: dict, field: str, default: bool) -> bool:
   return value
 
 
+def check_text(text: str, where: str, param: str) -> str:
+  """`text` if it can be encoded as UTF-8; JSON allows lone surrogates (\\ud800), text does
+  not, and a tokenizer would fail on them inside the engine's request."""
+  try:
+    text.encode("utf-8")
+  except UnicodeEncodeError as e:
+    raise RequestError(
+      f"{where} holds a lone surrogate (U+{ord(text[e.start]):04X} at character {e.start}), "
+      "which is not text; send UTF-8.",
+      param,
+    ) from None
+  return text
+
+
 def _prompts(value: Any, tokenizer, limits: Limits) -> list[Prompt]:
   """A string, a list of token ids, or a list of either (a batch)."""
 
@@ -131,7 +139,7 @@ def _prompts(value: Any, tokenizer, limits: Limits) -> list[Prompt]:
     if isinstance(item, str):
       if not item:
         raise RequestError(f"{where} is empty.", "prompt")
-      tokens = tuple(int(t) for t in tokenizer.encode(item))
+      tokens = tuple(int(t) for t in tokenizer.encode(check_text(item, where, "prompt")))
       return Prompt(tokens, item)
     if isinstance(item, list) and item and all(is_int(t) for t in item):
       bad = [t for t in item if not 0 <= t < limits.vocab_size]
@@ -143,6 +151,12 @@ def _prompts(value: Any, tokenizer, limits: Limits) -> list[Prompt]:
     raise RequestError(f"{where} must be a non-empty string or list of token ids.", "prompt")
 
   if isinstance(value, list) and value and all(isinstance(v, (str, list)) for v in value):
+    if len(value) > limits.max_batch:
+      raise RequestError(
+        f"prompt is a batch of {len(value)} prompts; this server takes at most "
+        f"{limits.max_batch} in one request (serve.max_waiting).",
+        "prompt",
+      )
     return [one(v, f"prompt[{i}]") for i, v in enumerate(value)]
   return [one(value, "prompt")]
 
@@ -157,6 +171,8 @@ def json_object(raw: bytes) -> dict:
     body = json.loads(text)
   except json.JSONDecodeError as e:
     raise RequestError(f"the body is not JSON ({e.msg} at line {e.lineno}).") from None
+  except RecursionError:  # The parser's depth bound: no request nests more than 3 levels.
+    raise RequestError("the body nests JSON arrays or objects too deeply.") from None
   if not isinstance(body, dict):
     raise RequestError("the body must be a JSON object.")
   return body
@@ -183,12 +199,15 @@ def parse(raw: bytes, tokenizer, limits: Limits) -> Completion:
   prompts = _prompts(body["prompt"], tokenizer, limits)
   max_tokens = _integer(body, "max_tokens", 16, 1)
   temperature = _number(body, "temperature", 1.0)
-  if temperature < 0:
-    raise RequestError(f"temperature must be >= 0, got {temperature}.", "temperature")
+  if not 0 <= temperature <= sampling.MAX_TEMPERATURE:
+    raise RequestError(
+      f"temperature must be in [0, {sampling.MAX_TEMPERATURE:g}], got {temperature}.", "temperature"
+    )
   top_p = _number(body, "top_p", 1.0)
   if not 0 < top_p <= 1:
     raise RequestError(f"top_p must be in (0, 1], got {top_p}.", "top_p")
-  top_k = _integer(body, "top_k", 0, -1)  # -1 (vLLM's off) and 0 both mean all tokens.
+  # -1 (vLLM's off) and 0 both mean all tokens; more than the vocabulary is not a top-k.
+  top_k = _integer(body, "top_k", 0, -1, limits.vocab_size)
   seed = _integer(body, "seed", None, 0, 2**31 - 1)
   stop = body.get("stop")
   if stop is None:
@@ -200,12 +219,17 @@ def parse(raw: bytes, tokenizer, limits: Limits) -> Completion:
   else:
     raise RequestError(f"stop must be a string or a list of strings, got {stop!r}.", "stop")
   if len(stop) > MAX_STOP_STRINGS or not all(stop):
-    raise RequestError(f"stop must hold 1 to {MAX_STOP_STRINGS} non-empty strings.", "stop")
+    raise RequestError(f"stop must hold at most {MAX_STOP_STRINGS} non-empty strings.", "stop")
+  for i, s in enumerate(stop):
+    if len(s) > MAX_STOP_CHARS:
+      raise RequestError(f"stop[{i}] is {len(s)} characters; at most {MAX_STOP_CHARS}.", "stop")
+    check_text(s, f"stop[{i}]", "stop")
   n = body.get("n", 1)
   if not is_int(n) or n != 1:
     raise RequestError(f"n must be 1 (one completion per prompt), got {n!r}.", "n")
   stream = _boolean(body, "stream", False)
-  options = body.get("stream_options") or {}
+  options = body.get("stream_options")
+  options = {} if options is None else options
   if not isinstance(options, dict) or set(options) - {"include_usage"}:
     raise RequestError("stream_options may only hold include_usage.", "stream_options")
   include_usage = _boolean(options, "include_usage", False)
