@@ -9,9 +9,10 @@ from __future__ import annotations
 import dataclasses
 
 from looped import kv_quant
-from looped.benice.objectives import KL_PASSES, READ_MODES
 from looped.schema import field
 
+READ_MODES = ("all", "first", "none")  # Which earlier tokens' cached K/V a shared pass reads.
+KL_PASSES = ("shared", "unshared", "both")  # Student passes the KL applies to.
 MODEL_NAMES = ("zero_shot", "finetune", "benice")  # Models the pipeline can train and evaluate.
 
 

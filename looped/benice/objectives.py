@@ -36,12 +36,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from looped.benice.config import READ_MODES
 from looped.losses import token_cross_entropy
 from looped.model.looped_lm import LoopedLM
 from looped.train.objectives import Objective, sample_depth
-
-READ_MODES = ("all", "first", "none")
-KL_PASSES = ("shared", "unshared", "both")
 
 
 def read_mask_R(mode: str, num_recurrences: int) -> jax.Array:
