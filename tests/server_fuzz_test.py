@@ -8,28 +8,20 @@ request must be refused with a 4xx, the server must stay healthy and no KV page 
 the end. The number of cases is bounded and derandomized, so a run is the same every time.
 """
 
-import dataclasses
 import json
 import string
 
 import hypothesis
-import jax
-import jax.numpy as jnp
 import schemathesis
 from absl.testing import absltest
 from hypothesis import strategies as st
 from schemathesis import checks as st_checks
 from schemathesis.generation import GenerationMode
 
-import looped_testing as testing
 from looped.data.tokenizers import BytesTokenizer
-from looped.engine.engine import Engine, EngineConfig
-from looped.model import init_params
-from looped.model.looped_lm import LoopedLM
 from looped.server import client, openapi, program, protocol
-from server_harness import ServerThread
+from server_harness import ServerThread, tiny_engine
 
-_MODEL = dataclasses.replace(testing.TINY_MODEL, vocab_size=257, max_seq_len=32)
 _CASES = 30  # Per route and mode.
 _SETTINGS = hypothesis.settings(
   max_examples=_CASES,
@@ -50,23 +42,7 @@ class ServerFuzzTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    tok = BytesTokenizer()
-    params = init_params(LoopedLM(_MODEL), jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
-    engine = Engine(
-      LoopedLM(_MODEL),
-      params,
-      EngineConfig(
-        share_kv=True,
-        num_pages=32,
-        page_size=4,
-        max_num_batched_tokens=16,
-        max_num_seqs=4,
-        row_buckets=(4,),
-        token_buckets=(16,),
-        top_logprobs=5,
-      ),
-      decode=tok.decode,
-    )
+    engine, tok = tiny_engine(row_buckets=(4,), token_buckets=(16,))
     app, cls.loop = program.serve_engine(
       engine, tok, "tiny", max_waiting=16, max_logprobs=5, max_body_bytes=1 << 16
     )

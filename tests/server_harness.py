@@ -8,11 +8,41 @@ directly and saves a second JAX start-up and compilation.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 
+import jax
+import jax.numpy as jnp
+
+import looped_testing as testing
+from looped.data.tokenizers import BytesTokenizer
+from looped.engine.engine import Engine, EngineConfig
+from looped.model import init_params
+from looped.model.looped_lm import LoopedLM
 from looped.server import program
 from looped.server.engine_loop import EngineLoop
+
+# A tiny random model with the bytes vocabulary: requests are text, steps take milliseconds.
+TINY_SERVED_MODEL = dataclasses.replace(testing.TINY_MODEL, vocab_size=257, max_seq_len=32)
+
+
+def tiny_engine(**config) -> tuple[Engine, BytesTokenizer]:
+  """An engine on TINY_SERVED_MODEL's random params (shared layout, 32 pages of 4 tokens, up
+  to 4 rows of 16 tokens a step, top-5 logprobs; `config` overrides EngineConfig fields) and
+  its tokenizer."""
+  tok = BytesTokenizer()
+  model = LoopedLM(TINY_SERVED_MODEL)
+  params = init_params(model, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
+  fields = dict(
+    share_kv=True,
+    num_pages=32,
+    page_size=4,
+    max_num_batched_tokens=16,
+    max_num_seqs=4,
+    top_logprobs=5,
+  )
+  return Engine(model, params, EngineConfig(**{**fields, **config}), decode=tok.decode), tok
 
 
 class ServerThread:

@@ -10,7 +10,6 @@ Each case reproduces a way a client could hurt every other client of the server:
 - the server announced itself before any step shape was compiled.
 """
 
-import dataclasses
 import json
 import logging
 import socket
@@ -18,38 +17,13 @@ import threading
 import time
 from unittest import mock
 
-import jax
-import jax.numpy as jnp
 from absl.testing import absltest
 
-import looped_testing as testing
-from looped.data.tokenizers import BytesTokenizer
-from looped.engine.engine import Engine, EngineConfig
-from looped.model import init_params
-from looped.model.looped_lm import LoopedLM
 from looped.server import client, program, protocol
-from server_harness import ServerThread
+from server_harness import ServerThread, tiny_engine
 
 _TIMEOUT_S = 120
-_MODEL = dataclasses.replace(testing.TINY_MODEL, vocab_size=257, max_seq_len=32)
 _MAX_BODY = 1 << 16
-
-
-def _engine(params, tok, **kwargs):
-  return Engine(
-    LoopedLM(_MODEL),
-    params,
-    EngineConfig(
-      share_kv=True,
-      num_pages=32,
-      page_size=4,
-      max_num_batched_tokens=16,
-      max_num_seqs=4,
-      top_logprobs=5,
-      **kwargs,
-    ),
-    decode=tok.decode,
-  )
 
 
 def _raw_http(port: int, head: bytes, body: bytes = b"", close_early: bool = False) -> bytes:
@@ -76,10 +50,9 @@ class HostileRequestsTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.tok = BytesTokenizer()
-    cls.params = init_params(LoopedLM(_MODEL), jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
+    engine, cls.tok = tiny_engine()
     app, cls.loop = program.serve_engine(
-      _engine(cls.params, cls.tok),
+      engine,
       cls.tok,
       "tiny",
       max_waiting=8,
@@ -230,9 +203,7 @@ class HostileRequestsTest(absltest.TestCase):
 
 class ReadinessTest(absltest.TestCase):
   def test_health_and_requests_wait_for_warm_up(self):
-    tok = BytesTokenizer()
-    params = init_params(LoopedLM(_MODEL), jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
-    engine = _engine(params, tok, row_buckets=(4,), token_buckets=(4, 16), column_buckets=(4,))
+    engine, tok = tiny_engine(row_buckets=(4,), token_buckets=(4, 16), column_buckets=(4,))
     release = threading.Event()
     original = engine.warmup
 
