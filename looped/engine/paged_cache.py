@@ -105,15 +105,15 @@ def scatter(
   Slots j >= num_new_b of the num_slots-wide window (padding) go to the scratch page.
   """
   page_size = _page_size(pages, share_kv)
-  j_Q = jnp.arange(num_slots)
-  pos_BxQ = context_B[:, None] + j_Q[None, :]
-  col_BxQ = jnp.clip(pos_BxQ // page_size, 0, page_table_BxP.shape[1] - 1)
-  page_BxQ = jnp.take_along_axis(page_table_BxP, col_BxQ, axis=1)
+  j_T = jnp.arange(num_slots)
+  pos_BxT = context_B[:, None] + j_T[None, :]
+  col_BxT = jnp.clip(pos_BxT // page_size, 0, page_table_BxP.shape[1] - 1)
+  page_BxT = jnp.take_along_axis(page_table_BxP, col_BxT, axis=1)
   num_pages = _num_pages(pages, share_kv)
-  page_BxQ = jnp.where(j_Q[None, :] < num_new_B[:, None], page_BxQ, num_pages - 1)
-  slot_BxQ = pos_BxQ % page_size
+  page_BxT = jnp.where(j_T[None, :] < num_new_B[:, None], page_BxT, num_pages - 1)
+  slot_BxT = pos_BxT % page_size
 
-  def window(x, axis):  # [.., B, S, ...] -> [.., B, Q, ...] at each row's context.
+  def window(x, axis):  # [.., B, S, ...] -> [.., B, T, ...] at each row's context.
     fn = lambda row, c: jax.lax.dynamic_slice_in_dim(row, c, num_slots, axis=axis)
     return jax.vmap(fn, in_axes=(axis, 0), out_axes=axis)(x, context_B)
 
@@ -123,7 +123,7 @@ def scatter(
 
     def write(page_leaf, dense_leaf, axis=axis):
       new = window(dense_leaf, axis)
-      index = (slice(None),) * axis + (page_BxQ, slot_BxQ)
+      index = (slice(None),) * axis + (page_BxT, slot_BxT)
       return page_leaf.at[index].set(new.astype(page_leaf.dtype))
 
     out[stage] = [
