@@ -25,9 +25,10 @@ from looped.model import kv_cache as kv_cache_lib
 from looped.model import mixers as mixers_lib
 from looped.model.config import ModelConfig
 from looped.model.injection import Injection
+from looped.model.kda import KDAState
 from looped.model.kv_cache import KVCache, write_chunk
 from looped.model.layers import Mlp, RMSNorm, normal_init, projection
-from looped.model.mixer_interface import KV, MixerContext
+from looped.model.mixer_interface import KV, CacheAndOwnChunk, MixerContext
 
 
 def causal_mask(t: int, batch: int) -> jax.Array:
@@ -139,6 +140,8 @@ class Recurrence(nn.Module):
   def _context(self, layer: int, xs, bcast) -> MixerContext:
     if self.decode:
       past = xs["past"][layer] if "past" in xs else bcast["shared_kv"][layer]
+      if "quantize_own" in bcast:
+        past = _with_own_chunk(past, bcast["quantize_own"])
       return MixerContext(bcast["self_mask"], past, bcast["past_mask"], bcast.get("read_past"))
     if bcast["shared_kv"] is None:
       if "read_past" in bcast:  # Unshared, quantized reads of the own past.
@@ -148,13 +151,41 @@ class Recurrence(nn.Module):
       return MixerContext(bcast["self_mask"])
     shared = bcast["shared_kv"][layer]
     flag = xs["read_shared"]
+    block = "block_past" in bcast
 
     def past(own: KV) -> KV:
       # A recurrence that does not read the shared cache sees its own keys for s < t, which
-      # with the diagonal self mask is exactly ordinary causal attention.
-      return jax.tree.map(lambda sh, ow: jnp.where(flag, sh, ow), shared, own)
+      # with the diagonal self mask is exactly ordinary causal attention. In block mode the
+      # past is [shared-or-own ; own]: earlier blocks' slots, then the own block's earlier ones.
+      read = jax.tree.map(lambda sh, ow: jnp.where(flag, sh, ow), shared, own)
+      return _concat_slots(read, own) if block else read
 
     return MixerContext(bcast["self_mask"], past, bcast["past_mask"], bcast.get("read_past"))
+
+
+def _with_own_chunk(entry, quantize_own):
+  """A cache entry read together with the chunk's own earlier tokens stored in the cache's KV
+  format, as a token-by-token decode would read them (mixer_interface.CacheAndOwnChunk).
+  Recurrent states (KDA) are returned as they are."""
+  if isinstance(entry, KDAState):
+    return entry
+  return CacheAndOwnChunk(entry, lambda own: _concat_slots(entry, quantize_own(own)))
+
+
+def _concat_slots(a, b):
+  """Two cache entries (raw or quantized, [B, S, ...] leaves) joined along the slot axis."""
+  return jax.tree.map(lambda x, y: jnp.concatenate([x, y.astype(x.dtype)], axis=1), a, b)
+
+
+def block_masks(t: int, batch: int, block: int) -> tuple[jax.Array, jax.Array]:
+  """Block prefill's reads in a parallel forward (docs/design.md §3): (past mask [B, T, 2T]
+  over [earlier blocks' slots ; the own block's earlier slots], diagonal self mask)."""
+  t_T = jnp.arange(t)
+  start_T = (t_T // block) * block
+  earlier_TxS = t_T[None, :] < start_T[:, None]
+  own_TxS = (t_T[None, :] >= start_T[:, None]) & (t_T[None, :] < t_T[:, None])
+  past_TxS = jnp.concatenate([earlier_TxS, own_TxS], axis=1)
+  return jnp.broadcast_to(past_TxS, (batch, t, 2 * t)), diagonal_mask(t, batch)
 
 
 def init_params(model: LoopedLM, rng: jax.Array, tokens_BxT: jax.Array) -> dict:
@@ -184,6 +215,7 @@ class LoopedLM(nn.Module):
     collect_states: bool = False,
     kv_format: str | None = None,
     initial_state_BxTxD: jax.Array | None = None,
+    prefill_block: int | None = None,
   ):
     """Returns (logits_BxTxV float32, aux).
 
@@ -203,6 +235,10 @@ class LoopedLM(nn.Module):
         the format would return it (decode mode takes the format from the cache).
       initial_state_BxTxD: h_0 of the new tokens instead of cfg.state_init's (a reference's
         own noise draw, to compare with it exactly).
+      prefill_block: with shared_kv, block prefill's reads (docs/design.md §3): a token reads
+        `shared_kv` for positions before its block of this many tokens (blocks aligned from
+        position 0) and its own recurrence's K/V inside it. Jacobi passes in this mode reach
+        block prefill exactly after (number of blocks - 1) passes. Parallel mode only.
     aux: 'final_kv' (parallel) or 'cache' (decode), 'residual_norm_R',
       'relative_residual_R' (means over active sequences), optionally 'states_RxBxTxD', and
       with cfg.exit_gate 'exit_logits_RxBxT' (each recurrence's exit-gate logit per token).
@@ -217,7 +253,10 @@ class LoopedLM(nn.Module):
         collect_states,
         kv_format,
         initial_state_BxTxD,
+        prefill_block,
       )
+    if prefill_block is not None:
+      raise ValueError("prefill_block is a parallel-mode option; a decode call is one block.")
     return self._decode(
       tokens_BxT, cache, depth_mask_BxR, backprop_recurrences, collect_states, initial_state_BxTxD
     )
@@ -232,6 +271,7 @@ class LoopedLM(nn.Module):
     collect_states,
     kv_format,
     initial_state_BxTxD,
+    prefill_block,
   ):
     """All T positions at once (training, evaluation, Jacobi shared passes); aux['final_kv'] is
     each core layer's K/V of the last active recurrence, what the next Jacobi pass reads."""
@@ -259,9 +299,22 @@ class LoopedLM(nn.Module):
     if read_shared_R is None:
       read_shared_R = jnp.ones((cfg.num_recurrences,), bool)
     xs["read_shared"] = read_shared_R
+    core_self_mask, core_past_mask = self_mask_BxTxT, past_mask_BxTxS
+    if prefill_block is not None:
+      if shared_kv is None:
+        raise ValueError("prefill_block needs shared_kv (it says which reads are shared).")
+      if prefill_block < 1:
+        raise ValueError(f"prefill_block must be >= 1, got {prefill_block}.")
+      if cfg.attention_impl != "xla" or "kda" in cfg.mixers("core"):
+        raise ValueError(
+          "prefill_block in a parallel forward needs attention_impl='xla' and no KDA core layers."
+        )
+      core_past_mask, core_self_mask = block_masks(t, b, prefill_block)
     bcast = self._broadcasts(
-      e_BxTxD, positions_BxT, self_mask_BxTxT, past_mask_BxTxS, shared_kv, read_past
+      e_BxTxD, positions_BxT, core_self_mask, core_past_mask, shared_kv, read_past
     )
+    if prefill_block is not None:
+      bcast["block_past"] = True
     carry = {
       "h": h0_BxTxD,
       "final_kv": [mixers_lib.parallel_entry_zeros(cfg, kind, b, t) for kind in cfg.mixers("core")],
@@ -294,9 +347,21 @@ class LoopedLM(nn.Module):
       (jnp.arange(s)[None, :] < cache.length_B[:, None])[:, None, :], (b, t, s)
     )
     self_mask_BxTxT = causal_mask(t, b)
+    quantize_own = None
+    if cache.kv_format is not None:
+      # The chunk's earlier tokens are read through the format too (past = [cache ; own chunk]),
+      # so a chunk computes what its tokens one at a time would: a cache never returns raw K/V.
+      fmt = cache.kv_format
+      quantize_own = lambda own: tuple(kv_cache_lib.quantize_tokens(x, fmt) for x in own)
+      own_mask_BxTxT = causal_mask(t, b) & ~diagonal_mask(t, b)
+      past_mask_BxTxS = jnp.concatenate([past_mask_BxTxS, own_mask_BxTxT], axis=-1)
+      self_mask_BxTxT = diagonal_mask(t, b)
 
     def plain_context(prefix: str, i: int) -> MixerContext:
-      return MixerContext(self_mask_BxTxT, cache.layers[prefix][i], past_mask_BxTxS, read_past)
+      past = cache.layers[prefix][i]
+      if quantize_own is not None:
+        past = _with_own_chunk(past, quantize_own)
+      return MixerContext(self_mask_BxTxT, past, past_mask_BxTxS, read_past)
 
     embed, x_BxTxD = self._embed(tokens_BxT)
     x_BxTxD, prelude_kvs = self._plain_layers(x_BxTxD, "prelude", positions_BxT, plain_context)
@@ -308,6 +373,8 @@ class LoopedLM(nn.Module):
     bcast = self._broadcasts(
       e_BxTxD, positions_BxT, self_mask_BxTxT, past_mask_BxTxS, shared_kv, read_past
     )
+    if quantize_own is not None:
+      bcast["quantize_own"] = quantize_own
     carry, ys = self._recurrences(True, collect_states)({"h": h0_BxTxD}, xs, bcast)
     logits_BxTxV, coda_kvs = self._coda_and_head(carry["h"], embed, positions_BxT, plain_context)
     aux = self._diagnostics(ys, depth_mask_BxR, collect_states)

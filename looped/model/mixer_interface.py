@@ -57,6 +57,19 @@ class MixerContext:
 
 
 @dataclasses.dataclass(frozen=True)
+class CacheAndOwnChunk:
+  """A decode context's past under a KV format: the cache entry followed by the chunk's own
+  entry stored in the format (called with the chunk's entry, as any callable past). `cache` is
+  kept for kernels that read the cache themselves (pallas_attention)."""
+
+  cache: Any
+  join: Callable[[Any], Any]
+
+  def __call__(self, own):
+    return self.join(own)
+
+
+@dataclasses.dataclass(frozen=True)
 class MixerCache:
   """What one layer of a mixer caches.
 

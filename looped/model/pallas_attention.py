@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from looped import kv_quant
-from looped.model.mixer_interface import MixerContext
+from looped.model.mixer_interface import CacheAndOwnChunk, MixerContext
 
 _PAGE_SIZES = (64, 32, 16, 8, 4, 2, 1)
 
@@ -33,8 +33,16 @@ def _as_pages(x, page_size: int) -> pallas_kernels.PackedKV:
 
 
 def _decode(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, ctx: MixerContext) -> jax.Array:
-  cache_k, cache_v = ctx.past
-  b, s = ctx.past_mask_BxTxS.shape[0], ctx.past_mask_BxTxS.shape[2]
+  past = ctx.past
+  if isinstance(past, CacheAndOwnChunk):  # A cache in a KV format.
+    if q_BxTxNxH.shape[1] > 1:
+      raise ValueError(
+        "attention_impl='pallas' decodes one token at a time from a cache in a KV format; a "
+        "chunk reads its own earlier tokens through the format, which needs attention_impl='xla'."
+      )
+    past = past.cache
+  cache_k, cache_v = past
+  b, s = ctx.past_mask_BxTxS.shape[0], jax.tree.leaves(cache_k)[0].shape[1]
   page_size = next(p for p in _PAGE_SIZES if s % p == 0)
   page_table_BxP = jnp.arange(b * s // page_size, dtype=jnp.int32).reshape(b, s // page_size)
   lengths_B = jnp.sum(ctx.past_mask_BxTxS[:, 0, :], axis=-1, dtype=jnp.int32)
@@ -53,7 +61,7 @@ def attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, ctx: MixerContext) -> jax.Array:
   """The attention output for ctx, as `attention.attend` computes it with ctx's masks."""
   if ctx.past is None:
     past_k, past_v = k_BxTxKxH, v_BxTxKxH
-  elif callable(ctx.past):
+  elif callable(ctx.past) and not isinstance(ctx.past, CacheAndOwnChunk):
     past_k, past_v = ctx.past((k_BxTxKxH, v_BxTxKxH))
     if ctx.read_past is not None:
       past_k, past_v = ctx.read_past((past_k, past_v))

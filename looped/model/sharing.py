@@ -1,4 +1,5 @@
-"""Shared-KV forwards (docs/design.md §3): parallel Jacobi passes and exact token-by-token decode.
+"""Shared-KV forwards (docs/design.md §3): parallel Jacobi passes, exact token-by-token decode
+and block prefill.
 
 Exact shared decode is sequential: token t's recurrences read the *final* recurrence's K/V of
 tokens s < t, which themselves were computed with shared reads. The Jacobi scheme approximates it
@@ -24,18 +25,28 @@ def jacobi_forward(
   *,
   read_shared_R: jax.Array | None = None,
   kv_format: str | None = None,
+  prefill_block: int | None = None,
   **kwargs,
 ):
   """Logits after `num_passes` shared passes (0 = the unshared forward). Returns (logits, aux).
 
   `num_passes` may be a traced integer: the passes run in a fori_loop, so one compilation
-  serves every pass count.
+  serves every pass count. With prefill_block C the passes read as block prefill does (pass 0,
+  unshared, is already exact for the first block), so (number of blocks - 1) passes equal
+  `decode_forward(..., share_kv=True, block=C)`.
   """
   out = model.apply(params, tokens_BxT, kv_format=kv_format, **kwargs)
 
   def next_pass(_, out):
     return shared_pass(
-      model, params, tokens_BxT, out[1]["final_kv"], read_shared_R, kv_format, **kwargs
+      model,
+      params,
+      tokens_BxT,
+      out[1]["final_kv"],
+      read_shared_R,
+      kv_format,
+      prefill_block=prefill_block,
+      **kwargs,
     )
 
   return jax.lax.fori_loop(0, num_passes, next_pass, out)
@@ -69,27 +80,36 @@ def decode_forward(
   *,
   share_kv: bool,
   prefill: int = 0,
+  block: int = 1,
   kv_format: str | None = None,
   cache_dtype=None,
 ):
-  """Logits of every position by prefilling `prefill` tokens, then decoding one at a time.
+  """Logits of every position by prefilling `prefill` tokens in one call, then the rest in
+  calls of `block` tokens (the last one may be shorter).
 
-  With share_kv the cache keeps only final-recurrence K/V, so this is the exact shared
-  perplexity's forward. Returns (logits_BxTxV, final KVCache).
+  With share_kv the cache keeps only final-recurrence K/V: block = 1 (and prefill 0 or 1) is
+  exact shared decode, the shared perplexity's forward; block = C > 1 is block prefill
+  (docs/design.md §3). Returns (logits_BxTxV, final KVCache).
   """
+  if block < 1 or prefill < 0:
+    raise ValueError(f"block must be >= 1 and prefill >= 0, got {block} and {prefill}.")
   b, t = tokens_BxT.shape
   cache = init_cache(model.cfg, b, t, share_kv, cache_dtype, kv_format)
   chunks = []
+
+  def call(cache, tokens):
+    logits, aux = model.apply(params, tokens, cache=cache)
+    return aux["cache"], logits
+
   if prefill:
-    logits, aux = model.apply(params, tokens_BxT[:, :prefill], cache=cache)
-    cache = aux["cache"]
+    cache, logits = call(cache, tokens_BxT[:, :prefill])
     chunks.append(logits)
-
-  def step(cache, token_B):
-    logits, aux = model.apply(params, token_B[:, None], cache=cache)
-    return aux["cache"], logits[:, 0]
-
-  if prefill < t:
-    cache, logits_TxBxV = jax.lax.scan(step, cache, tokens_BxT[:, prefill:].T)
-    chunks.append(jnp.moveaxis(logits_TxBxV, 0, 1))
+  whole = (t - prefill) // block * block
+  if whole:
+    blocks_NxBxC = tokens_BxT[:, prefill : prefill + whole].reshape(b, -1, block).swapaxes(0, 1)
+    cache, logits_NxBxCxV = jax.lax.scan(call, cache, blocks_NxBxC)
+    chunks.append(jnp.moveaxis(logits_NxBxCxV, 0, 1).reshape(b, whole, -1))
+  if prefill + whole < t:
+    cache, logits = call(cache, tokens_BxT[:, prefill + whole :])
+    chunks.append(logits)
   return jnp.concatenate(chunks, axis=1), cache
