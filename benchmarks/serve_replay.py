@@ -215,7 +215,6 @@ def simulate(args, requests, share_kv: bool, num_pages: int) -> dict:
     tuple(args.token_buckets),
     tuple(args.column_buckets),
     args.max_model_len,
-    sequential=share_kv,
   )
   executor = engine_cost.EngineCostExecutor(
     model_shape, hw, padding, share_kv=share_kv, kv_format=None, weight_format="fp32"

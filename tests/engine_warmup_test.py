@@ -21,35 +21,39 @@ from looped.model import init_params
 from looped.model.looped_lm import LoopedLM
 
 
-def _brute_force(padding: Padding, max_seqs: int, budget: int, max_len: int) -> set:
-  """Shapes of every batch: n rows, each (context, new) with context + new <= max_len, the new
-  tokens within the budget. Rows beyond the longest and furthest add nothing, so two kinds of
-  row suffice: the longest chunk (at any context) and the furthest context (one token)."""
+def _brute_force(padding: Padding, max_seqs: int, budget: int, max_len: int, max_chunk: int):
+  """Call shapes of every batch: n rows, each (context, new) with context + new <= max_len - 1,
+  new <= max_chunk, the new tokens within the budget. Rows beyond the longest and furthest add
+  nothing, so two kinds of row suffice per call: the longest chunk (at any context) and the
+  furthest context (at the fewest tokens: 1 in the one-token call, 2 in the other)."""
   shapes = set()
   for n in range(1, max_seqs + 1):
-    for longest in range(1, budget - (n - 1) + 1):
-      for ctx_long in range(0, max_len - longest + 1):
-        for ctx_far in range(0, max_len):
+    for ctx_far in range(0, max_len - 1):  # One-token rows.
+      if n <= budget:
+        shapes.update(padding.shape([1] * n, [ctx_far] + [0] * (n - 1)).calls)
+    for longest in range(2, min(max_chunk, budget - 2 * (n - 1)) + 1):
+      for ctx_long in range(0, max_len - longest):
+        for ctx_far in range(0, max_len - 2):
           if n == 1:
             new, ctx = [longest], [ctx_long]
           else:
-            new, ctx = [longest] + [1] * (n - 1), [ctx_long, ctx_far] + [0] * (n - 2)
-          shape = padding.shape(new, ctx)
-          shapes.add((shape.rows, shape.tokens, shape.columns))
-  return shapes
+            new, ctx = [longest] + [2] * (n - 1), [ctx_long, ctx_far] + [0] * (n - 2)
+          shapes.update(padding.shape(new, ctx).calls)
+  return {(c.rows, c.tokens, c.columns) for c in shapes}
 
 
 class ReachableTest(parameterized.TestCase):
   @parameterized.parameters(
-    (4, 8, 4, 16, (1, 2, 4), (1, 2, 4, 8), (1, 2, 4)),
-    (3, 5, 2, 11, (1, 2, 3), (1, 3, 5), (2, 5)),
-    (2, 16, 8, 24, (2,), (4, 16), ()),
+    (4, 8, 4, 16, 8, (1, 2, 4), (2, 4, 8), (1, 2, 4)),
+    (3, 5, 2, 11, 4, (1, 2, 3), (3, 4), (2, 5)),
+    (2, 16, 8, 24, 16, (2,), (4, 16), ()),
+    (5, 12, 4, 20, 8, (1, 2, 3, 4, 5), (2, 3, 4, 6, 8), (1, 2, 4)),
   )
-  def test_equals_brute_force(self, seqs, budget, page, max_len, rows, tokens, columns):
-    padding = Padding.create(page, rows, tokens, columns, max_len, sequential=True)
-    got = padding.reachable(seqs, budget, max_len)
+  def test_equals_brute_force(self, seqs, budget, page, max_len, chunk, rows, tokens, columns):
+    padding = Padding.create(page, rows, tokens, columns, max_len)
+    got = padding.reachable(seqs, budget, max_len, chunk)
     self.assertLen(set(got), len(got))
-    self.assertEqual(set(got), _brute_force(padding, seqs, budget, max_len))
+    self.assertEqual(set(got), _brute_force(padding, seqs, budget, max_len, chunk))
 
 
 class WarmupTest(absltest.TestCase):
@@ -68,13 +72,14 @@ class WarmupTest(absltest.TestCase):
         max_num_batched_tokens=6,
         max_num_seqs=3,
         row_buckets=(3,),  # Few shapes: each compile takes seconds on a CPU.
-        token_buckets=(2, 6),
+        prefill_block=4,
+        token_buckets=(2, 4),
         column_buckets=(2,),
       ),
     )
     shapes = engine.warmup()
-    step = executor_lib.compiled_step(cfg, True, None, True, False, 0)
-    self.assertIs(engine.executor._step, step)
+    step = executor_lib.compiled_call(cfg, True, None, False, 0)
+    self.assertIs(engine.executor._call, step)
     compiled = step._cache_size()
     self.assertEqual(compiled, shapes)  # One compilation per reachable shape, none twice.
     requests = [
@@ -83,7 +88,7 @@ class WarmupTest(absltest.TestCase):
     ]
     engine.generate(requests)
     self.assertGreater(len(engine.executor.step_log), 5)
-    seen = {tuple(s["bucket"]) for s in engine.executor.step_log}
+    seen = {tuple(c) for s in engine.executor.step_log for c in s["calls"]}
     self.assertGreater(len(seen), 1)
     self.assertEqual(step._cache_size(), compiled)
 

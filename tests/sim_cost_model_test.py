@@ -155,88 +155,92 @@ def _tiny_shape():
   )
 
 
-# Pages of 4 tokens, rows (1, 2, 4), tokens (1, 2, 4, 8), page-table widths (1, 2, 4) capped by
-# ceil((max_model_len 16 + 8) / 4) = 6 columns.
-_PAD = dict(page_size=4, row_buckets=(1, 2, 4), token_buckets=(1, 2, 4, 8))
-
-
-def _padding(sequential):
-  return padding.Padding.create(
-    **_PAD, column_buckets=(1, 2, 4), max_model_len=16, sequential=sequential
-  )
+# Pages of 4 tokens, rows (1, 2, 4), chunk lengths (2, 4, 8), page-table widths (1, 2, 4)
+# capped by ceil((max_model_len 16 + 8) / 4) = 6 columns.
+def _padding():
+  return padding.Padding.create(4, (1, 2, 4), (2, 4, 8), (1, 2, 4), max_model_len=16)
 
 
 class PaddingTest(absltest.TestCase):
   def test_buckets_by_hand(self):
-    self.assertEqual(_padding(False).column_buckets, (1, 2, 4, 6))
-    # 3 rows -> 4; longest chunk 3 -> 4 tokens; reach 9 + 4 = 13 slots -> 4 pages -> 4 columns.
-    p = _padding(False).shape([3, 1, 1], [5, 0, 9])
-    self.assertEqual((p.rows, p.tokens, p.columns, p.calls), (4, 4, 4, 1))
-    self.assertEqual(_padding(True).shape([3, 1, 1], [5, 0, 9]).calls, 3)  # Longest chunk.
+    self.assertEqual(_padding().column_buckets, (1, 2, 4, 6))
+    # Rows 1 and 2 (one token each): 2 rows, reach 9 + 1 = 10 slots -> 3 pages -> 4 columns.
+    # Row 0 (3 tokens): 1 row of 4 tokens, reach 5 + 4 = 9 slots -> 3 pages -> 4 columns.
+    p = _padding().shape([3, 1, 1], [5, 0, 9])
+    C = padding.CallShape
+    self.assertEqual(p.calls, (C(2, 1, 4), C(1, 4, 4)))
+    self.assertEqual(p.groups, ((1, 2), (0,)))
+    self.assertEqual(p.computed, 2 + 4)
     # 8 tokens after 14: 22 slots -> 6 pages, the cap.
-    self.assertEqual(_padding(True).shape([8], [14]), padding.StepShape(1, 8, 6, 8))
+    self.assertEqual(_padding().shape([8], [14]).calls, (C(1, 8, 6),))
+
+  def test_geometric_buckets(self):
+    self.assertEqual(padding.geometric(8), (1, 2, 3, 4, 6, 8))
+    self.assertEqual(padding.geometric(20), (1, 2, 3, 4, 6, 8, 12, 16, 20))
+    for limit in range(1, 200):  # Each bucket within 1.5x (or one more) of the one before.
+      b = padding.geometric(limit)
+      self.assertEqual(b[-1], limit)
+      self.assertTrue(all(y <= max(1.5 * x, x + 1) for x, y in zip(b, b[1:])), b)
 
   def test_engine_default_needs_max_model_len(self):
-    config = scheduler.SchedulerConfig(16, 64, 8, 256)
-    p = padding.Padding.engine_default(config, sequential=True)
-    self.assertEqual((p.row_buckets, p.token_buckets), ((1, 2, 4, 8), (1, 2, 4, 8, 16, 32, 64)))
-    self.assertEqual(p.column_buckets, (1, 2, 4, 8, 16, 20))  # ceil((256 + 64) / 16) = 20.
+    config = scheduler.SchedulerConfig(16, 64, 8, 256, prefill_block=32)
+    p = padding.Padding.engine_default(config)
+    self.assertEqual(p.row_buckets, (1, 2, 3, 4, 6, 8))
+    self.assertEqual(p.token_buckets, (1, 2, 3, 4, 6, 8, 12, 16, 24, 32))  # Up to the block.
+    self.assertEqual(p.column_buckets, (1, 2, 4, 8, 16, 18))  # ceil((256 + 32) / 16) = 18.
     with self.assertRaisesRegex(ValueError, "max_model_len"):
-      padding.Padding.engine_default(scheduler.SchedulerConfig(16, 64, 8), sequential=True)
+      padding.Padding.engine_default(scheduler.SchedulerConfig(16, 64, 8))
 
 
 class EngineCostTest(absltest.TestCase):
-  """FLOPs and bytes of the padded step, derived by hand for the tiny shape (fp32)."""
+  """FLOPs and bytes of the padded calls, derived by hand for the tiny shape (fp32)."""
 
   hw = hardware.Hardware(
     "t", 1e6, 1e5, 1.0, 0.5, "test", combine="sum", pricing="engine", call_overhead_s=0.25
   )
   batch = scheduler.StepBatch([None] * 3, [3, 1, 1], [5, 0, 9], num_sampled=2)
 
-  def test_parallel_unshared_raw(self):
+  def test_unshared_raw(self):
     ex = engine_cost.EngineCostExecutor(
-      _tiny_shape(), self.hw, _padding(False), share_kv=False, kv_format=None
+      _tiny_shape(), self.hw, _padding(), share_kv=False, kv_format=None
     )
-    # Padded: 4 rows x 4 tokens over 16 slots, one call. Per position: linear 2*4*192 = 1536,
-    # LM head 2*10*4 = 80, attention 4*2*4*4*(16 + 4) = 2560; 16 positions.
-    flops = 16 * (1536 + 80 + 2560)
-    # Weights 4*(4*192 + 40) = 3232; K/V read 4 layers * 4 rows * 20 slots * 32 B = 10240;
-    # scores 2*4 B * 4 layers * 2 heads * 16 positions * 20 slots = 20480; gather of 4 cached
-    # layers * 32 B * 4 rows * 16 slots, read and written: 16384.
-    moved = 3232 + 10240 + 20480 + 16384
-    self.assertEqual(ex.terms(self.batch), (flops, moved, 1))
-    self.assertAlmostEqual(ex.execute(self.batch), 0.5 + 0.25 + flops / 1e6 + moved / 1e5)
+    # Two calls over 16 slots: 2 rows x 1 token, 1 row x 4 tokens. Per position: linear
+    # 2*4*192 = 1536, LM head 2*10*4 = 80, attention 4*2*4*4*(16 + t) = 128*(16 + t).
+    flops = 2 * (1536 + 80 + 128 * 17) + 4 * (1536 + 80 + 128 * 20)
+    # Per call: weights 4*(4*192 + 40) = 3232; K/V read, 4 layers * 32 B = 128 B per token
+    # and slot: 128 * rows * (16 + t); float32 scores 2*4 B * 4 layers * 2 heads * rows * t *
+    # (16 + t); gather of 4 cached layers * 32 B, read and written: 2 * 128 * rows * 16.
+    call_1 = 3232 + 128 * 2 * 17 + 8 * 4 * 2 * 2 * 1 * 17 + 2 * 128 * 2 * 16
+    call_4 = 3232 + 128 * 1 * 20 + 8 * 4 * 2 * 1 * 4 * 20 + 2 * 128 * 1 * 16
+    self.assertEqual(ex.terms(self.batch), (flops, call_1 + call_4, 2))
+    moved = call_1 + call_4
+    self.assertAlmostEqual(ex.execute(self.batch), 0.5 + 2 * 0.25 + flops / 1e6 + moved / 1e5)
 
-  def test_sequential_shared_fp8(self):
+  def test_shared_fp8(self):
     ex = engine_cost.EngineCostExecutor(
-      _tiny_shape(), self.hw, _padding(True), share_kv=True, kv_format="fp8"
+      _tiny_shape(), self.hw, _padding(), share_kv=True, kv_format="fp8"
     )
-    # 3 calls (longest chunk) of 4 rows x 1 token over 16 + 1 slots.
-    flops = 3 * 4 * (1536 + 80 + 4 * 2 * 4 * 4 * 17)
-    # fp8 page: 4 values of K and V at 1 B plus a 4 B scale each: 16 B per token and layer.
-    per_call = (
-      3232  # weights
-      + 4 * 4 * 17 * 32  # K/V at fp32, every layer execution
-      + 4 * 4 * 16 * (16 + 32)  # packed past read, dequantized copy written
-      + 8 * 4 * 2 * 4 * 1 * 17  # float32 scores, written and read
-    )
-    moved = 3 * per_call + 2 * 3 * 16 * 4 * 16  # Gather: 3 cached layers when shared.
-    self.assertEqual(ex.terms(self.batch), (flops, moved, 3))
-    self.assertAlmostEqual(ex.execute(self.batch), 0.5 + 3 * 0.25 + flops / 1e6 + moved / 1e5)
-    roof = dataclasses.replace(self.hw, combine="max")
-    ex.hardware = roof
-    self.assertAlmostEqual(ex.execute(self.batch), 0.5 + 3 * 0.25 + max(flops / 1e6, moved / 1e5))
+    flops = 2 * (1536 + 80 + 128 * 17) + 4 * (1536 + 80 + 128 * 20)
+    # fp8 page: 4 values of K and V at 1 B plus a 4 B scale each: 16 B per token and layer, so
+    # the packed past read plus its dequantized copy is rows * 16 * (4 * 16 + 128); the gather
+    # moves 3 cached layers (shared) * 16 B.
+    call_1 = 3232 + 128 * 2 * 17 + 2 * 16 * 192 + 8 * 4 * 2 * 2 * 1 * 17 + 2 * 48 * 2 * 16
+    call_4 = 3232 + 128 * 1 * 20 + 1 * 16 * 192 + 8 * 4 * 2 * 1 * 4 * 20 + 2 * 48 * 1 * 16
+    moved = call_1 + call_4
+    self.assertEqual(ex.terms(self.batch), (flops, moved, 2))
+    self.assertAlmostEqual(ex.execute(self.batch), 0.5 + 2 * 0.25 + flops / 1e6 + moved / 1e5)
+    ex.hardware = dataclasses.replace(self.hw, combine="max")
+    self.assertAlmostEqual(ex.execute(self.batch), 0.5 + 2 * 0.25 + max(flops / 1e6, moved / 1e5))
 
   def test_simulator_maps_formats_to_the_engine(self):
     config = scheduler.SchedulerConfig(4, 8, 4, 16)
     make = lambda share, fmt: engine_cost.executor_for(
       _tiny_shape(), self.hw, config, share_kv=share, kv_format=fmt, weight_format="fp32"
     )
-    raw = make(False, "bf16")  # Raw pages at the weights' precision: parallel chunks.
-    self.assertEqual((raw.kv_format, raw.padding.sequential), (None, False))
-    self.assertTrue(make(True, "bf16").padding.sequential)
-    fp8 = make(False, "fp8")  # Packed pages: token by token, as in the engine.
-    self.assertEqual((fp8.kv_format, fp8.padding.sequential), ("fp8", True))
+    raw = make(False, "bf16")  # Raw pages at the weights' precision.
+    self.assertIsNone(raw.kv_format)
+    self.assertEqual(make(False, "fp8").kv_format, "fp8")  # Packed pages, as in the engine.
+    self.assertEqual(raw.padding, padding.Padding.engine_default(config))
     self.assertFalse(hasattr(raw, "decode_step_time"))  # Prices depend on the widest row.
 
 

@@ -40,6 +40,12 @@ class GenConfig:
     64, "Per-step token budget (decodes + prefill chunks).", min=1
   )
   max_num_seqs: int = field(8, "Cap on requests running at once.", min=1)
+  prefill_block: int = field(
+    32,
+    "Tokens one prefill call computes per request (a block, docs/design.md §3); a multiple of "
+    "page_size and <= max_num_batched_tokens.",
+    min=1,
+  )
   max_new_tokens: int = field(64, "Tokens generated per prompt at most.", min=1)
   temperature: float = field(
     0.0, "0: greedy; > 0: sample from softmax(logits / temperature).", min=0.0

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from looped.engine import padding as padding_lib
 from looped.engine import paged_cache
 from looped.engine.executor import ModelExecutor, RequestState, powers_of_two
 from looped.engine.requests import Generation, GenRequest
@@ -32,6 +33,10 @@ def pages_for_budget(
   """Pages a KV budget holds in the given layout and format."""
   per_page = page_size * paged_cache.bytes_per_token(model.cfg, share_kv, kv_format)
   return int(budget_bytes // per_page)
+
+
+# The gen and serve configs' default prefill block (their comments say why).
+DEFAULT_PREFILL_BLOCK = 32
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -53,16 +58,19 @@ class EngineConfig:
   max_num_seqs: int = 8
   # Longest prompt + output a request may have (None: the model's max_seq_len).
   max_model_len: int | None = None
-  # Padded row counts, one compilation each (None: powers of two up to max_num_seqs).
+  # Prefill block (docs/design.md §3): chunks never cross a multiple of it; under sharing a
+  # block is one call whose tokens read each other's own recurrences. A multiple of page_size,
+  # at most max_num_batched_tokens (None: the largest such up to DEFAULT_PREFILL_BLOCK).
+  prefill_block: int | None = None
+  # Padded row counts of a call, one compilation each (None: padding.geometric up to
+  # max_num_seqs).
   row_buckets: tuple[int, ...] | None = None
-  # Padded token counts per step (None: powers of two up to max_num_batched_tokens).
+  # Padded chunk lengths of the multi-token call (None: padding.geometric up to the longest
+  # chunk, min(prefill_block, max_num_batched_tokens)).
   token_buckets: tuple[int, ...] | None = None
-  # Padded page-table widths; a step attends over column_bucket * page_size slots
+  # Padded page-table widths; a call attends over column_bucket * page_size slots
   # (None: powers of two up to max_model_len's page-table width).
   column_buckets: tuple[int, ...] | None = None
-  # Run a chunk's tokens one at a time (None: under sharing or a KV format, so cached pages
-  # depend only on their prefix).
-  sequential: bool | None = None
   # Keep every computed position's logits per request (tests compare them with a reference).
   record_logits: bool = False
   # Check the page pool's and scheduler's invariants every step (tests; slower).
@@ -92,16 +100,37 @@ class Engine:
     self.model = model
     self.engine_config = config
     self.max_model_len = c.max_model_len or model.cfg.max_seq_len
+    block = c.prefill_block
+    if block is None:
+      limit = min(DEFAULT_PREFILL_BLOCK, c.max_num_batched_tokens)
+      block = max(limit // c.page_size, 1) * c.page_size
+    if block < 1 or block % c.page_size or block > c.max_num_batched_tokens:
+      raise ValueError(
+        f"prefill_block = {block} must be a multiple of page_size ({c.page_size}) and at most "
+        f"max_num_batched_tokens ({c.max_num_batched_tokens}): a block is one call, never split."
+      )
     self.config = scheduler_lib.SchedulerConfig(
-      c.page_size, c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len
+      c.page_size,
+      c.max_num_batched_tokens,
+      c.max_num_seqs,
+      self.max_model_len,
+      prefill_block=block,
+      shared_blocks=c.share_kv,
     )
-    row_buckets = tuple(sorted(c.row_buckets or powers_of_two(c.max_num_seqs)))
-    token_buckets = tuple(sorted(c.token_buckets or powers_of_two(c.max_num_batched_tokens)))
-    if row_buckets[-1] < c.max_num_seqs or token_buckets[-1] < c.max_num_batched_tokens:
+    longest = padding_lib.longest_chunk(self.config)
+    row_buckets = tuple(sorted(c.row_buckets or padding_lib.geometric(c.max_num_seqs)))
+    token_buckets = tuple(sorted(c.token_buckets or padding_lib.geometric(longest)))
+    if row_buckets[-1] < c.max_num_seqs or token_buckets[-1] < longest:
       raise ValueError(
         f"buckets {row_buckets} x {token_buckets} must reach max_num_seqs = {c.max_num_seqs} "
-        f"and max_num_batched_tokens = {c.max_num_batched_tokens}."
+        f"and the longest chunk, {longest} tokens."
       )
+    columns = c.column_buckets
+    if columns is None:
+      columns = powers_of_two(-(-self.max_model_len // c.page_size))
+    padding = padding_lib.Padding.create(
+      c.page_size, row_buckets, token_buckets, columns, self.max_model_len
+    )
     self.num_pages = c.num_pages
     self.check_invariants = c.check_invariants
     self.executor = ModelExecutor(
@@ -111,13 +140,7 @@ class Engine:
       page_size=c.page_size,
       share_kv=c.share_kv,
       kv_format=c.kv_format,
-      max_model_len=self.max_model_len,
-      row_buckets=row_buckets,
-      token_buckets=token_buckets,
-      column_buckets=powers_of_two(-(-self.max_model_len // c.page_size))
-      if c.column_buckets is None
-      else c.column_buckets,
-      sequential=c.sequential,
+      padding=padding,
       clock=clock,
       record_logits=c.record_logits,
       decode=decode,
@@ -127,10 +150,10 @@ class Engine:
     self.scheduler: scheduler_lib.Scheduler | None = None
 
   def step_shapes(self) -> list[tuple[int, int, int]]:
-    """Every padded step shape the scheduler's batches can produce (one compilation each)."""
+    """Every padded call shape the scheduler's batches can produce (one compilation each)."""
     c = self.config
     return self.executor.padding.reachable(
-      c.max_num_seqs, c.max_num_batched_tokens, self.max_model_len
+      c.max_num_seqs, c.max_num_batched_tokens, self.max_model_len, padding_lib.longest_chunk(c)
     )
 
   def warmup(self, on_shape: Callable | None = None) -> int:

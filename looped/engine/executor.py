@@ -1,21 +1,18 @@
-"""The scheduler's executor backed by the real model: one jitted step per scheduled batch.
+"""The scheduler's executor backed by the real model: jitted model calls per scheduled batch.
 
 A step takes the scheduler's ragged batch (each sequence computes q_i new tokens after c_i
-cached ones; prefill chunks and decode tokens mixed), pads it to a (rows, tokens, page-table
-width) bucket (looped/engine/padding.py, which the simulator's engine pricing shares) so steps
-do not recompile, gathers each row's pages into a dense cache, runs the model's decode
-path, writes the new K/V back into the pages and samples the next token of every sequence whose
-chunk reaches its last token.
+cached ones; prefill chunks and decode tokens mixed) and runs it as at most two padded calls
+(looped/engine/padding.py, which the simulator's engine pricing shares): the rows with one new
+token together, and the rows with a longer chunk together, so a decode does not pay for another
+row's chunk. A call gathers each row's pages into a dense cache, runs the model's decode path on
+the whole chunk at once, writes the new entries back into the pages and samples the next token
+of every sequence whose chunk reaches its last token.
 
-Two ways to run a chunk, chosen so a token's K/V depend only on the tokens before it (which is
-what makes a prefix-cache hit or a recompute after preemption reproduce the same values):
-- parallel (unshared layout, raw K/V): the q_i tokens in one model call, causal within the
-  chunk; equal to the parallel forward.
-- sequential (shared layout, or any KV format): the chunk's tokens one at a time in a lax.scan.
-  Under sharing, a token's recurrences must read the *final* K/V of every earlier token, which a
-  parallel chunk does not give (docs/design.md §3), and with a KV format every earlier token
-  must be read through the format; one token at a time is exact shared decode (and the format's
-  own quantized decode) whatever the chunking.
+A chunk is one model call in every layout and format, which is what the model's decode path
+defines (docs/design.md §3): unshared, it equals the parallel forward; under KV-sharing it is a
+block of block prefill (the scheduler cuts chunks at block boundaries, so a page's contents
+depend only on its prefix); with a KV format the chunk's own earlier tokens are read through
+the format, as they would be from the cache.
 """
 
 from __future__ import annotations
@@ -59,11 +56,10 @@ class RequestState:
   positions: dict = dataclasses.field(default_factory=dict)
 
 
-def _step_fn(
+def _call_fn(
   model: LoopedLM,
   share_kv: bool,
   kv_format: str | None,
-  sequential: bool,
   return_logits: bool,
   top_logprobs: int,
   params,
@@ -81,21 +77,10 @@ def _step_fn(
 ):
   b, t = tokens_BxT.shape
   cache = paged_cache.gather(pages, page_table_BxP, context_B, share_kv, kv_format)
-  if sequential:
-    # Only as many micro-steps as the longest chunk: a decode-only step costs one, whatever T.
-    def one_token(j, carry):
-      cache, logits_TxBxV = carry
-      logits, aux = model.apply(params, tokens_BxT[:, j][:, None], cache=cache)
-      return aux["cache"], logits_TxBxV.at[j].set(logits[:, 0])
-
-    v = model.cfg.vocab_size
-    init = (cache, jnp.zeros((t, b, v), jnp.float32))
-    cache, logits_TxBxV = jax.lax.fori_loop(0, jnp.max(num_new_B), one_token, init)
-    logits_BxTxV = jnp.moveaxis(logits_TxBxV, 0, 1)
-  else:
-    logits_BxTxV, aux = model.apply(params, tokens_BxT, cache=cache)
-    cache = aux["cache"]
-  pages = paged_cache.scatter(pages, cache, page_table_BxP, context_B, num_new_B, t, share_kv)
+  logits_BxTxV, aux = model.apply(params, tokens_BxT, cache=cache)
+  pages = paged_cache.scatter(
+    pages, aux["cache"], page_table_BxP, context_B, num_new_B, t, share_kv
+  )
   last_BxV = logits_BxTxV[jnp.arange(b), jnp.maximum(num_new_B - 1, 0)]
   token_B, logprob_B = sampling.sample(last_BxV, temperature_B, top_k_B, top_p_B, seed_B, index_B)
   positions = None
@@ -109,14 +94,59 @@ def _step_fn(
 
 
 @functools.lru_cache(maxsize=32)
-def compiled_step(
-  cfg, share_kv: bool, kv_format: str | None, sequential: bool, logits: bool, top_logprobs: int = 0
-):
-  """The jitted step for a model and layout; shared by engines so each shape compiles once."""
-  step = functools.partial(
-    _step_fn, LoopedLM(cfg), share_kv, kv_format, sequential, logits, top_logprobs
-  )
-  return jax.jit(step, donate_argnums=(1,))
+def compiled_call(
+  cfg, share_kv: bool, kv_format: str | None, logits: bool, top_logprobs: int = 0
+) -> Callable:
+  """The jitted model call for a model and layout; shared by engines so each shape compiles
+  once."""
+  call = functools.partial(_call_fn, LoopedLM(cfg), share_kv, kv_format, logits, top_logprobs)
+  return jax.jit(call, donate_argnums=(1,))
+
+
+@dataclasses.dataclass
+class _CallInputs:
+  """One padded call's host arrays (see _call_fn)."""
+
+  tokens: np.ndarray
+  table: np.ndarray
+  context: np.ndarray
+  num_new: np.ndarray
+  temperature: np.ndarray
+  top_k: np.ndarray
+  top_p: np.ndarray
+  seed: np.ndarray
+  index: np.ndarray
+  targets: np.ndarray
+
+  @classmethod
+  def empty(cls, rows: int, tokens: int, columns: int, scratch_page: int) -> _CallInputs:
+    zeros_B = np.zeros((rows,), np.int32)
+    return cls(
+      np.zeros((rows, tokens), np.int32),
+      np.full((rows, columns), scratch_page, np.int32),
+      zeros_B.copy(),
+      zeros_B.copy(),
+      np.zeros((rows,), np.float32),
+      zeros_B.copy(),
+      np.ones((rows,), np.float32),
+      zeros_B.copy(),
+      zeros_B.copy(),
+      np.zeros((rows, tokens), np.int32),
+    )
+
+  def args(self) -> tuple:
+    return (
+      self.tokens,
+      self.table,
+      self.context,
+      self.num_new,
+      self.temperature,
+      self.top_k,
+      self.top_p,
+      self.seed,
+      self.index,
+      self.targets,
+    )
 
 
 class ModelExecutor:
@@ -131,19 +161,16 @@ class ModelExecutor:
     page_size: int,
     share_kv: bool,
     kv_format: str | None,
-    max_model_len: int,
-    row_buckets: tuple[int, ...],
-    token_buckets: tuple[int, ...],
-    column_buckets: tuple[int, ...] | None = None,
-    sequential: bool | None = None,
+    padding: Padding,
     clock: scheduler_lib.Executor | None = None,
     record_logits: bool = False,
     decode: Callable | None = None,
     on_token: Callable | None = None,
     top_logprobs: int = 0,
   ):
-    """top_logprobs: k > 0 makes every step also compute, per position, the logprob of the next
-    token and the k most likely ones, kept for requests with position_logprobs."""
+    """padding: the padded call shapes (rows, tokens, page-table columns). top_logprobs: k > 0
+    makes every call also compute, per position, the logprob of the next token and the k most
+    likely ones, kept for requests with position_logprobs."""
     self.model = model
     self.params = params
     self.page_size = page_size
@@ -151,46 +178,28 @@ class ModelExecutor:
     self.kv_format = kv_format
     self.scratch_page = num_pages
     self.pages = paged_cache.init_pages(model.cfg, num_pages, page_size, share_kv, kv_format)
-    self.sequential = (share_kv or kv_format is not None) if sequential is None else sequential
-    # Page-table widths: the dense cache a step attends over is columns * page_size slots.
-    self.padding = Padding.create(
-      page_size, row_buckets, token_buckets, column_buckets, max_model_len, self.sequential
-    )
+    self.padding = padding
     self.clock = clock
     self.record_logits = record_logits
     self.decode = decode or (lambda ids: "")
     self.on_token = on_token
     self.states: dict[int, RequestState] = {}
     self.last_batch: list[int] = []  # Request ids of the step last started (failed or not).
-    self.step_log: list[dict] = []  # Per step: rows, tokens, bucket, wall seconds.
+    # Per step: rows, tokens needed, tokens computed (padding included), call shapes, seconds.
+    self.step_log: list[dict] = []
     self.top_logprobs = top_logprobs
-    self._step = compiled_step(
-      model.cfg, share_kv, kv_format, self.sequential, record_logits, top_logprobs
-    )
+    self._call = compiled_call(model.cfg, share_kv, kv_format, record_logits, top_logprobs)
 
   def add(self, request: GenRequest) -> None:
     self.states[request.request_id] = RequestState(request, list(request.prompt_tokens))
 
   def warmup(self, shapes, on_shape: Callable | None = None) -> None:
-    """Compiles (or loads from the persistent compilation cache) the step of each padded
+    """Compiles (or loads from the persistent compilation cache) the call of each padded
     (rows, tokens, columns) shape by running it once on no tokens: every row reads and writes
     only the scratch page, so no cached K/V changes."""
     for i, (b, q, columns) in enumerate(shapes):
-      zeros_B = np.zeros((b,), np.int32)
-      self.pages, *_ = self._step(
-        self.params,
-        self.pages,
-        np.zeros((b, q), np.int32),
-        np.full((b, columns), self.scratch_page, np.int32),
-        zeros_B,
-        zeros_B,
-        np.zeros((b,), np.float32),
-        zeros_B,
-        np.ones((b,), np.float32),
-        zeros_B,
-        zeros_B,
-        np.zeros((b, q), np.int32),
-      )
+      inputs = _CallInputs.empty(b, q, columns, self.scratch_page)
+      self.pages, *_ = self._call(self.params, self.pages, *inputs.args())
       if on_shape is not None:
         on_shape(i + 1, len(shapes))
     jax.block_until_ready(self.pages)
@@ -206,6 +215,27 @@ class ModelExecutor:
       cfg, self.scratch_page, self.page_size, self.share_kv, self.kv_format
     )
 
+  def _inputs(self, batch, shape, group) -> _CallInputs:
+    """The host arrays of one call; a row that cannot be built raises RequestFailed."""
+    inputs = _CallInputs.empty(shape.rows, shape.tokens, shape.columns, self.scratch_page)
+    for row, i in enumerate(group):
+      seq, new, ctx = batch.seqs[i], batch.num_new_tokens[i], batch.num_context_tokens[i]
+      try:
+        state = self.states[seq.request.request_id]
+        inputs.tokens[row, :new] = state.tokens[ctx : ctx + new]
+        inputs.table[row, : len(seq.pages)] = seq.pages
+        inputs.context[row], inputs.num_new[row] = ctx, new
+        sp = state.request.sampling
+        inputs.temperature[row], inputs.top_k[row] = sp.temperature, sp.top_k
+        inputs.top_p[row], inputs.seed[row] = sp.top_p, sp.seed
+        inputs.index[row] = len(state.generated)
+        if self.top_logprobs and state.request.position_logprobs:
+          known = state.tokens[ctx + 1 : ctx + new + 1]  # The last one is sampled if unknown.
+          inputs.targets[row, : len(known)] = known
+      except Exception as e:
+        raise RequestFailed(seq.request.request_id, e) from e
+    return inputs
+
   def execute(self, batch: scheduler_lib.StepBatch) -> float:
     """Runs one step. Nothing of it is applied (request states, emitted tokens) unless all of it
     succeeds: a row that fails raises RequestFailed naming its request, anything else fails the
@@ -213,81 +243,58 @@ class ModelExecutor:
     n = len(batch.seqs)
     self.last_batch = [seq.request.request_id for seq in batch.seqs]
     padded = self.padding.shape(batch.num_new_tokens, batch.num_context_tokens)
-    b, q, columns = padded.rows, padded.tokens, padded.columns
-    tokens = np.zeros((b, q), np.int32)
-    table = np.full((b, columns), self.scratch_page, np.int32)
-    context = np.zeros((b,), np.int32)
-    num_new = np.zeros((b,), np.int32)
-    temperature = np.zeros((b,), np.float32)
-    top_k = np.zeros((b,), np.int32)
-    top_p = np.ones((b,), np.float32)
-    seed = np.zeros((b,), np.int32)
-    index = np.zeros((b,), np.int32)
-    targets = np.zeros((b, q), np.int32)
-    states = []
-    for i, (seq, new, ctx) in enumerate(
-      zip(batch.seqs, batch.num_new_tokens, batch.num_context_tokens)
-    ):
-      try:
-        state = self.states[seq.request.request_id]
-        states.append(state)
-        tokens[i, :new] = state.tokens[ctx : ctx + new]
-        table[i, : len(seq.pages)] = seq.pages
-        context[i], num_new[i] = ctx, new
-        sp = state.request.sampling
-        temperature[i], top_k[i], top_p[i], seed[i] = sp.temperature, sp.top_k, sp.top_p, sp.seed
-        index[i] = len(state.generated)
-        if self.top_logprobs and state.request.position_logprobs:
-          known = state.tokens[ctx + 1 : ctx + new + 1]  # The last one is sampled if unknown.
-          targets[i, : len(known)] = known
-      except Exception as e:
-        raise RequestFailed(seq.request.request_id, e) from e
+    inputs = [self._inputs(batch, c, g) for c, g in zip(padded.calls, padded.groups)]
+    # Per batch row: (call, row within it), and each call's outputs.
+    where = {i: (k, row) for k, g in enumerate(padded.groups) for row, i in enumerate(g)}
     start = time.perf_counter()
-    self.pages, token_B, logprob_B, logits, positions = self._step(
-      self.params,
-      self.pages,
-      tokens,
-      table,
-      context,
-      num_new,
-      temperature,
-      top_k,
-      top_p,
-      seed,
-      index,
-      targets,
-    )
-    token_B, logprob_B = np.asarray(token_B), np.asarray(logprob_B)
+    outputs = []
+    for call_inputs in inputs:
+      self.pages, *out = self._call(self.params, self.pages, *call_inputs.args())
+      outputs.append(out)
+    outputs = [
+      (
+        np.asarray(token_B),
+        np.asarray(logprob_B),
+        None if logits is None else np.asarray(logits),
+        None if positions is None else tuple(np.asarray(x) for x in positions),
+      )
+      for token_B, logprob_B, logits, positions in outputs
+    ]
     wall = time.perf_counter() - start
     self.step_log.append(
-      {"rows": n, "tokens": int(num_new.sum()), "bucket": (b, q, columns), "s": wall}
+      {
+        "rows": n,
+        "tokens": int(sum(batch.num_new_tokens)),
+        "computed": padded.computed,
+        "calls": [(c.rows, c.tokens, c.columns) for c in padded.calls],
+        "s": wall,
+      }
     )
-    if logits is not None:
-      logits = np.asarray(logits)
-    if positions is not None:
-      positions = tuple(np.asarray(x) for x in positions)
     # Every row's results first, applied only once all of them are known (see execute).
     updates = []
-    for i, (seq, state) in enumerate(zip(batch.seqs, states)):
+    for i, seq in enumerate(batch.seqs):
       try:
-        updates.append(
-          self._row_update(seq, state, i, context, num_new, logits, positions, logprob_B)
-        )
-        if updates[-1]["sampled"]:
-          token, logprob = int(token_B[i]), float(logprob_B[i])
-          updates[-1]["emit"] = (token, logprob, self._stop(state, token))
+        k, row = where[i]
+        token_B, logprob_B, logits, positions = outputs[k]
+        state = self.states[seq.request.request_id]
+        new, ctx = batch.num_new_tokens[i], batch.num_context_tokens[i]
+        update = self._row_update(seq, state, row, ctx, new, logits, positions, logprob_B)
+        if update["sampled"]:
+          token, logprob = int(token_B[row]), float(logprob_B[row])
+          update["emit"] = (token, logprob, self._stop(state, token))
+        updates.append((seq, state, update))
       except Exception as e:
         raise RequestFailed(seq.request.request_id, e) from e
-    for (seq, state), update in zip(zip(batch.seqs, states), updates):
+    for seq, state, update in updates:
       state.logits.update(update["logits"])
       state.positions.update(update["positions"])
       if "emit" in update:
         self._emit(seq, state, *update["emit"])
     return wall if self.clock is None else self.clock.execute(batch)
 
-  def _row_update(self, seq, state, i, context, num_new, logits, positions, logprob_B) -> dict:
-    """Row i's logits and position logprobs to record, and whether its chunk samples a token."""
-    ctx, new = int(context[i]), int(num_new[i])
+  def _row_update(self, seq, state, i, ctx, new, logits, positions, logprob_B) -> dict:
+    """Call row i's logits and position logprobs to record, and whether its chunk (new tokens
+    after ctx cached ones) samples a token."""
     sampled = ctx + new == seq.num_tokens
     update = {"sampled": sampled, "logits": {}, "positions": {}}
     if logits is not None:

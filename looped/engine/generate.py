@@ -117,6 +117,7 @@ def validate(config, chosen: tuple[str, ...] = ()) -> None:
   restore.check_checkpoint(config, "gen")
   model_cfg, data_cfg = model_and_data(config, chosen=chosen)
   cfg, fmt = checks.check_model_and_format(config, "gen", model_cfg)
+  checks.check_prefill_block(config, "gen")
   page_size, max_new = config.gen.page_size, config.gen.max_new_tokens
   stops = cc.get(config, "gen.stop_strings")
   if isinstance(stops, str) or not all(isinstance(s, str) and s for s in stops):
@@ -197,6 +198,7 @@ def run(config, workdir: str, chosen: tuple[str, ...] = ()) -> dict[str, Any]:
       page_size=g.page_size,
       max_num_batched_tokens=g.max_num_batched_tokens,
       max_num_seqs=g.max_num_seqs,
+      prefill_block=g.prefill_block,
       max_model_len=cfg.max_seq_len,
     ),
     decode=tokenizer.decode,

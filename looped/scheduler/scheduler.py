@@ -80,6 +80,12 @@ class SchedulerConfig:
   max_num_batched_tokens: int = 8192  # Token budget of one step (decodes + prefill chunks).
   max_num_seqs: int = 256  # Cap on running requests.
   max_model_len: int | None = None  # Longest prompt + output served (None: no limit).
+  # Chunks never cross a multiple of this many tokens from the sequence start (None: no blocks).
+  prefill_block: int | None = None
+  # A cached position's values depend on its block (block prefill under KV-sharing, docs/design.md
+  # §3): a prompt block is never split, prefix hits end at a block boundary, and positions after
+  # the prompt are computed one per step, as decoding computed them (also when recomputed).
+  shared_blocks: bool = False
 
 
 @dataclasses.dataclass
@@ -107,6 +113,17 @@ class Scheduler:
   ):
     if config.page_size < 1 or config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
       raise ValueError(f"page_size, token budget and max_num_seqs must be >= 1: {config}")
+    block = config.prefill_block
+    if block is not None and (block < 1 or block % config.page_size and config.shared_blocks):
+      raise ValueError(
+        f"prefill_block = {block} must be >= 1 (and, with shared_blocks, a multiple of the "
+        f"page size {config.page_size}, so that prefix hits can end at a block boundary)."
+      )
+    if config.shared_blocks and (block is None or block > config.max_num_batched_tokens):
+      raise ValueError(
+        f"shared_blocks needs a prefill_block <= max_num_batched_tokens "
+        f"({config.max_num_batched_tokens}): a block is never split across steps; got {block}."
+      )
     self.config = config
     self.pool = pool
     self.executor = executor
@@ -209,7 +226,10 @@ class Scheduler:
     i = 0
     while i < len(running) and budget > 0:
       seq = running[i]
-      q = min(seq.num_tokens - seq.num_computed, budget)
+      q = self._chunk(seq, seq.num_computed, budget)
+      if not q:  # Its next block does not fit in what is left of the budget.
+        i += 1
+        continue
       need = -(-(seq.num_computed + q) // p) - len(seq.pages)
       if need > 0:
         while need > pool.num_free and running[-1] is not seq:
@@ -235,9 +255,11 @@ class Scheduler:
       waiting = self.waiting
       while waiting and budget > 0 and len(running) < self.config.max_num_seqs:
         seq = waiting[0]
-        hits = self._head_hits_of(seq)
+        hits = self._usable_hits(seq, self._head_hits_of(seq))
         hit_tokens = len(hits) * p
-        q = min(seq.num_tokens - hit_tokens, budget)
+        q = self._chunk(seq, hit_tokens, budget)
+        if not q:
+          break
         need = -(-(hit_tokens + q) // p) - len(hits)
         free = pool.num_free
         if need > free or need > free - pool.num_unreferenced(hits):
@@ -257,6 +279,29 @@ class Scheduler:
         budget -= q
         admitted = True
     return seqs, new_tokens, contexts, preempted or admitted
+
+  def _chunk(self, seq: Sequence, start: int, budget: int) -> int:
+    """Tokens to compute from position `start` within `budget` (0: wait for a later step)."""
+    c = self.config
+    q = seq.num_tokens - start
+    if c.prefill_block is None:
+      return min(q, budget)
+    prompt = seq.request.prompt_len
+    if c.shared_blocks:
+      if start >= prompt:  # A decoded position: its own block, as when it was decoded.
+        return 1 if budget >= 1 else 0
+      q = min((start // c.prefill_block + 1) * c.prefill_block, prompt) - start
+      return q if q <= budget else 0
+    return min(q, (start // c.prefill_block + 1) * c.prefill_block - start, budget)
+
+  def _usable_hits(self, seq: Sequence, hits: list[int]) -> list[int]:
+    """The cached pages a request may use: all of them, or under shared_blocks those up to the
+    last block boundary inside the prompt (a block is computed in one call, never resumed)."""
+    c = self.config
+    tokens = len(hits) * c.page_size
+    if not c.shared_blocks or tokens >= seq.request.prompt_len:
+      return hits
+    return hits[: tokens // c.prefill_block * c.prefill_block // c.page_size]
 
   def _count_admission(self, seq: Sequence, hit_tokens: int) -> None:
     stats = self.stats

@@ -37,11 +37,17 @@ class ServeConfig:
     64, "Per-step token budget (decodes + prefill chunks).", min=1
   )
   max_num_seqs: int = field(8, "Cap on requests running at once.", min=1)
+  prefill_block: int = field(
+    32,
+    "Tokens one prefill call computes per request (a block, docs/design.md §3); a multiple of "
+    "page_size and <= max_num_batched_tokens.",
+    min=1,
+  )
   row_buckets: tuple[int, ...] = field(
     (), "Padded batch rows, one compilation each; reaches max_num_seqs.", by_hand=_BUCKETS
   )
   token_buckets: tuple[int, ...] = field(
-    (), "Padded new tokens per row; reaches max_num_batched_tokens.", by_hand=_BUCKETS
+    (), "Padded chunk lengths; reach min(prefill_block, max_num_batched_tokens).", by_hand=_BUCKETS
   )
   column_buckets: tuple[int, ...] = field((), "Padded page-table widths.", by_hand=_BUCKETS)
   max_waiting: int = field(

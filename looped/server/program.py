@@ -67,7 +67,8 @@ def validate(config, chosen: tuple[str, ...] = ()) -> None:
   cfg, fmt = checks.check_model_and_format(config, "serve", model_cfg)
   tokenizers.get(data_cfg)
   _buckets(config, "serve.row_buckets", config.serve.max_num_seqs)
-  _buckets(config, "serve.token_buckets", config.serve.max_num_batched_tokens)
+  block = checks.check_prefill_block(config, "serve")
+  _buckets(config, "serve.token_buckets", min(block, config.serve.max_num_batched_tokens))
   _buckets(config, "serve.column_buckets", None)
   s = config.serve
   share, page_size, budget = s.share_kv, s.page_size, float(s.kv_budget_bytes)
@@ -102,6 +103,7 @@ def build(config, chosen: tuple[str, ...] = ()) -> tuple[Any, EngineLoop]:
       page_size=s.page_size,
       max_num_batched_tokens=s.max_num_batched_tokens,
       max_num_seqs=s.max_num_seqs,
+      prefill_block=s.prefill_block,
       max_model_len=cfg.max_seq_len,
       top_logprobs=max(s.max_logprobs, 1),
       row_buckets=_buckets(config, "serve.row_buckets", None) or None,
