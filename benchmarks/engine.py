@@ -80,11 +80,46 @@ def _requests(n, new_tokens, seed=0):
   return out
 
 
-def throughput(model, params, requests, budget, args):
+def _prefill_heavy(n, seed=0):
+  """Long prompts (160-224 tokens, a shared 32-token prefix), 4 new tokens each."""
+  rng = np.random.default_rng(seed)
+  prefix = list(rng.integers(0, 256, 32))
+  out = []
+  for i in range(n):
+    own = list(rng.integers(0, 256, rng.integers(128, 193)))
+    tokens = tuple(int(t) for t in prefix + own)
+    out.append(GenRequest(i, tokens, SamplingParams(max_new_tokens=4)))
+  return out
+
+
+def forward_limit(model, params, args) -> dict:
+  """Tokens/s of the model's batched parallel forward (8 rows of 128 tokens, logits included):
+  what this machine computes for this model when nothing is paged, padded or scheduled."""
+  fwd = jax.jit(lambda p, t: model.apply(p, t)[0])
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (8, 128)), jnp.int32)
+  jax.block_until_ready(fwd(params, tokens))
+  times = []
+  for _ in range(args.throughput_reps * 3):
+    start = time.perf_counter()
+    jax.block_until_ready(fwd(params, tokens))
+    times.append(time.perf_counter() - start)
+  s = float(np.median(times))
+  return {"rows": 8, "tokens": 128, "s": s, "tokens_per_s": 8 * 128 / s}
+
+
+def throughput(model, params, workloads, budget, args):
   rows = []
-  for share in (False, True):
-    num_pages = pages_for_budget(model, budget, PAGE, share, None)
-    for seqs in (args.max_num_seqs, 1):
+  for workload, requests in workloads.items():
+    for share in (False, True):
+      rows += _throughput_layout(model, params, workload, requests, share, budget, args)
+  return rows
+
+
+def _throughput_layout(model, params, workload, requests, share, budget, args):
+  rows = []
+  num_pages = pages_for_budget(model, budget, PAGE, share, None)
+  for seqs in (args.max_num_seqs, 1):
+    if True:
       engine = Engine(
         model,
         params,
@@ -94,10 +129,11 @@ def throughput(model, params, requests, budget, args):
           page_size=PAGE,
           max_num_batched_tokens=args.max_num_batched_tokens,
           max_num_seqs=seqs,
+          prefill_block=args.prefill_block,
           max_model_len=args.max_model_len,
         ),
       )
-      assert engine.executor.padding == _padding(args, seqs, share)  # What the replay prices.
+      assert engine.executor.padding == _padding(args, seqs)  # What the replay prices.
       engine.generate(requests)  # Compiles every bucket this workload meets.
       busy, steps = [], []  # The schedule is the same every time: steps pair up across reps.
       for _ in range(args.throughput_reps):
@@ -106,11 +142,14 @@ def throughput(model, params, requests, budget, args):
         wall = time.perf_counter() - start
         s = engine.summary(gens)
         busy.append(s["busy_s"])
-        steps.append([e["s"] for e in engine.executor.step_log[-s["num_steps"] :]])
+        log = engine.executor.step_log[-s["num_steps"] :]
+        steps.append([e["s"] for e in log])
       s["busy_s"] = float(np.median(busy))
       s["tokens_per_s"] = s["generated_tokens"] / s["busy_s"]
+      computed = sum(e["tokens"] for e in log)  # Prefill and decode tokens the steps needed.
       rows.append(
         {
+          "workload": workload,
           "layout": "shared" if share else "unshared",
           "max_num_seqs": seqs,
           "num_pages": num_pages,
@@ -122,13 +161,17 @@ def throughput(model, params, requests, budget, args):
           "preemptions": s["preemptions"],
           "hit_rate": s["hit_rate"],
           "peak_pages": s["peak_pages_in_use"],
+          "engine_tokens": computed,
+          "engine_tokens_per_s": computed / s["busy_s"],
+          "padding_waste": float(np.median([e["computed"] / e["tokens"] for e in log])),
           "busy_s_reps": busy,
           "step_s": [float(x) for x in np.median(np.asarray(steps), axis=0)],
         }
       )
       print(
-        f"  {rows[-1]['layout']:8} seqs {seqs}: {s['tokens_per_s']:7.1f} tok/s, "
-        f"{s['num_steps']} steps, {s['preemptions']} preemptions, hit {s['hit_rate']:.2f}",
+        f"  {workload} {rows[-1]['layout']:8} seqs {seqs}: {s['tokens_per_s']:7.1f} tok/s, "
+        f"{s['num_steps']} steps, {s['preemptions']} preemptions, hit {s['hit_rate']:.2f}, "
+        f"waste {rows[-1]['padding_waste']:.2f}",
         flush=True,
       )
   return rows
@@ -159,10 +202,13 @@ def step_grid(model, params, args):
       page_size=PAGE,
       share_kv=share,
       kv_format=fmt,
-      max_model_len=args.max_model_len,
-      row_buckets=powers_of_two(args.max_num_seqs),
-      token_buckets=powers_of_two(args.max_num_batched_tokens),
-      column_buckets=powers_of_two(-(-args.max_model_len // PAGE)),
+      padding=padding.Padding.create(
+        PAGE,
+        powers_of_two(args.max_num_seqs),
+        powers_of_two(args.max_num_batched_tokens),
+        powers_of_two(-(-args.max_model_len // PAGE)),
+        args.max_model_len,
+      ),
     )
     for b, q, c, held in _grid_shapes(args):
       seqs = []
@@ -201,17 +247,26 @@ def _batch(row):
   return scheduler.StepBatch([None] * b, [row["new_tokens"]] * b, [row["context"]] * b, b)
 
 
-def _padding(args, max_num_seqs, sequential):
-  """The Engine's default buckets for these scheduler limits."""
-  config = scheduler.SchedulerConfig(
-    PAGE, args.max_num_batched_tokens, max_num_seqs, args.max_model_len
+def _scheduler_config(args, max_num_seqs, share):
+  """The Engine's scheduling rules for these limits."""
+  return scheduler.SchedulerConfig(
+    PAGE,
+    args.max_num_batched_tokens,
+    max_num_seqs,
+    args.max_model_len,
+    prefill_block=args.prefill_block,
+    shared_blocks=share,
   )
-  return padding.Padding.engine_default(config, sequential)
+
+
+def _padding(args, max_num_seqs):
+  """The Engine's default buckets for these scheduler limits."""
+  return padding.Padding.engine_default(_scheduler_config(args, max_num_seqs, False))
 
 
 def _engine_pricer(model_shape, hw, layout, args, max_num_seqs=None):
   share, fmt = LAYOUTS[layout]
-  pad = _padding(args, max_num_seqs or args.max_num_seqs, share or fmt is not None)
+  pad = _padding(args, max_num_seqs or args.max_num_seqs)
   return engine_cost.EngineCostExecutor(
     model_shape, hw, pad, share_kv=share, kv_format=fmt, weight_format="fp32"
   )
@@ -326,12 +381,9 @@ class _Recorder:
 def replay_check(model_shape, hw, requests, run, args):
   """The simulator's scheduler, priced by the fitted engine model, on the measured workload."""
   pricer = _Recorder(_engine_pricer(model_shape, hw, run["layout"], args, run["max_num_seqs"]))
+  share = LAYOUTS[run["layout"]][0]
   sched = scheduler.Scheduler(
-    scheduler.SchedulerConfig(
-      PAGE, args.max_num_batched_tokens, run["max_num_seqs"], args.max_model_len
-    ),
-    pages.PagePool(run["num_pages"]),
-    pricer,
+    _scheduler_config(args, run["max_num_seqs"], share), pages.PagePool(run["num_pages"]), pricer
   )
   replay.replay(requests, sched)
   out = {
@@ -348,54 +400,9 @@ def replay_check(model_shape, hw, requests, run, args):
   return out
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--requests", type=int, default=16)
-  parser.add_argument("--new_tokens", type=int, default=24)
-  parser.add_argument("--budget_bytes", type=float, default=1.0e6, help="KV budget, both layouts.")
-  parser.add_argument("--max_num_seqs", type=int, default=8)
-  parser.add_argument("--max_num_batched_tokens", type=int, default=64)
-  parser.add_argument("--max_model_len", type=int, default=256)
-  parser.add_argument("--grid_layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
-  parser.add_argument("--grid_rows", type=int, nargs="+", default=[1, 3, 5, 8])
-  parser.add_argument("--grid_tokens", type=int, nargs="+", default=[1, 6, 24, 64])
-  parser.add_argument("--grid_context", type=int, nargs="+", default=[0, 40, 150])
-  parser.add_argument("--reps", type=int, default=7)
-  parser.add_argument("--throughput_reps", type=int, default=5, help="Timed runs (median).")
-  parser.add_argument("--skip_throughput", action="store_true")
-  parser.add_argument("--out", default="", help="Write the results as JSON here.")
-  parser.add_argument("--hardware_out", default="", help="Write the fitted profile (JSON) here.")
-  parser.add_argument(
-    "--refit",
-    default="",
-    help="No measurement: refit the grid of this --out JSON (its --grid_layouts rows) and "
-    "replay its throughput runs with the new fit.",
-  )
-  args = parser.parse_args()
-
-  config = pretrain.get_config()
-  config.model.max_seq_len = args.max_model_len
-  cfg = model_lib.from_config(config.model)
-  model = LoopedLM(cfg)
-  params = init_params(model, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
-  model_shape = shape.ModelShape.from_config(dataclasses.asdict(cfg))
-  requests = _requests(args.requests, args.new_tokens)
-  results = {"device": str(jax.devices()[0]), "args": vars(args)}
-  print(
-    f"device {results['device']}; KV bytes/token shared "
-    f"{paged_cache.bytes_per_token(cfg, True, None):.0f}, unshared "
-    f"{paged_cache.bytes_per_token(cfg, False, None):.0f}; load average "
-    f"{os.getloadavg()[0]:.1f}",
-    flush=True,
-  )
-  if args.refit:  # No measurement: the grid of an earlier run, restricted to --grid_layouts.
-    with open(args.refit) as f:
-      earlier = json.load(f)
-    results["grid"] = [r for r in earlier["grid"] if r["layout"] in args.grid_layouts]
-    args.skip_throughput = True
-  else:
-    print(f"step grid ({', '.join(args.grid_layouts)}):", flush=True)
-    results["grid"] = step_grid(model, params, args)
+def _report_fit(model_shape, results, args):
+  """Fits the cost model to the grid, prints the fits and the grid; returns the chosen
+  profile."""
   results["fits"] = fit(model_shape, results["grid"], args)
   print("| priced | combine | fit median | fit max | held-out median | held-out max |")
   print("|---|---|---:|---:|---:|---:|")
@@ -429,22 +436,91 @@ def main():
     keys = ("peak_flops", "mem_bandwidth", "step_overhead_s", "call_overhead_s")
     with open(args.hardware_out, "w") as f:
       json.dump({k: getattr(hw, k) for k in keys}, f)
+  return hw
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--requests", type=int, default=16)
+  parser.add_argument("--new_tokens", type=int, default=24)
+  parser.add_argument("--budget_bytes", type=float, default=1.0e6, help="KV budget, both layouts.")
+  parser.add_argument("--max_num_seqs", type=int, default=8)
+  parser.add_argument("--max_num_batched_tokens", type=int, default=64)
+  parser.add_argument("--max_model_len", type=int, default=256)
+  parser.add_argument("--prefill_block", type=int, default=32, help="Engine prefill block.")
+  parser.add_argument("--heavy_requests", type=int, default=16, help="Prefill-heavy workload.")
+  parser.add_argument("--grid_layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+  parser.add_argument("--grid_rows", type=int, nargs="+", default=[1, 3, 5, 8])
+  parser.add_argument("--grid_tokens", type=int, nargs="+", default=[1, 6, 24, 64])
+  parser.add_argument("--grid_context", type=int, nargs="+", default=[0, 40, 150])
+  parser.add_argument("--reps", type=int, default=7)
+  parser.add_argument("--throughput_reps", type=int, default=5, help="Timed runs (median).")
+  parser.add_argument("--skip_throughput", action="store_true")
+  parser.add_argument("--skip_grid", action="store_true", help="Throughput only (no fit).")
+  parser.add_argument("--out", default="", help="Write the results as JSON here.")
+  parser.add_argument("--hardware_out", default="", help="Write the fitted profile (JSON) here.")
+  parser.add_argument(
+    "--refit",
+    default="",
+    help="No measurement: refit the grid of this --out JSON (its --grid_layouts rows) and "
+    "replay its throughput runs with the new fit.",
+  )
+  args = parser.parse_args()
+
+  config = pretrain.get_config()
+  config.model.max_seq_len = args.max_model_len
+  cfg = model_lib.from_config(config.model)
+  model = LoopedLM(cfg)
+  params = init_params(model, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
+  model_shape = shape.ModelShape.from_config(dataclasses.asdict(cfg))
+  requests = _requests(args.requests, args.new_tokens)
+  results = {"device": str(jax.devices()[0]), "args": vars(args)}
+  print(
+    f"device {results['device']}; KV bytes/token shared "
+    f"{paged_cache.bytes_per_token(cfg, True, None):.0f}, unshared "
+    f"{paged_cache.bytes_per_token(cfg, False, None):.0f}; load average "
+    f"{os.getloadavg()[0]:.1f}",
+    flush=True,
+  )
+  hw = None
+  if args.refit:  # No measurement: the grid of an earlier run, restricted to --grid_layouts.
+    with open(args.refit) as f:
+      earlier = json.load(f)
+    results["grid"] = [r for r in earlier["grid"] if r["layout"] in args.grid_layouts]
+    args.skip_throughput = True
+  elif not args.skip_grid:
+    print(f"step grid ({', '.join(args.grid_layouts)}):", flush=True)
+    results["grid"] = step_grid(model, params, args)
+  if "grid" in results:
+    hw = _report_fit(model_shape, results, args)
   runs = None
   if not args.skip_throughput:
+    results["forward_limit"] = forward_limit(model, params, args)
+    print(f"batched parallel forward: {results['forward_limit']['tokens_per_s']:.0f} tokens/s")
     print("throughput:", flush=True)
-    runs = throughput(model, params, requests, args.budget_bytes, args)
+    workloads = {"mixed": requests, "prefill_heavy": _prefill_heavy(args.heavy_requests)}
+    runs = throughput(model, params, workloads, args.budget_bytes, args)
   elif args.refit and "throughput" in earlier:  # Replays the earlier run's measurements.
     runs = earlier["throughput"]
   if runs is not None:
-    results["replay"] = [replay_check(model_shape, hw, requests, r, args) for r in runs]
     results["throughput"] = runs
-    print("| layout | max_num_seqs | pages | tokens/s | steps | preemptions | hit rate |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    limit = results.get("forward_limit", {}).get("tokens_per_s")
+    print(
+      "| workload | layout | max_num_seqs | pages | tokens/s | engine tokens/s | of forward | "
+      "padding waste | steps | preemptions | hit rate |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in runs:
+      share = f"{r['engine_tokens_per_s'] / limit:.2f}" if limit else "n/a"
       print(
-        f"| {r['layout']} | {r['max_num_seqs']} | {r['num_pages']} | "
-        f"{r['tokens_per_s']:.1f} | {r['steps']} | {r['preemptions']} | {r['hit_rate']:.2f} |"
+        f"| {r.get('workload', 'mixed')} | {r['layout']} | {r['max_num_seqs']} | "
+        f"{r['num_pages']} | {r['tokens_per_s']:.1f} | {r.get('engine_tokens_per_s', 0):.0f} | "
+        f"{share} | {r.get('padding_waste', 0):.2f} | {r['steps']} | {r['preemptions']} | "
+        f"{r['hit_rate']:.2f} |"
       )
+  if runs is not None and hw is not None:
+    mixed = [r for r in runs if r.get("workload", "mixed") == "mixed"]
+    results["replay"] = [replay_check(model_shape, hw, requests, r, args) for r in mixed]
     print("| replay | max_num_seqs | predicted busy s | measured busy s | error | step median |")
     print("|---|---:|---:|---:|---:|---:|")
     for r in results["replay"]:
