@@ -589,8 +589,9 @@ def check_engine(cfg, limits, share_kv: bool):
   model = LoopedLM(mcfg)
   params = _engine_params(model, (1, 8))
   pages = -(-length // page)
-  # Every prompt prefills in one step and every step pads to all rows and the whole page table:
-  # two step shapes to compile (prefill, decode).
+  # Every prompt prefills in one call (one block: shared, it reads its own recurrences as an
+  # unshared prefill does) and every call pads to all rows and the whole page table: two call
+  # shapes to compile (prefill, decode).
   engine = Engine(
     model,
     params,
@@ -600,6 +601,7 @@ def check_engine(cfg, limits, share_kv: bool):
       page_size=page,
       max_num_seqs=n,
       max_num_batched_tokens=n * prompt,
+      prefill_block=prompt,
       max_model_len=length,
       row_buckets=(n,),
       token_buckets=(1, prompt, n * prompt),

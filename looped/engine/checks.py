@@ -29,12 +29,9 @@ def check_model_and_format(config, section: str, model_cfg):
 
 
 def check_prefill_block(config, section: str) -> int:
-  """`{section}.prefill_block`: a multiple of the page size (prefix hits end on block
-  boundaries) and within the per-step token budget (a block is one call, never split)."""
-  block = config[section].prefill_block
-  page, budget = config[section].page_size, config[section].max_num_batched_tokens
-  if block % page:
-    cc.fail(f"{section}.prefill_block", block, f"must be a multiple of page_size ({page})")
+  """`{section}.prefill_block`: within the per-step token budget (a block is one call, never
+  split across steps)."""
+  block, budget = config[section].prefill_block, config[section].max_num_batched_tokens
   if block > budget:
     cc.fail(
       f"{section}.prefill_block",

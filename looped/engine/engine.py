@@ -59,8 +59,9 @@ class EngineConfig:
   # Longest prompt + output a request may have (None: the model's max_seq_len).
   max_model_len: int | None = None
   # Prefill block (docs/design.md §3): chunks never cross a multiple of it; under sharing a
-  # block is one call whose tokens read each other's own recurrences. A multiple of page_size,
-  # at most max_num_batched_tokens (None: the largest such up to DEFAULT_PREFILL_BLOCK).
+  # block is one call whose tokens read each other's own recurrences; 1 is exact shared decode.
+  # At most max_num_batched_tokens (None: the largest multiple of page_size up to
+  # DEFAULT_PREFILL_BLOCK, or the page size).
   prefill_block: int | None = None
   # Padded row counts of a call, one compilation each (None: padding.geometric up to
   # max_num_seqs).
@@ -104,10 +105,10 @@ class Engine:
     if block is None:
       limit = min(DEFAULT_PREFILL_BLOCK, c.max_num_batched_tokens)
       block = max(limit // c.page_size, 1) * c.page_size
-    if block < 1 or block % c.page_size or block > c.max_num_batched_tokens:
+    if block < 1 or block > c.max_num_batched_tokens:
       raise ValueError(
-        f"prefill_block = {block} must be a multiple of page_size ({c.page_size}) and at most "
-        f"max_num_batched_tokens ({c.max_num_batched_tokens}): a block is one call, never split."
+        f"prefill_block = {block} must be in [1, max_num_batched_tokens = "
+        f"{c.max_num_batched_tokens}]: a block is one call, never split."
       )
     self.config = scheduler_lib.SchedulerConfig(
       c.page_size,

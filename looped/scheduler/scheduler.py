@@ -114,11 +114,8 @@ class Scheduler:
     if config.page_size < 1 or config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
       raise ValueError(f"page_size, token budget and max_num_seqs must be >= 1: {config}")
     block = config.prefill_block
-    if block is not None and (block < 1 or block % config.page_size and config.shared_blocks):
-      raise ValueError(
-        f"prefill_block = {block} must be >= 1 (and, with shared_blocks, a multiple of the "
-        f"page size {config.page_size}, so that prefix hits can end at a block boundary)."
-      )
+    if block is not None and block < 1:
+      raise ValueError(f"prefill_block = {block} must be >= 1.")
     if config.shared_blocks and (block is None or block > config.max_num_batched_tokens):
       raise ValueError(
         f"shared_blocks needs a prefill_block <= max_num_batched_tokens "
@@ -296,12 +293,14 @@ class Scheduler:
 
   def _usable_hits(self, seq: Sequence, hits: list[int]) -> list[int]:
     """The cached pages a request may use: all of them, or under shared_blocks those up to the
-    last block boundary inside the prompt (a block is computed in one call, never resumed)."""
+    last block boundary inside the prompt that is also a page boundary (a block is computed in
+    one call, never resumed)."""
     c = self.config
     tokens = len(hits) * c.page_size
     if not c.shared_blocks or tokens >= seq.request.prompt_len:
       return hits
-    return hits[: tokens // c.prefill_block * c.prefill_block // c.page_size]
+    boundary = math.lcm(c.prefill_block, c.page_size)  # A block and a page boundary.
+    return hits[: tokens // boundary * boundary // c.page_size]
 
   def _count_admission(self, seq: Sequence, hit_tokens: int) -> None:
     stats = self.stats

@@ -39,8 +39,8 @@ class ServeConfig:
   max_num_seqs: int = field(8, "Cap on requests running at once.", min=1)
   prefill_block: int = field(
     32,
-    "Tokens one prefill call computes per request (a block, docs/design.md §3); a multiple of "
-    "page_size and <= max_num_batched_tokens.",
+    "Prefill block (docs/design.md §3): tokens of a prompt computed in one call, 1 = exact "
+    "shared decode; <= max_num_batched_tokens. 32: docs/results.md, 'Block prefill'.",
     min=1,
   )
   row_buckets: tuple[int, ...] = field(
