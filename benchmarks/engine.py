@@ -107,9 +107,10 @@ def forward_limit(model, params, args) -> dict:
   return {"rows": 8, "tokens": 128, "s": s, "tokens_per_s": 8 * 128 / s}
 
 
-def throughput(model, params, workloads, budget, args):
+def throughput(model, params, workloads, args):
+  """workloads: {name: (requests, KV budget in bytes)}."""
   rows = []
-  for workload, requests in workloads.items():
+  for workload, (requests, budget) in workloads.items():
     for share in (False, True):
       rows += _throughput_layout(model, params, workload, requests, share, budget, args)
   return rows
@@ -449,6 +450,9 @@ def main():
   parser.add_argument("--max_model_len", type=int, default=256)
   parser.add_argument("--prefill_block", type=int, default=32, help="Engine prefill block.")
   parser.add_argument("--heavy_requests", type=int, default=16, help="Prefill-heavy workload.")
+  parser.add_argument(
+    "--heavy_budget_bytes", type=float, default=16e6, help="Its KV budget: room for all."
+  )
   parser.add_argument("--grid_layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
   parser.add_argument("--grid_rows", type=int, nargs="+", default=[1, 3, 5, 8])
   parser.add_argument("--grid_tokens", type=int, nargs="+", default=[1, 6, 24, 64])
@@ -498,8 +502,11 @@ def main():
     results["forward_limit"] = forward_limit(model, params, args)
     print(f"batched parallel forward: {results['forward_limit']['tokens_per_s']:.0f} tokens/s")
     print("throughput:", flush=True)
-    workloads = {"mixed": requests, "prefill_heavy": _prefill_heavy(args.heavy_requests)}
-    runs = throughput(model, params, workloads, args.budget_bytes, args)
+    workloads = {
+      "mixed": (requests, args.budget_bytes),
+      "prefill_heavy": (_prefill_heavy(args.heavy_requests), args.heavy_budget_bytes),
+    }
+    runs = throughput(model, params, workloads, args)
   elif args.refit and "throughput" in earlier:  # Replays the earlier run's measurements.
     runs = earlier["throughput"]
   if runs is not None:
