@@ -4,17 +4,25 @@ calibrated on them.
   taskset -c 1 python benchmarks/engine.py --out=/tmp/engine_bench.json \
       --hardware_out=/tmp/cpu_hw.json
   python benchmarks/engine.py --requests=8 --reps=3 --grid_layouts unshared   # quicker
+  python benchmarks/engine.py --skip_grid --block_sweep 16 32 64 --out=/tmp/engine_tput.json
 
 Model: configs/pretrain.py's default (d 128, P/B/C = 1/2/1, R = 4, 4 query / 2 KV heads of 32),
 random weights (speed does not depend on them), float32, KV pages of 16 tokens.
 
 1. Throughput (tokens/s over the steps' wall time, each workload run once to compile and then
-   timed --throughput_reps times: median busy time, per-step median): the same requests (a
-   shared 32-token prefix plus 16-48 own tokens, greedy, fixed output length, all arriving at
-   once) batched (max_num_seqs 8) vs one request at a time
-   (max_num_seqs 1), shared vs unshared at the same KV budget.
+   timed --throughput_reps times: median busy time, per-step median) of two workloads, batched
+   (max_num_seqs 8) vs one request at a time (max_num_seqs 1), shared vs unshared at the same
+   KV budget: "mixed" (the docs/results.md table: a shared 32-token prefix plus 16-48 own
+   tokens, --new_tokens greedy tokens, all arriving at once, --budget_bytes) and
+   "prefill_heavy" (160-224-token prompts, 4 new tokens, a budget with room for all). Beside
+   generated tokens/s: the engine's tokens/s (prompt and decode tokens the steps computed), as
+   a fraction of the model's batched parallel forward measured in the same run (what this
+   machine computes for the model when nothing is paged), and the padding waste (tokens the
+   padded calls compute / tokens needed, median over steps). --block_sweep repeats the shared
+   batched runs at other prefill blocks.
 2. Step times over a grid of batch shapes (rows x new tokens per row x context per row) for each
-   layout in --grid_layouts (unshared: parallel chunks; shared and unshared_fp8: token by token).
+   layout in --grid_layouts (every chunk one call; the cost model has not been refitted since
+   shared and formatted chunks ran token by token). Skipped with --skip_grid.
    One pass compiles every shape; then --reps passes, each over all shapes of all layouts in a
    fresh random order, so slow drift in the machine's load hits every shape alike; the median
    per shape is kept. XLA runs one thread (XLA_FLAGS, unless set), for a run pinned to one core.
@@ -116,10 +124,23 @@ def throughput(model, params, workloads, args):
   return rows
 
 
-def _throughput_layout(model, params, workload, requests, share, budget, args):
+def block_sweep(model, params, workloads, args):
+  """Shared batched throughput of each workload at each prefill block in --block_sweep."""
+  rows = []
+  block = args.prefill_block
+  for c in args.block_sweep:
+    args.prefill_block = c
+    for workload, (requests, budget) in workloads.items():
+      for r in _throughput_layout(model, params, workload, requests, True, budget, args, (8,)):
+        rows.append({**r, "prefill_block": c})
+  args.prefill_block = block
+  return rows
+
+
+def _throughput_layout(model, params, workload, requests, share, budget, args, seat_counts=None):
   rows = []
   num_pages = pages_for_budget(model, budget, PAGE, share, None)
-  for seqs in (args.max_num_seqs, 1):
+  for seqs in seat_counts or (args.max_num_seqs, 1):
     if True:
       engine = Engine(
         model,
@@ -451,6 +472,9 @@ def main():
   parser.add_argument("--prefill_block", type=int, default=32, help="Engine prefill block.")
   parser.add_argument("--heavy_requests", type=int, default=16, help="Prefill-heavy workload.")
   parser.add_argument(
+    "--block_sweep", type=int, nargs="*", default=[], help="Shared batched runs at these blocks."
+  )
+  parser.add_argument(
     "--heavy_budget_bytes", type=float, default=16e6, help="Its KV budget: room for all."
   )
   parser.add_argument("--grid_layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
@@ -507,6 +531,15 @@ def main():
       "prefill_heavy": (_prefill_heavy(args.heavy_requests), args.heavy_budget_bytes),
     }
     runs = throughput(model, params, workloads, args)
+    if args.block_sweep:
+      results["block_sweep"] = block_sweep(model, params, workloads, args)
+      print("| prefill block | workload | tokens/s | engine tokens/s | padding waste | steps |")
+      print("|---:|---|---:|---:|---:|---:|")
+      for r in results["block_sweep"]:
+        print(
+          f"| {r['prefill_block']} | {r['workload']} | {r['tokens_per_s']:.1f} | "
+          f"{r['engine_tokens_per_s']:.0f} | {r['padding_waste']:.2f} | {r['steps']} |"
+        )
   elif args.refit and "throughput" in earlier:  # Replays the earlier run's measurements.
     runs = earlier["throughput"]
   if runs is not None:
