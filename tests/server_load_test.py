@@ -4,10 +4,10 @@ seeded sampling, streamed and not, some cancelled mid-stream, some malformed, so
 client that leaves mid-body).
 
 Reference: the engine's own batch mode (Engine.generate) on the well-formed requests, whose
-tokens the engine tests check against token-by-token decoding; under sharing a token depends
-only on its request (and its seed), not on the batch, preemptions or prefix hits, so the
-server's interleaving must not change a single token. Tiny random model, shared layout, a pool
-small enough to preempt.
+tokens the engine tests check against each request decoded alone (engine_reference.py); a
+token depends only on its request (and its seed), not on the batch, preemptions or prefix
+hits, so the server's interleaving must not change a single token. Tiny random model, shared
+layout, a pool small enough to preempt.
 """
 
 import dataclasses

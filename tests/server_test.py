@@ -14,6 +14,7 @@ import tempfile
 import threading
 import time
 
+import engine_reference
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,8 +26,9 @@ from configs import generate as generate_config
 from configs import serve as serve_config
 from looped import programs
 from looped.data.tokenizers import BytesTokenizer
+from looped.engine.requests import GenRequest
+from looped.engine.sampling import SamplingParams
 from looped.model import config as model_lib
-from looped.model.kv_cache import init_cache
 from looped.model.looped_lm import LoopedLM
 from looped.server import client, program
 from looped.server.app import token_text
@@ -44,6 +46,7 @@ _PROMPTS = ["def f(x):", "import os", "class A:", "for i in range("]
 _NEW = 8
 _LAYOUTS = {"shared": True, "unshared": False}
 _TIMEOUT_S = 120
+_BLOCK = serve_config.get_config("smoke").serve.prefill_block  # The served prefill block.
 
 
 def _serve_config(checkpoint, share_kv, **overrides):
@@ -57,17 +60,17 @@ def _serve_config(checkpoint, share_kv, **overrides):
   return config
 
 
-def _reference_logprobs(model, params, tokens, share_kv):
-  """log_softmax after each token, decoding token by token on the model's dense cache (exact
-  shared decode when shared): row t is the distribution of token t + 1."""
-  step = jax.jit(lambda p, token, cache: model.apply(p, token, cache=cache))
-  cache = init_cache(model.cfg, 1, len(tokens), share_kv)
-  rows = []
-  for t in tokens:
-    logits, aux = step(params, jnp.asarray([[t]], jnp.int32), cache)
-    cache = aux["cache"]
-    rows.append(np.asarray(jax.nn.log_softmax(logits[0, 0].astype(jnp.float32))))
-  return np.stack(rows)
+def _reference_logprobs(model, params, prompt, num_new, share_kv):
+  """log_softmax at each position as the server computes it (docs/design.md §3: the prompt in
+  prefill blocks, each later token on its own), each request alone on the model's dense cache
+  (engine_reference.py): row t is the distribution of token t + 1, for the prompt and the
+  first num_new - 1 greedy tokens."""
+  request = GenRequest(0, tuple(prompt), SamplingParams(max_new_tokens=num_new))
+  _, logits = engine_reference.block_reference(
+    model.cfg, params, [request], share_kv=share_kv, block=_BLOCK
+  )
+  rows = [logits[0][p] for p in sorted(logits[0])]
+  return np.stack([np.asarray(jax.nn.log_softmax(jnp.asarray(r, jnp.float32))) for r in rows])
 
 
 def _lm_eval_parse_logprobs(choice, ctxlen):
@@ -175,7 +178,7 @@ class ServerTest(parameterized.TestCase):
         self.assertEqual(streamed, full["choices"][0]["logprobs"]["token_logprobs"])
 
   @parameterized.parameters("shared", "unshared")
-  def test_echo_logprobs_equal_token_by_token_decoding(self, layout):
+  def test_echo_logprobs_equal_each_request_decoded_alone(self, layout):
     prompt = _PROMPTS[3]
     status, body = self._post(layout, self._greedy(prompt, echo=True, logprobs=3, max_tokens=4))
     self.assertEqual(status, 200, body)
@@ -183,7 +186,7 @@ class ServerTest(parameterized.TestCase):
     tokens = [int(t) for t in self.tok.encode(prompt)]
     n = len(tokens)
     generated = self.generations[layout][3]["tokens"][:4]  # Greedy: the same first tokens.
-    ref = _reference_logprobs(self.model, self.params, tokens + generated[:-1], _LAYOUTS[layout])
+    ref = _reference_logprobs(self.model, self.params, tokens, len(generated), _LAYOUTS[layout])
     lp = choice["logprobs"]
     self.assertTrue(choice["text"].startswith(prompt))
     self.assertIsNone(lp["token_logprobs"][0])
@@ -221,7 +224,7 @@ class ServerTest(parameterized.TestCase):
       for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
         self.assertLen(choice["logprobs"][field], len(ids) + 1, field)
       logprob, is_greedy = _lm_eval_parse_logprobs(choice, ctxlen)
-      ref = _reference_logprobs(self.model, self.params, ids, share)
+      ref = _reference_logprobs(self.model, self.params, ids, 1, share)
       want = sum(ref[i - 1, ids[i]] for i in range(ctxlen, len(ids)))
       self.assertAlmostEqual(logprob, want, delta=1e-4)
       self.assertEqual(

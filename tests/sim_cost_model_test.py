@@ -1,5 +1,5 @@
 """Model shape, KV bytes per format and layout, roofline step times, hardware profiles, and the
-engine-aware pricing (padded buckets, token-by-token calls) of the CPU profile."""
+engine-aware pricing (padded calls: one-token rows, multi-token rows) of the CPU profile."""
 
 import dataclasses
 import json
