@@ -99,6 +99,7 @@ def start_server(args, share_kv: bool, workdir: str) -> tuple[subprocess.Popen, 
     f"--config.serve.page_size={args.page_size}",
     f"--config.serve.max_num_seqs={args.max_num_seqs}",
     f"--config.serve.max_num_batched_tokens={args.max_num_batched_tokens}",
+    f"--config.serve.prefill_block={args.prefill_block}",
     f"--config.serve.max_waiting={args.num_requests}",
     f"--config.serve.row_buckets={tuple(args.row_buckets)}",
     f"--config.serve.token_buckets={tuple(args.token_buckets)}",
@@ -207,7 +208,12 @@ def simulate(args, requests, share_kv: bool, num_pages: int) -> dict:
   model_shape = shape.ModelShape.from_config(model)
   hw = hardware.load(args.hardware, args.hardware_json)
   config = scheduler.SchedulerConfig(
-    args.page_size, args.max_num_batched_tokens, args.max_num_seqs, args.max_model_len
+    args.page_size,
+    args.max_num_batched_tokens,
+    args.max_num_seqs,
+    args.max_model_len,
+    prefill_block=args.prefill_block,
+    shared_blocks=share_kv,
   )
   padding = Padding.create(
     args.page_size,
@@ -264,6 +270,7 @@ def engine_alone(args, requests, warmup, share_kv: bool, num_pages: int) -> dict
         page_size=args.page_size,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
+        prefill_block=args.prefill_block,
         row_buckets=tuple(args.row_buckets),
         token_buckets=tuple(args.token_buckets),
         column_buckets=tuple(args.column_buckets),
@@ -347,6 +354,7 @@ def main():
   parser.add_argument("--kv_budget_bytes", type=float, default=1.2e6)
   parser.add_argument("--page_size", type=int, default=4)
   parser.add_argument("--max_num_seqs", type=int, default=8)
+  parser.add_argument("--prefill_block", type=int, default=32, help="serve.prefill_block.")
   parser.add_argument("--max_num_batched_tokens", type=int, default=64)
   # Few step shapes, so the warm-up pass compiles them all (the server's default is powers of
   # two: dozens of shapes, each compiled the first time a step needs it).
