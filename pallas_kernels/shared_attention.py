@@ -16,8 +16,16 @@ so the causal mask hides them; padded query rows are dropped).
 Backward (FlashAttention-2 style, two kernels, the forward's log-sum-exp saved):
   dq kernel, per query block: dq over past blocks plus the diagonal terms, which also give the
     own-K/V gradients (one row each, per query head).
-  dkv kernel, per past-K/V block: dk_past, dv_past over the query blocks after it.
+  dkv kernel, per past-K/V block: dk_past, dv_past over the query blocks that read it.
 Per-query-head K/V gradients are summed over the group outside the kernels.
+
+Block prefill (`prefill_block` C > 1, blocks aligned at 0, b(t) = (t // C) * C): t reads the
+past at s < b(t) and its own K/V causally at b(t) <= s <= t. The past loop stops at the last
+row's block start; a second loop over the own K/V (given again as whole-T blocks) covers the
+tiles between the first row's block start and the diagonal, masked to b(t) <= s < t; the
+diagonal is still the initial term. Own keys read by later rows of their block get their dk,
+dv from the key-tile kernel (the dkv kernel, with a second pair of outputs), added to the
+diagonal's. C = 1 is exactly the plain form (the same kernels).
 
 The past may arrive packed in a KV format (`kv_formats.PackedKV`, per-token layout of
 `looped.kv_quant`): the forward and dq kernels then dequantize each past tile as they load it

@@ -12,6 +12,14 @@ Causality: past block j holds some s < t of query block i iff j * block_k < i * 
 block_q - 1. Grid steps outside that (above the diagonal) are skipped with `pl.when`, and their
 index maps return the nearest needed block, so Mosaic issues no DMA for them (it skips the copy
 when the block index does not change).
+
+Block prefill (prefill_block C > 1): past block j is needed while j * block_k is below the
+block start of the query block's last row; the own K/V come in again as key blocks, needed from
+the block start of the query block's first row up to its diagonal, clamped the same way. Both
+parts run at the same inner step j (each under its own `pl.when`). The dkv kernel adds the own
+blocks' in-block gradients as a second pair of outputs; its query blocks are fetched from the
+first that reads the key block in either way (the first own reader never comes after the first
+past reader).
 """
 
 from __future__ import annotations
