@@ -7,6 +7,9 @@ math (`looped.model.attention.attend` with the masks LoopedLM builds for a Jacob
 packed by `looped.kv_quant` must read as its `kv_quant.dequantize` round trip. The TPU variant
 (past / query blocks pipelined along a grid axis) runs in Pallas' TPU interpreter against the
 same references, with blocks that are multiples of 8 as Mosaic tiles them.
+
+The block form (`prefill_block` C: past at s < b(t), own K/V causally from b(t)) is checked the
+same way against the reference, and against `attend` with the block masks LoopedLM builds.
 """
 
 import functools

@@ -4,7 +4,8 @@ Mosaic copies a block only when its index changes from the previous grid step, s
 consecutive indices are the DMAs issued. Values are checked in interpret mode by
 pallas_paged_decode_test / pallas_shared_attention_test; these check that skipped steps cost
 no copy: a sequence fetches exactly its own pages, in order, and a query block exactly the past
-blocks up to its diagonal (and a past block the query blocks from its diagonal on).
+blocks up to its diagonal (and a past block the query blocks from its diagonal on); in block
+prefill, the past and own key blocks its masks reach.
 """
 
 import itertools
