@@ -315,7 +315,7 @@ def _bwd(
   return dq, dk, dv, group_sum(dpast[0], kp), group_sum(dpast[1], vp)
 
 
-def _bwd_dq(q, k, v, kp, vp, do, lse, delta, sm_scale, block_q, block_k, interpret, block):
+def _bwd_dq(q, k, v, kp, vp, do, lse, delta, sm_scale, block_q, block_k, interpret, prefill_block):
   """The generic dq kernel: (dq, dk_h, dv_h) per query head (dk_h, dv_h: the diagonal's)."""
   b, hq, t, d = q.shape
   group = hq // k.shape[1]
@@ -324,14 +324,14 @@ def _bwd_dq(q, k, v, kp, vp, do, lse, delta, sm_scale, block_q, block_k, interpr
   common = dict(interpret=interpret, compiler_params=platform.compiler_params(interpret))
   kp_leaves, kp_specs = _past_specs(kp, t, kv_head)
   vp_leaves, vp_specs = _past_specs(vp, t, kv_head)
-  own, own_specs = _own_whole(k, v, block, kv_head)
+  own, own_specs = _own_whole(k, v, prefill_block, kv_head)
   dq_kernel = functools.partial(
     _bwd_dq_kernel,
     sm_scale=sm_scale,
     block_k=block_k,
     past_fmt=_past_fmt(kp),
     n_leaves=len(kp_leaves),
-    prefill_block=block,
+    prefill_block=prefill_block,
   )
   return pl.pallas_call(
     dq_kernel,
@@ -354,7 +354,7 @@ def _bwd_dq(q, k, v, kp, vp, do, lse, delta, sm_scale, block_q, block_k, interpr
   )(q, k, v, *kp_leaves, *vp_leaves, *own, do, lse, delta)
 
 
-def _bwd_dkv(q, do, lse, delta, past, own, sm_scale, block_q, block_k, interpret, block):
+def _bwd_dkv(q, do, lse, delta, past, own, sm_scale, block_q, block_k, interpret, prefill_block):
   """The generic key-tile kernel: ((dk_past_h, dv_past_h) or Nones, (dk_own_h, dv_own_h) or
   Nones), per query head; `past` / `own` are (k, v) pairs or None."""
   b, hq, t, d = q.shape
@@ -367,7 +367,7 @@ def _bwd_dkv(q, do, lse, delta, past, own, sm_scale, block_q, block_k, interpret
     _bwd_dkv_kernel,
     sm_scale=sm_scale,
     block_q=block_q,
-    prefill_block=block,
+    prefill_block=prefill_block,
     has_past=past is not None,
   )
   keys = [x for pair in pairs for x in pair]
