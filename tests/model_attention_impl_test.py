@@ -88,10 +88,10 @@ class AttentionImplTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
     ("shared_fp8", True, "fp8", 1),
-    ("unshared_nvfp4_chunk", False, "nvfp4", 2),
+    ("unshared_nvfp4", False, "nvfp4", 1),
   )
   def test_decode_step_on_packed_cache_matches_xla(self, share, kv_format, chunk):
-    # One decode step (or chunk) on the same packed cache, filled by the XLA path. (A whole
+    # One decode step on the same packed cache, filled by the XLA path. (A whole
     # decode_forward is not compared: both impls write their own K/V to the cache, and a 1e-7
     # difference that crosses an fp8 rounding boundary grows over later tokens.)
     params, batch = _setup(WIDE_HEADS)
@@ -106,6 +106,16 @@ class AttentionImplTest(parameterized.TestCase):
     logits_x = step(xla)(params, tokens[:, t - chunk :], cache)
     logits_p = step(pallas)(params, tokens[:, t - chunk :], cache)
     np.testing.assert_allclose(logits_p, logits_x, atol=1e-5, rtol=0)
+
+  def test_a_chunk_on_a_packed_cache_needs_xla(self):
+    # A chunk reads its own earlier tokens through the cache's format (as one token at a time
+    # would), which paged_decode does not do.
+    params, batch = _setup(WIDE_HEADS)
+    tokens = batch["inputs"]
+    _, pallas = _models(WIDE_HEADS)
+    cache = init_cache(WIDE_HEADS, tokens.shape[0], tokens.shape[1], False, kv_format="nvfp4")
+    with self.assertRaisesRegex(ValueError, "one token at a time"):
+      jax.eval_shape(lambda p, c: pallas.apply(p, tokens[:, :2], cache=c), params, cache)
 
   def test_jacobi_passes_match_xla(self):
     params, batch = _setup(CORE_ONLY)
