@@ -22,11 +22,53 @@ def dot_f32(a, b, contract_a: int = 1, contract_b: int = 0):
   )
 
 
-def past_mask(q_start, k_start, block_q: int, block_k: int):
-  """[block_q, block_k] bool: key position s < query position t."""
+def block_start(t, prefill_block: int):
+  """The first position of t's prefill block (blocks of prefill_block aligned at 0; t >= 0, so
+  truncating division is floor). prefill_block 1 is t itself, with no division."""
+  return t if prefill_block == 1 else lax.div(t, prefill_block) * prefill_block
+
+
+def _positions(q_start, k_start, block_q: int, block_k: int):
   t = q_start + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
   s = k_start + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
-  return s < t
+  return t, s
+
+
+def past_mask(q_start, k_start, block_q: int, block_k: int, prefill_block: int = 1):
+  """[block_q, block_k] bool: past key position s < block_start(t) (s < t for block 1)."""
+  t, s = _positions(q_start, k_start, block_q, block_k)
+  return s < block_start(t, prefill_block)
+
+
+def own_mask(q_start, k_start, block_q: int, block_k: int, prefill_block: int):
+  """[block_q, block_k] bool: own key position s in t's block and before it (the diagonal is
+  the kernels' initial term, not part of this mask)."""
+  t, s = _positions(q_start, k_start, block_q, block_k)
+  return (s >= block_start(t, prefill_block)) & (s < t)
+
+
+def past_end(q_start, block_q: int, prefill_block: int):
+  """One past the last past position a query tile reads: block_start of its last row."""
+  return block_start(q_start + block_q - 1, prefill_block)
+
+
+def own_tiles(q_start, block_q: int, block_k: int, prefill_block: int):
+  """Key tiles [lo, hi) holding a query tile's in-block earlier own positions: those between
+  its first row's block start and its last row - 1 (empty when hi <= lo)."""
+  lo = block_start(q_start, prefill_block) // block_k
+  return lo, pl.cdiv(q_start + block_q - 1, block_k)
+
+
+def own_query_tiles(k_start, block_q: int, block_k: int, prefill_block: int, num_q_tiles: int):
+  """Query tiles [lo, hi) reading a key tile's positions as own in-block earlier keys: t in
+  (s, block_start(s) + prefill_block) for s in the tile."""
+  last_block_end = block_start(k_start + block_k - 1, prefill_block) + prefill_block
+  return (k_start + 1) // block_q, jnp.minimum(pl.cdiv(last_block_end, block_q), num_q_tiles)
+
+
+def past_query_start(k_start, prefill_block: int):
+  """The first query position reading a past key tile: the next block start after k_start."""
+  return block_start(k_start, prefill_block) + prefill_block
 
 
 def past_tile(leaf_refs, start, size: int, fmt: str | None, dtype):

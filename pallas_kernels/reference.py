@@ -25,16 +25,24 @@ def _softmax_attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS, sm_scale):
 
 
 def shared_attention(
-  q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, k_past_BxTxKxH, v_past_BxTxKxH, sm_scale=None
+  q_BxTxNxH,
+  k_BxTxKxH,
+  v_BxTxKxH,
+  k_past_BxTxKxH,
+  v_past_BxTxKxH,
+  sm_scale=None,
+  prefill_block=None,
 ):
-  """Position t attends to the past K/V at s < t and to its own K/V at s = t."""
+  """Position t attends to the past K/V at s < b(t) and to its own K/V at b(t) <= s <= t, with
+  b(t) = t (prefill_block None) or t's block start (t // prefill_block) * prefill_block."""
   b, t, _, d = q_BxTxNxH.shape
   sm_scale = d**-0.5 if sm_scale is None else sm_scale
   k = jnp.concatenate([k_past_BxTxKxH, k_BxTxKxH], axis=1)
   v = jnp.concatenate([v_past_BxTxKxH, v_BxTxKxH], axis=1)
   idx = jnp.arange(t)
-  past_TxT = idx[None, :] < idx[:, None]
-  own_TxT = idx[None, :] == idx[:, None]
+  start_T = idx if prefill_block is None else idx // prefill_block * prefill_block
+  past_TxT = idx[None, :] < start_T[:, None]
+  own_TxT = (idx[None, :] >= start_T[:, None]) & (idx[None, :] <= idx[:, None])
   mask = jnp.broadcast_to(jnp.concatenate([past_TxT, own_TxT], axis=1), (b, t, 2 * t))
   return _softmax_attend(q_BxTxNxH, k, v, mask, sm_scale)
 

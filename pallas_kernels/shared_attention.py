@@ -16,8 +16,16 @@ so the causal mask hides them; padded query rows are dropped).
 Backward (FlashAttention-2 style, two kernels, the forward's log-sum-exp saved):
   dq kernel, per query block: dq over past blocks plus the diagonal terms, which also give the
     own-K/V gradients (one row each, per query head).
-  dkv kernel, per past-K/V block: dk_past, dv_past over the query blocks after it.
+  dkv kernel, per past-K/V block: dk_past, dv_past over the query blocks that read it.
 Per-query-head K/V gradients are summed over the group outside the kernels.
+
+Block prefill (`prefill_block` C > 1, blocks aligned at 0, b(t) = (t // C) * C): t reads the
+past at s < b(t) and its own K/V causally at b(t) <= s <= t. The past loop stops at the last
+row's block start; a second loop over the own K/V (given again as whole-T blocks) covers the
+tiles between the first row's block start and the diagonal, masked to b(t) <= s < t; the
+diagonal is still the initial term. Own keys read by later rows of their block get their dk,
+dv from the key-tile kernel (the dkv kernel, with a second pair of outputs), added to the
+diagonal's. C = 1 is exactly the plain form (the same kernels).
 
 The past may arrive packed in a KV format (`kv_formats.PackedKV`, per-token layout of
 `looped.kv_quant`): the forward and dq kernels then dequantize each past tile as they load it
@@ -32,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -48,9 +57,9 @@ _dot = ops.dot_f32
 # Kernels. Refs are [rows, D] blocks of one (batch, head); softmax statistics [rows, 1].
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, *refs, sm_scale, block_k, past_fmt, n_leaves):
+def _fwd_kernel(q_ref, k_ref, v_ref, *refs, sm_scale, block_k, past_fmt, n_leaves, prefill_block):
   kp_refs, vp_refs = refs[:n_leaves], refs[n_leaves : 2 * n_leaves]
-  o_ref, lse_ref = refs[2 * n_leaves :]
+  o_ref, lse_ref = refs[-2:]
   block_q = q_ref.shape[0]
   q_start = pl.program_id(2) * block_q
   q_QxH = q_ref[...]
@@ -59,30 +68,45 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, sm_scale, block_k, past_fmt, n_leave
   l_Q = jnp.ones_like(m_Q)
   acc_QxH = v_ref[...].astype(jnp.float32)
 
-  def body(j, carry):
+  def update(carry, k_SxH, v_SxH, mask_QxS):
     m_Q, l_Q, acc_QxH = carry
-    k_start = j * block_k
-    kp_SxH = ops.past_tile(kp_refs, k_start, block_k, past_fmt, q_QxH.dtype)
-    vp_SxH = ops.past_tile(vp_refs, k_start, block_k, past_fmt, q_QxH.dtype)
-    s_QxS = _dot(q_QxH, kp_SxH, 1, 1) * sm_scale
-    s_QxS = jnp.where(ops.past_mask(q_start, k_start, block_q, block_k), s_QxS, -jnp.inf)
+    s_QxS = jnp.where(mask_QxS, _dot(q_QxH, k_SxH, 1, 1) * sm_scale, -jnp.inf)
     m_new = jnp.maximum(m_Q, jnp.max(s_QxS, axis=1))
     alpha = jnp.exp(m_Q - m_new)
     p_QxS = jnp.exp(s_QxS - m_new[:, None])
     l_Q = l_Q * alpha + jnp.sum(p_QxS, axis=1)
-    acc_QxH = acc_QxH * alpha[:, None] + _dot(p_QxS.astype(vp_SxH.dtype), vp_SxH)
+    acc_QxH = acc_QxH * alpha[:, None] + _dot(p_QxS.astype(v_SxH.dtype), v_SxH)
     return m_new, l_Q, acc_QxH
 
-  # Past blocks holding some s < t for t in this query block: s <= q_start + block_q - 2.
-  num_blocks = pl.cdiv(q_start + block_q - 1, block_k)
-  m_Q, l_Q, acc_QxH = lax.fori_loop(0, num_blocks, body, (m_Q, l_Q, acc_QxH))
+  def past_body(j, carry):
+    k_start = j * block_k
+    kp_SxH = ops.past_tile(kp_refs, k_start, block_k, past_fmt, q_QxH.dtype)
+    vp_SxH = ops.past_tile(vp_refs, k_start, block_k, past_fmt, q_QxH.dtype)
+    mask = ops.past_mask(q_start, k_start, block_q, block_k, prefill_block)
+    return update(carry, kp_SxH, vp_SxH, mask)
+
+  # Past tiles holding some s < block_start(t) for t in this query tile.
+  num_blocks = pl.cdiv(ops.past_end(q_start, block_q, prefill_block), block_k)
+  carry = lax.fori_loop(0, num_blocks, past_body, (m_Q, l_Q, acc_QxH))
+  if prefill_block > 1:  # The own block's earlier positions, from the whole-T own K/V.
+    k_all_ref, v_all_ref = refs[2 * n_leaves : 2 * n_leaves + 2]
+
+    def own_body(j, carry):
+      rows = pl.ds(j * block_k, block_k)
+      mask = ops.own_mask(q_start, j * block_k, block_q, block_k, prefill_block)
+      return update(carry, k_all_ref[rows, :], v_all_ref[rows, :], mask)
+
+    carry = lax.fori_loop(*ops.own_tiles(q_start, block_q, block_k, prefill_block), own_body, carry)
+  m_Q, l_Q, acc_QxH = carry
   o_ref[...] = (acc_QxH / l_Q[:, None]).astype(o_ref.dtype)
   lse_ref[...] = (m_Q + jnp.log(l_Q))[:, None]
 
 
-def _bwd_dq_kernel(q_ref, k_ref, v_ref, *refs, sm_scale, block_k, past_fmt, n_leaves):
+def _bwd_dq_kernel(
+  q_ref, k_ref, v_ref, *refs, sm_scale, block_k, past_fmt, n_leaves, prefill_block
+):
   kp_refs, vp_refs = refs[:n_leaves], refs[n_leaves : 2 * n_leaves]
-  do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref = refs[2 * n_leaves :]
+  do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref = refs[-6:]
   block_q = q_ref.shape[0]
   q_start = pl.program_id(2) * block_q
   q_QxH, do_QxH = q_ref[...], do_ref[...]
@@ -96,50 +120,74 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, *refs, sm_scale, block_k, past_fmt, n_le
   dv_ref[...] = (p_Qx1 * do32).astype(dv_ref.dtype)
   dq_QxH = ds_Qx1 * k32 * sm_scale
 
-  def body(j, dq_QxH):
+  def update(dq_QxH, k_SxH, v_SxH, mask_QxS):
+    s_QxS = _dot(q_QxH, k_SxH, 1, 1) * sm_scale
+    p_QxS = jnp.where(mask_QxS, jnp.exp(s_QxS - lse_Qx1), 0.0)
+    dp_QxS = _dot(do_QxH, v_SxH, 1, 1)
+    ds_QxS = p_QxS * (dp_QxS - delta_Qx1)
+    return dq_QxH + _dot(ds_QxS.astype(k_SxH.dtype), k_SxH) * sm_scale
+
+  def past_body(j, dq_QxH):
     k_start = j * block_k
     kp_SxH = ops.past_tile(kp_refs, k_start, block_k, past_fmt, q_QxH.dtype)
     vp_SxH = ops.past_tile(vp_refs, k_start, block_k, past_fmt, q_QxH.dtype)
-    s_QxS = _dot(q_QxH, kp_SxH, 1, 1) * sm_scale
-    mask = ops.past_mask(q_start, k_start, block_q, block_k)
-    p_QxS = jnp.where(mask, jnp.exp(s_QxS - lse_Qx1), 0.0)
-    dp_QxS = _dot(do_QxH, vp_SxH, 1, 1)
-    ds_QxS = p_QxS * (dp_QxS - delta_Qx1)
-    return dq_QxH + _dot(ds_QxS.astype(kp_SxH.dtype), kp_SxH) * sm_scale
+    mask = ops.past_mask(q_start, k_start, block_q, block_k, prefill_block)
+    return update(dq_QxH, kp_SxH, vp_SxH, mask)
 
-  num_blocks = pl.cdiv(q_start + block_q - 1, block_k)
-  dq_ref[...] = lax.fori_loop(0, num_blocks, body, dq_QxH).astype(dq_ref.dtype)
+  num_blocks = pl.cdiv(ops.past_end(q_start, block_q, prefill_block), block_k)
+  dq_QxH = lax.fori_loop(0, num_blocks, past_body, dq_QxH)
+  if prefill_block > 1:  # dq from the own block's earlier positions (their dk, dv: dkv kernel).
+    k_all_ref, v_all_ref = refs[2 * n_leaves : 2 * n_leaves + 2]
+
+    def own_body(j, dq_QxH):
+      rows = pl.ds(j * block_k, block_k)
+      mask = ops.own_mask(q_start, j * block_k, block_q, block_k, prefill_block)
+      return update(dq_QxH, k_all_ref[rows, :], v_all_ref[rows, :], mask)
+
+    lo, hi = ops.own_tiles(q_start, block_q, block_k, prefill_block)
+    dq_QxH = lax.fori_loop(lo, hi, own_body, dq_QxH)
+  dq_ref[...] = dq_QxH.astype(dq_ref.dtype)
 
 
 def _bwd_dkv_kernel(
-  q_ref, do_ref, lse_ref, delta_ref, kp_ref, vp_ref, dkp_ref, dvp_ref, *, sm_scale, block_q
+  q_ref, do_ref, lse_ref, delta_ref, *refs, sm_scale, block_q, prefill_block, has_past
 ):
-  block_k = kp_ref.shape[0]
+  """Gradients of one key tile: of the past K/V (has_past) over the query tiles reading it as
+  past, and of the own K/V (prefill_block > 1) over those reading it inside their block."""
+  n_in = 2 * has_past + 2 * (prefill_block > 1)
+  ins, outs = refs[:n_in], refs[n_in:]
+  block_k, d = ins[0].shape
   k_start = pl.program_id(2) * block_k
-  kp_SxH, vp_SxH = kp_ref[...], vp_ref[...]
-  d = kp_SxH.shape[1]
+  num_q_tiles = q_ref.shape[0] // block_q
 
-  def body(i, carry):
-    dk_SxH, dv_SxH = carry
-    q_start = i * block_q
-    rows = pl.ds(q_start, block_q)
-    q_QxH, do_QxH = q_ref[rows, :], do_ref[rows, :]
-    lse_Qx1, delta_Qx1 = lse_ref[rows, :], delta_ref[rows, :]
-    s_QxS = _dot(q_QxH, kp_SxH, 1, 1) * sm_scale
-    mask = ops.past_mask(q_start, k_start, block_q, block_k)
-    p_QxS = jnp.where(mask, jnp.exp(s_QxS - lse_Qx1), 0.0)
-    dv_SxH = dv_SxH + _dot(p_QxS.astype(do_QxH.dtype), do_QxH, 0, 0)
-    ds_QxS = p_QxS * (_dot(do_QxH, vp_SxH, 1, 1) - delta_Qx1)
-    dk_SxH = dk_SxH + _dot(ds_QxS.astype(q_QxH.dtype), q_QxH, 0, 0) * sm_scale
-    return dk_SxH, dv_SxH
+  def grads(key_ref, value_ref, mask_fn, lo, hi, dk_ref, dv_ref):
+    k_SxH, v_SxH = key_ref[...], value_ref[...]
 
-  # Query blocks holding some t > s for s in this key block: t >= k_start + 1.
-  first = (k_start + 1) // block_q
-  num_q_blocks = q_ref.shape[0] // block_q
-  zeros = jnp.zeros((block_k, d), jnp.float32)
-  dk_SxH, dv_SxH = lax.fori_loop(first, num_q_blocks, body, (zeros, zeros))
-  dkp_ref[...] = dk_SxH.astype(dkp_ref.dtype)
-  dvp_ref[...] = dv_SxH.astype(dvp_ref.dtype)
+    def body(i, carry):
+      dk_SxH, dv_SxH = carry
+      q_start = i * block_q
+      rows = pl.ds(q_start, block_q)
+      q_QxH, do_QxH = q_ref[rows, :], do_ref[rows, :]
+      lse_Qx1, delta_Qx1 = lse_ref[rows, :], delta_ref[rows, :]
+      s_QxS = _dot(q_QxH, k_SxH, 1, 1) * sm_scale
+      mask = mask_fn(q_start, k_start, block_q, block_k, prefill_block)
+      p_QxS = jnp.where(mask, jnp.exp(s_QxS - lse_Qx1), 0.0)
+      dv_SxH = dv_SxH + _dot(p_QxS.astype(do_QxH.dtype), do_QxH, 0, 0)
+      ds_QxS = p_QxS * (_dot(do_QxH, v_SxH, 1, 1) - delta_Qx1)
+      dk_SxH = dk_SxH + _dot(ds_QxS.astype(q_QxH.dtype), q_QxH, 0, 0) * sm_scale
+      return dk_SxH, dv_SxH
+
+    zeros = jnp.zeros((block_k, d), jnp.float32)
+    dk_SxH, dv_SxH = lax.fori_loop(lo, hi, body, (zeros, zeros))
+    dk_ref[...] = dk_SxH.astype(dk_ref.dtype)
+    dv_ref[...] = dv_SxH.astype(dv_ref.dtype)
+
+  if has_past:  # Query tiles holding some t with block_start(t) > s: t >= the next block start.
+    first = ops.past_query_start(k_start, prefill_block) // block_q
+    grads(ins[0], ins[1], ops.past_mask, first, num_q_tiles, outs[0], outs[1])
+  if prefill_block > 1:
+    lo, hi = ops.own_query_tiles(k_start, block_q, block_k, prefill_block, num_q_tiles)
+    grads(ins[-2], ins[-1], ops.own_mask, lo, hi, outs[-2], outs[-1])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,23 +229,25 @@ def _past_specs(past, t: int, kv_head):
   return leaves, specs
 
 
-def _fwd(q, k, v, kp, vp, sm_scale, block_q, block_k, interpret, variant):
+def _fwd(q, k, v, kp, vp, sm_scale, block_q, block_k, interpret, variant, prefill_block):
   if variant == "tpu":
     leaves = _past_leaves(kp), _past_leaves(vp)
     return shared_attention_tpu.fwd(
-      q, k, v, *leaves, _past_fmt(kp), sm_scale, block_q, block_k, interpret
+      q, k, v, *leaves, _past_fmt(kp), sm_scale, block_q, block_k, interpret, prefill_block
     )
   b, hq, t, d = q.shape
   group = hq // k.shape[1]
   kv_head = lambda h: h // group
   kp_leaves, kp_specs = _past_specs(kp, t, kv_head)
   vp_leaves, vp_specs = _past_specs(vp, t, kv_head)
+  own, own_specs = _own_whole(k, v, prefill_block, kv_head)
   kernel = functools.partial(
     _fwd_kernel,
     sm_scale=sm_scale,
     block_k=block_k,
     past_fmt=_past_fmt(kp),
     n_leaves=len(kp_leaves),
+    prefill_block=prefill_block,
   )
   return pl.pallas_call(
     kernel,
@@ -208,6 +258,7 @@ def _fwd(q, k, v, kp, vp, sm_scale, block_q, block_k, interpret, variant):
       _row_spec(block_q, d, kv_head),
       *kp_specs,
       *vp_specs,
+      *own_specs,
     ],
     out_specs=[_row_spec(block_q, d), _stat_spec(block_q)],
     out_shape=[
@@ -217,35 +268,55 @@ def _fwd(q, k, v, kp, vp, sm_scale, block_q, block_k, interpret, variant):
     interpret=interpret,
     compiler_params=platform.compiler_params(interpret),
     name="shared_attention_fwd",
-  )(q, k, v, *kp_leaves, *vp_leaves)
+  )(q, k, v, *kp_leaves, *vp_leaves, *own)
 
 
-def _bwd(q, k, v, kp, vp, o, lse, do, sm_scale, block_q, block_k, interpret, variant):
+def _own_whole(k, v, prefill_block: int, kv_head):
+  """Block prefill: the own K/V again, as whole-T blocks, for the in-block reads."""
+  if prefill_block == 1:
+    return (), ()
+  t, d = k.shape[2:]
+  return (k, v), (_full_spec(t, d, kv_head),) * 2
+
+
+def _bwd(
+  q, k, v, kp, vp, o, lse, do, sm_scale, block_q, block_k, interpret, variant, prefill_block
+):
   b, hq, t, d = q.shape
   hkv = k.shape[1]
   group = hq // hkv
   delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1, keepdims=True)
   group_sum = lambda x, like: x.reshape(b, hkv, group, t, d).sum(2).astype(like.dtype)
-  blocks = (sm_scale, block_q, block_k, interpret)
+  blocks = (sm_scale, block_q, block_k, interpret, prefill_block)
+  raw_past = _past_fmt(kp) is None
+  # Which key tiles get a dkv kernel: a raw past (a packed one is a constant), and in block
+  # prefill the own K/V read inside the block (the diagonal's share comes from the dq kernel).
+  past = (kp, vp) if raw_past else None
+  own = (k, v) if prefill_block > 1 else None
   if variant == "tpu":
     leaves = _past_leaves(kp), _past_leaves(vp)
     dq, dk_h, dv_h = shared_attention_tpu.dq(
       q, k, v, *leaves, _past_fmt(kp), do, lse, delta, *blocks
     )
-    if _past_fmt(kp) is None:
-      dkp_h, dvp_h = shared_attention_tpu.dkv(q, do, lse, delta, kp, vp, *blocks)
+    dkv = shared_attention_tpu.dkv
   else:
     dq, dk_h, dv_h = _bwd_dq(q, k, v, kp, vp, do, lse, delta, *blocks)
-    if _past_fmt(kp) is None:
-      dkp_h, dvp_h = _bwd_dkv(q, do, lse, delta, kp, vp, *blocks)
-  if _past_fmt(kp) is not None:  # A packed past is a constant: no past-K/V kernel.
-    return dq, group_sum(dk_h, k), group_sum(dv_h, v), None, None
+    dkv = _bwd_dkv
+  dpast, down = (None, None), (None, None)
+  if past is not None or own is not None:
+    dpast, down = dkv(q, do, lse, delta, past, own, *blocks)
+  if own is not None:  # In-block reads plus the diagonal, per query head (float32 sum).
+    dk_h = dk_h.astype(jnp.float32) + down[0].astype(jnp.float32)
+    dv_h = dv_h.astype(jnp.float32) + down[1].astype(jnp.float32)
   # Sum the query heads of each group into their K/V head.
-  return dq, group_sum(dk_h, k), group_sum(dv_h, v), group_sum(dkp_h, kp), group_sum(dvp_h, vp)
+  dk, dv = group_sum(dk_h, k), group_sum(dv_h, v)
+  if not raw_past:
+    return dq, dk, dv, None, None
+  return dq, dk, dv, group_sum(dpast[0], kp), group_sum(dpast[1], vp)
 
 
-def _bwd_dq(q, k, v, kp, vp, do, lse, delta, sm_scale, block_q, block_k, interpret):
-  """The generic dq kernel: (dq, dk_h, dv_h) per query head."""
+def _bwd_dq(q, k, v, kp, vp, do, lse, delta, sm_scale, block_q, block_k, interpret, prefill_block):
+  """The generic dq kernel: (dq, dk_h, dv_h) per query head (dk_h, dv_h: the diagonal's)."""
   b, hq, t, d = q.shape
   group = hq // k.shape[1]
   kv_head = lambda h: h // group
@@ -253,12 +324,14 @@ def _bwd_dq(q, k, v, kp, vp, do, lse, delta, sm_scale, block_q, block_k, interpr
   common = dict(interpret=interpret, compiler_params=platform.compiler_params(interpret))
   kp_leaves, kp_specs = _past_specs(kp, t, kv_head)
   vp_leaves, vp_specs = _past_specs(vp, t, kv_head)
+  own, own_specs = _own_whole(k, v, prefill_block, kv_head)
   dq_kernel = functools.partial(
     _bwd_dq_kernel,
     sm_scale=sm_scale,
     block_k=block_k,
     past_fmt=_past_fmt(kp),
     n_leaves=len(kp_leaves),
+    prefill_block=prefill_block,
   )
   return pl.pallas_call(
     dq_kernel,
@@ -269,6 +342,7 @@ def _bwd_dq(q, k, v, kp, vp, do, lse, delta, sm_scale, block_q, block_k, interpr
       _row_spec(block_q, d, kv_head),
       *kp_specs,
       *vp_specs,
+      *own_specs,
       _row_spec(block_q, d),
       _stat_spec(block_q),
       _stat_spec(block_q),
@@ -277,32 +351,50 @@ def _bwd_dq(q, k, v, kp, vp, do, lse, delta, sm_scale, block_q, block_k, interpr
     out_shape=[per_head(q), per_head(k), per_head(v)],
     name="shared_attention_bwd_dq",
     **common,
-  )(q, k, v, *kp_leaves, *vp_leaves, do, lse, delta)
+  )(q, k, v, *kp_leaves, *vp_leaves, *own, do, lse, delta)
 
 
-def _bwd_dkv(q, do, lse, delta, kp, vp, sm_scale, block_q, block_k, interpret):
-  """The generic past-K/V kernel: (dk_past_h, dv_past_h) per query head."""
+def _bwd_dkv(q, do, lse, delta, past, own, sm_scale, block_q, block_k, interpret, prefill_block):
+  """The generic key-tile kernel: ((dk_past_h, dv_past_h) or Nones, (dk_own_h, dv_own_h) or
+  Nones), per query head; `past` / `own` are (k, v) pairs or None."""
   b, hq, t, d = q.shape
-  group = hq // kp.shape[1]
+  pairs = [x for x in (past, own) if x is not None]
+  group = hq // pairs[0][0].shape[1]
   kv_head = lambda h: h // group
   per_head = lambda x: jax.ShapeDtypeStruct((b, hq, t, d), x.dtype)
   common = dict(interpret=interpret, compiler_params=platform.compiler_params(interpret))
-  return pl.pallas_call(
-    functools.partial(_bwd_dkv_kernel, sm_scale=sm_scale, block_q=block_q),
+  kernel = functools.partial(
+    _bwd_dkv_kernel,
+    sm_scale=sm_scale,
+    block_q=block_q,
+    prefill_block=prefill_block,
+    has_past=past is not None,
+  )
+  keys = [x for pair in pairs for x in pair]
+  grads = pl.pallas_call(
+    kernel,
     grid=(b, hq, t // block_k),
     in_specs=[
       _full_spec(t, d),
       _full_spec(t, d),
       _full_stat_spec(t),
       _full_stat_spec(t),
-      _row_spec(block_k, d, kv_head),
-      _row_spec(block_k, d, kv_head),
+      *[_row_spec(block_k, d, kv_head)] * len(keys),
     ],
-    out_specs=[_row_spec(block_k, d)] * 2,
-    out_shape=[per_head(kp), per_head(vp)],
+    out_specs=[_row_spec(block_k, d)] * len(keys),
+    out_shape=[per_head(x) for x in keys],
     name="shared_attention_bwd_dkv",
     **common,
-  )(q, do, lse, delta, kp, vp)
+  )(q, do, lse, delta, *keys)
+  return _split_pairs(grads, past, own)
+
+
+def _split_pairs(grads, past, own):
+  """A key-tile kernel's outputs back as (past grads, own grads), (None, None) where absent."""
+  grads = list(grads)
+  dpast = (grads.pop(0), grads.pop(0)) if past is not None else (None, None)
+  down = (grads.pop(0), grads.pop(0)) if own is not None else (None, None)
+  return dpast, down
 
 
 # ---------------------------------------------------------------------------------------------
@@ -342,25 +434,28 @@ def _from_bhtd(x, t):
   return jnp.swapaxes(x[:, :, :t], 1, 2)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
-def _attention(q, k, v, kp, vp, sm_scale, block_q, block_k, interpret, variant):
-  return _attention_fwd(q, k, v, kp, vp, sm_scale, block_q, block_k, interpret, variant)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
+def _attention(q, k, v, kp, vp, sm_scale, block_q, block_k, interpret, variant, prefill_block):
+  statics = (sm_scale, block_q, block_k, interpret, variant, prefill_block)
+  return _attention_fwd(q, k, v, kp, vp, *statics)[0]
 
 
-def _attention_fwd(q, k, v, kp, vp, sm_scale, block_q, block_k, interpret, variant):
+def _attention_fwd(q, k, v, kp, vp, sm_scale, block_q, block_k, interpret, variant, prefill_block):
   t = q.shape[1]
   t_pad = math.lcm(block_q, block_k) * pl.cdiv(t, math.lcm(block_q, block_k))
   padded = [_to_bhtd(x, t_pad) for x in (q, k, v)] + [_past_to_kernel(x, t_pad) for x in (kp, vp)]
-  o, lse = _fwd(*padded, sm_scale, block_q, block_k, interpret, variant)
+  statics = (sm_scale, block_q, block_k, interpret, variant, prefill_block)
+  o, lse = _fwd(*padded, *statics)
   packed = (kp, vp) if isinstance(kp, kv_formats.PackedKV) else None
   return _from_bhtd(o, t), (padded, o, lse, packed)
 
 
-def _attention_bwd(sm_scale, block_q, block_k, interpret, variant, residuals, do):
+def _attention_bwd(sm_scale, block_q, block_k, interpret, variant, prefill_block, residuals, do):
   padded, o, lse, packed = residuals
   t = do.shape[1]
   do = _to_bhtd(do, o.shape[2])
-  grads = _bwd(*padded, o, lse, do, sm_scale, block_q, block_k, interpret, variant)
+  statics = (sm_scale, block_q, block_k, interpret, variant, prefill_block)
+  grads = _bwd(*padded, o, lse, do, *statics)
   if packed is None:
     return tuple(_from_bhtd(g, t) for g in grads)
   # A packed past is a constant: its bytes and scales get zero cotangents.
@@ -389,6 +484,7 @@ def shared_attention(
   block_k: int | None = None,
   variant: str | None = None,
   interpret: bool | None = None,
+  prefill_block: int | None = None,
 ) -> jax.Array:
   """Shared-cache attention: t sees the past K/V at s < t and its own K/V at s = t.
 
@@ -407,6 +503,9 @@ def shared_attention(
       query side in the dkv kernel, is one whole-T block looped over in the kernel) or 'tpu'
       (those blocks pipelined by Mosaic along a grid axis, `shared_attention_tpu`). Default:
       'tpu' on TPU, else 'generic'.
+    prefill_block: block prefill with blocks of this many positions aligned at 0: t sees the
+      past K/V at s < b(t) = (t // prefill_block) * prefill_block and its own K/V causally at
+      b(t) <= s <= t. None (or 1): the past at s < t and the own K/V at s = t.
     interpret: run in Pallas interpret mode (default: exactly when there is no GPU/TPU). With
       the 'tpu' variant, True means Pallas' TPU interpreter (`pltpu.InterpretParams()`).
 
@@ -424,6 +523,9 @@ def shared_attention(
       raise ValueError(f"{name} has shape {shape}, expected k's {kv_shape}.")
   if _past_fmt(k_past_BxTxKxH) != _past_fmt(v_past_BxTxKxH):
     raise ValueError("k_past and v_past must both be arrays or both packed in one format.")
+  prefill_block = 1 if prefill_block is None else operator.index(prefill_block)
+  if prefill_block < 1:
+    raise ValueError(f"prefill_block must be a positive int or None, got {prefill_block!r}.")
   default_q, default_k = platform.FLASH_BLOCKS[platform.platform()]
   block_q, block_k = _block(block_q, default_q, t), _block(block_k, default_k, t)
   sm_scale = float(d**-0.5 if sm_scale is None else sm_scale)
@@ -440,4 +542,5 @@ def shared_attention(
     block_k,
     interpret,
     variant,
+    prefill_block,
   )

@@ -12,6 +12,14 @@ Causality: past block j holds some s < t of query block i iff j * block_k < i * 
 block_q - 1. Grid steps outside that (above the diagonal) are skipped with `pl.when`, and their
 index maps return the nearest needed block, so Mosaic issues no DMA for them (it skips the copy
 when the block index does not change).
+
+Block prefill (prefill_block C > 1): past block j is needed while j * block_k is below the
+block start of the query block's last row; the own K/V come in again as key blocks, needed from
+the block start of the query block's first row up to its diagonal, clamped the same way. Both
+parts run at the same inner step j (each under its own `pl.when`). The dkv kernel adds the own
+blocks' in-block gradients as a second pair of outputs; its query blocks are fetched from the
+first that reads the key block in either way (the first own reader never comes after the first
+past reader).
 """
 
 from __future__ import annotations
@@ -28,19 +36,34 @@ from pallas_kernels import ops
 _dot = ops.dot_f32
 
 
-def _needed(q_start, k_start, block_q: int):
-  """Whether the (query block, past block) pair has some s < t: not above the diagonal."""
-  return k_start < q_start + block_q - 1
+def _needed(q_start, k_start, block_q: int, prefill_block: int = 1):
+  """Whether the (query block, past block) pair has some s < block_start(t): not above the
+  diagonal (block prefill: not above the last row's block start)."""
+  return k_start < ops.past_end(q_start, block_q, prefill_block)
 
 
-def _last_past_block(i, block_q: int, block_k: int):
+def _last_past_block(i, block_q: int, block_k: int, prefill_block: int = 1):
   """The last past block query block i reads (0 when it reads none)."""
-  return jnp.maximum((i * block_q + block_q - 2) // block_k, 0)
+  return jnp.maximum((ops.past_end(i * block_q, block_q, prefill_block) - 1) // block_k, 0)
+
+
+def _own_needed(i, j, block_q: int, block_k: int, prefill_block: int):
+  """Block prefill: whether own key block j holds in-block earlier positions of query block i."""
+  lo, hi = ops.own_tiles(i * block_q, block_q, block_k, prefill_block)
+  return (lo <= j) & (j < hi)
+
+
+def _own_block(i, j, block_q: int, block_k: int, prefill_block: int):
+  """The own key block fetched at step j for query block i: j clamped to the blocks it reads,
+  so steps outside them repeat a needed block (no DMA)."""
+  lo, hi = ops.own_tiles(i * block_q, block_q, block_k, prefill_block)
+  return jnp.clip(j, lo, jnp.maximum(hi - 1, lo))
 
 
 def _dkv_query_block(j, i, block_q: int, block_k: int, num_q_blocks: int):
-  """The query block the dkv kernel fetches at step i for past block j: the steps before the
-  first query block that reads past block j fetch that one."""
+  """The query block the dkv kernel fetches at step i for key block j: the steps before the
+  first query block that reads key block j fetch that one. The first reader as past is never
+  before the first as own (in-block) reader, so this serves both."""
   first = jnp.minimum((j * block_k + 1) // block_q, num_q_blocks - 1)
   return jnp.maximum(i, first)
 
@@ -54,14 +77,16 @@ def _params(interpret):
 
 # ---------------------------------------------------------------------------------------------
 # Kernels. Grid (b, h, outer block, inner block); refs are one block of rows of one (b, head).
+# Block prefill (prefill_block > 1) adds own K/V key blocks after the past leaves: at inner step
+# j, past block j (if needed) and own block j (if needed) both update the accumulators.
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, *refs, sm_scale, past_fmt, n_leaves):
+def _fwd_kernel(q_ref, k_ref, v_ref, *refs, sm_scale, past_fmt, n_leaves, prefill_block):
   kp_refs, vp_refs = refs[:n_leaves], refs[n_leaves : 2 * n_leaves]
-  o_ref, lse_ref, m_ref, l_ref, acc_ref = refs[2 * n_leaves :]
+  o_ref, lse_ref, m_ref, l_ref, acc_ref = refs[-5:]
   block_q, block_k = q_ref.shape[0], kp_refs[0].shape[0]
-  j = pl.program_id(3)
-  q_start, k_start = pl.program_id(2) * block_q, j * block_k
+  i, j = pl.program_id(2), pl.program_id(3)
+  q_start, k_start = i * block_q, j * block_k
 
   @pl.when(j == 0)
   def _init():  # The diagonal: max q_t . k_t, sum 1, accumulator v_t.
@@ -70,20 +95,31 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, sm_scale, past_fmt, n_leaves):
     l_ref[...] = jnp.ones_like(l_ref)
     acc_ref[...] = v_ref[...].astype(jnp.float32)
 
-  @pl.when(_needed(q_start, k_start, block_q))
-  def _past_block():
+  def update(k_SxH, v_SxH, mask_QxS):
     q_QxH = q_ref[...]
-    kp_SxH = ops.past_tile(kp_refs, 0, block_k, past_fmt, q_QxH.dtype)
-    vp_SxH = ops.past_tile(vp_refs, 0, block_k, past_fmt, q_QxH.dtype)
-    s_QxS = _dot(q_QxH, kp_SxH, 1, 1) * sm_scale
-    s_QxS = jnp.where(ops.past_mask(q_start, k_start, block_q, block_k), s_QxS, -jnp.inf)
+    s_QxS = jnp.where(mask_QxS, _dot(q_QxH, k_SxH, 1, 1) * sm_scale, -jnp.inf)
     m_Qx1 = m_ref[...]
     m_new = jnp.maximum(m_Qx1, jnp.max(s_QxS, axis=1, keepdims=True))
     alpha = jnp.exp(m_Qx1 - m_new)
     p_QxS = jnp.exp(s_QxS - m_new)
     l_ref[...] = l_ref[...] * alpha + jnp.sum(p_QxS, axis=1, keepdims=True)
-    acc_ref[...] = acc_ref[...] * alpha + _dot(p_QxS.astype(vp_SxH.dtype), vp_SxH)
+    acc_ref[...] = acc_ref[...] * alpha + _dot(p_QxS.astype(v_SxH.dtype), v_SxH)
     m_ref[...] = m_new
+
+  @pl.when(_needed(q_start, k_start, block_q, prefill_block))
+  def _past_block():
+    dtype = q_ref.dtype
+    kp_SxH = ops.past_tile(kp_refs, 0, block_k, past_fmt, dtype)
+    vp_SxH = ops.past_tile(vp_refs, 0, block_k, past_fmt, dtype)
+    update(kp_SxH, vp_SxH, ops.past_mask(q_start, k_start, block_q, block_k, prefill_block))
+
+  if prefill_block > 1:
+    k_own_ref, v_own_ref = refs[2 * n_leaves : 2 * n_leaves + 2]
+
+    @pl.when(_own_needed(i, j, block_q, block_k, prefill_block))
+    def _own_block():
+      mask = ops.own_mask(q_start, k_start, block_q, block_k, prefill_block)
+      update(k_own_ref[...], v_own_ref[...], mask)
 
   @pl.when(j == pl.num_programs(3) - 1)
   def _write():
@@ -91,27 +127,38 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, sm_scale, past_fmt, n_leaves):
     lse_ref[...] = m_ref[...] + jnp.log(l_ref[...])
 
 
-def _bwd_dq_kernel(q_ref, k_ref, v_ref, *refs, sm_scale, past_fmt, n_leaves):
+def _bwd_dq_kernel(q_ref, k_ref, v_ref, *refs, sm_scale, past_fmt, n_leaves, prefill_block):
   kp_refs, vp_refs = refs[:n_leaves], refs[n_leaves : 2 * n_leaves]
-  do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref, dq_acc_ref = refs[2 * n_leaves :]
+  do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref, dq_acc_ref = refs[-7:]
   block_q, block_k = q_ref.shape[0], kp_refs[0].shape[0]
-  j = pl.program_id(3)
-  q_start, k_start = pl.program_id(2) * block_q, j * block_k
+  i, j = pl.program_id(2), pl.program_id(3)
+  q_start, k_start = i * block_q, j * block_k
 
   @pl.when(j == 0)
   def _init():
     dq_acc_ref[...] = jnp.zeros_like(dq_acc_ref)
 
-  @pl.when(_needed(q_start, k_start, block_q))
-  def _past_block():
+  def update(k_SxH, v_SxH, mask_QxS):
     q_QxH, do_QxH = q_ref[...], do_ref[...]
-    kp_SxH = ops.past_tile(kp_refs, 0, block_k, past_fmt, q_QxH.dtype)
-    vp_SxH = ops.past_tile(vp_refs, 0, block_k, past_fmt, q_QxH.dtype)
-    s_QxS = _dot(q_QxH, kp_SxH, 1, 1) * sm_scale
-    mask = ops.past_mask(q_start, k_start, block_q, block_k)
-    p_QxS = jnp.where(mask, jnp.exp(s_QxS - lse_ref[...]), 0.0)
-    ds_QxS = p_QxS * (_dot(do_QxH, vp_SxH, 1, 1) - delta_ref[...])
-    dq_acc_ref[...] += _dot(ds_QxS.astype(kp_SxH.dtype), kp_SxH) * sm_scale
+    s_QxS = _dot(q_QxH, k_SxH, 1, 1) * sm_scale
+    p_QxS = jnp.where(mask_QxS, jnp.exp(s_QxS - lse_ref[...]), 0.0)
+    ds_QxS = p_QxS * (_dot(do_QxH, v_SxH, 1, 1) - delta_ref[...])
+    dq_acc_ref[...] += _dot(ds_QxS.astype(k_SxH.dtype), k_SxH) * sm_scale
+
+  @pl.when(_needed(q_start, k_start, block_q, prefill_block))
+  def _past_block():
+    dtype = q_ref.dtype
+    kp_SxH = ops.past_tile(kp_refs, 0, block_k, past_fmt, dtype)
+    vp_SxH = ops.past_tile(vp_refs, 0, block_k, past_fmt, dtype)
+    update(kp_SxH, vp_SxH, ops.past_mask(q_start, k_start, block_q, block_k, prefill_block))
+
+  if prefill_block > 1:  # dq only: the own keys' in-block gradients come from the dkv kernel.
+    k_own_ref, v_own_ref = refs[2 * n_leaves : 2 * n_leaves + 2]
+
+    @pl.when(_own_needed(i, j, block_q, block_k, prefill_block))
+    def _own_block():
+      mask = ops.own_mask(q_start, k_start, block_q, block_k, prefill_block)
+      update(k_own_ref[...], v_own_ref[...], mask)
 
   @pl.when(j == pl.num_programs(3) - 1)
   def _write():  # Diagonal: p_tt and ds_tt = p_tt (dO_t . v_t - delta_t) give dk_t, dv_t.
@@ -124,32 +171,46 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, *refs, sm_scale, past_fmt, n_leaves):
     dq_ref[...] = (dq_acc_ref[...] + ds_Qx1 * k32 * sm_scale).astype(dq_ref.dtype)
 
 
-def _bwd_dkv_kernel(
-  q_ref, do_ref, lse_ref, delta_ref, kp_ref, vp_ref, dkp_ref, dvp_ref, dk_acc, dv_acc, *, sm_scale
-):
-  block_q, block_k = q_ref.shape[0], kp_ref.shape[0]
-  i = pl.program_id(3)
-  q_start, k_start = i * block_q, pl.program_id(2) * block_k
+def _bwd_dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, *refs, sm_scale, prefill_block, has_past):
+  """Key block j's gradients: of the past K/V (has_past), and in block prefill of the own K/V
+  read inside the block; refs are the key blocks, their outputs, then one accumulator each."""
+  n = 2 * has_past + 2 * (prefill_block > 1)
+  keys, outs, accs = refs[:n], refs[n : 2 * n], refs[2 * n :]
+  block_q, block_k = q_ref.shape[0], keys[0].shape[0]
+  i, j = pl.program_id(3), pl.program_id(2)
+  q_start, k_start = i * block_q, j * block_k
 
   @pl.when(i == 0)
   def _init():
-    dk_acc[...] = jnp.zeros_like(dk_acc)
-    dv_acc[...] = jnp.zeros_like(dv_acc)
+    for acc in accs:
+      acc[...] = jnp.zeros_like(acc)
 
-  @pl.when(_needed(q_start, k_start, block_q))
-  def _query_block():
-    q_QxH, do_QxH, kp_SxH = q_ref[...], do_ref[...], kp_ref[...]
-    s_QxS = _dot(q_QxH, kp_SxH, 1, 1) * sm_scale
-    mask = ops.past_mask(q_start, k_start, block_q, block_k)
-    p_QxS = jnp.where(mask, jnp.exp(s_QxS - lse_ref[...]), 0.0)
+  def update(key_ref, value_ref, mask_QxS, dk_acc, dv_acc):
+    q_QxH, do_QxH = q_ref[...], do_ref[...]
+    s_QxS = _dot(q_QxH, key_ref[...], 1, 1) * sm_scale
+    p_QxS = jnp.where(mask_QxS, jnp.exp(s_QxS - lse_ref[...]), 0.0)
     dv_acc[...] += _dot(p_QxS.astype(do_QxH.dtype), do_QxH, 0, 0)
-    ds_QxS = p_QxS * (_dot(do_QxH, vp_ref[...], 1, 1) - delta_ref[...])
+    ds_QxS = p_QxS * (_dot(do_QxH, value_ref[...], 1, 1) - delta_ref[...])
     dk_acc[...] += _dot(ds_QxS.astype(q_QxH.dtype), q_QxH, 0, 0) * sm_scale
+
+  if has_past:
+
+    @pl.when(_needed(q_start, k_start, block_q, prefill_block))
+    def _past_block():
+      mask = ops.past_mask(q_start, k_start, block_q, block_k, prefill_block)
+      update(keys[0], keys[1], mask, accs[0], accs[1])
+
+  if prefill_block > 1:
+
+    @pl.when(_own_needed(i, j, block_q, block_k, prefill_block))
+    def _own_block():
+      mask = ops.own_mask(q_start, k_start, block_q, block_k, prefill_block)
+      update(keys[-2], keys[-1], mask, accs[-2], accs[-1])
 
   @pl.when(i == pl.num_programs(3) - 1)
   def _write():
-    dkp_ref[...] = dk_acc[...].astype(dkp_ref.dtype)
-    dvp_ref[...] = dv_acc[...].astype(dvp_ref.dtype)
+    for out, acc in zip(outs, accs):
+      out[...] = acc[...].astype(out.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,17 +221,29 @@ def _spec(block: int, width: int, index_map):
   return pl.BlockSpec((None, None, block, width), index_map)
 
 
-def _past_specs(leaves, past_fmt, group: int, block_q: int, block_k: int):
+def _past_specs(leaves, past_fmt, group: int, block_q: int, block_k: int, prefill_block: int = 1):
   """Past block j of each leaf for query block i, clamped to the last one it reads."""
 
   def index_map(head_of, b, h, i, j):
-    return (b, head_of(h), jnp.minimum(j, _last_past_block(i, block_q, block_k)), 0)
+    last = _last_past_block(i, block_q, block_k, prefill_block)
+    return (b, head_of(h), jnp.minimum(j, last), 0)
 
   head = functools.partial(index_map, lambda h: h // group)
   specs = [_spec(block_k, x.shape[-1], head) for x in leaves]
   if past_fmt == "nvfp4":  # Tensor scale [B, 1, Tp, 1], shared by the heads.
     specs[2] = _spec(block_k, 1, functools.partial(index_map, lambda h: 0))
   return specs
+
+
+def _own_specs(d: int, group: int, block_q: int, block_k: int, prefill_block: int):
+  """Block prefill: own K and V key block j for query block i (none for prefill_block 1)."""
+  if prefill_block == 1:
+    return []
+
+  def own_map(b, h, i, j):
+    return (b, h // group, _own_block(i, j, block_q, block_k, prefill_block), 0)
+
+  return [_spec(block_k, d, own_map)] * 2
 
 
 def _query_side_specs(d: int, group: int, block_q: int):
@@ -180,21 +253,29 @@ def _query_side_specs(d: int, group: int, block_q: int):
   return [_spec(block_q, d, q_map), _spec(block_q, d, kv_map), _spec(block_q, d, kv_map)], q_map
 
 
-def fwd(q, k, v, kp_leaves, vp_leaves, past_fmt, sm_scale, block_q, block_k, interpret):
+def fwd(
+  q, k, v, kp_leaves, vp_leaves, past_fmt, sm_scale, block_q, block_k, interpret, prefill_block=1
+):
   """Forward: (o [B, N, Tp, H], lse [B, N, Tp, 1])."""
   b, hq, t, d = q.shape
   group = hq // k.shape[1]
   row_specs, q_map = _query_side_specs(d, group, block_q)
+  own_specs = _own_specs(d, group, block_q, block_k, prefill_block)
   kernel = functools.partial(
-    _fwd_kernel, sm_scale=sm_scale, past_fmt=past_fmt, n_leaves=len(kp_leaves)
+    _fwd_kernel,
+    sm_scale=sm_scale,
+    past_fmt=past_fmt,
+    n_leaves=len(kp_leaves),
+    prefill_block=prefill_block,
   )
   return pl.pallas_call(
     kernel,
     grid=(b, hq, t // block_q, t // block_k),
     in_specs=[
       *row_specs,
-      *_past_specs(kp_leaves, past_fmt, group, block_q, block_k),
-      *_past_specs(vp_leaves, past_fmt, group, block_q, block_k),
+      *_past_specs(kp_leaves, past_fmt, group, block_q, block_k, prefill_block),
+      *_past_specs(vp_leaves, past_fmt, group, block_q, block_k, prefill_block),
+      *own_specs,
     ],
     out_specs=[_spec(block_q, d, q_map), _spec(block_q, 1, q_map)],
     out_shape=[
@@ -208,18 +289,37 @@ def fwd(q, k, v, kp_leaves, vp_leaves, past_fmt, sm_scale, block_q, block_k, int
     ],
     name="shared_attention_tpu_fwd",
     **_params(interpret),
-  )(q, k, v, *kp_leaves, *vp_leaves)
+  )(q, k, v, *kp_leaves, *vp_leaves, *((k, v) if own_specs else ()))
 
 
 def dq(
-  q, k, v, kp_leaves, vp_leaves, past_fmt, do, lse, delta, sm_scale, block_q, block_k, interpret
+  q,
+  k,
+  v,
+  kp_leaves,
+  vp_leaves,
+  past_fmt,
+  do,
+  lse,
+  delta,
+  sm_scale,
+  block_q,
+  block_k,
+  interpret,
+  prefill_block=1,
 ):
-  """dq and the own-K/V gradients per query head: (dq, dk_h, dv_h), each [B, N, Tp, H]."""
+  """dq and the diagonal's own-K/V gradients per query head: (dq, dk_h, dv_h), each
+  [B, N, Tp, H]."""
   b, hq, t, d = q.shape
   group = hq // k.shape[1]
   row_specs, q_map = _query_side_specs(d, group, block_q)
+  own_specs = _own_specs(d, group, block_q, block_k, prefill_block)
   kernel = functools.partial(
-    _bwd_dq_kernel, sm_scale=sm_scale, past_fmt=past_fmt, n_leaves=len(kp_leaves)
+    _bwd_dq_kernel,
+    sm_scale=sm_scale,
+    past_fmt=past_fmt,
+    n_leaves=len(kp_leaves),
+    prefill_block=prefill_block,
   )
   per_head = lambda x: jax.ShapeDtypeStruct((b, hq, t, d), x.dtype)
   return pl.pallas_call(
@@ -227,8 +327,9 @@ def dq(
     grid=(b, hq, t // block_q, t // block_k),
     in_specs=[
       *row_specs,
-      *_past_specs(kp_leaves, past_fmt, group, block_q, block_k),
-      *_past_specs(vp_leaves, past_fmt, group, block_q, block_k),
+      *_past_specs(kp_leaves, past_fmt, group, block_q, block_k, prefill_block),
+      *_past_specs(vp_leaves, past_fmt, group, block_q, block_k, prefill_block),
+      *own_specs,
       _spec(block_q, d, q_map),
       _spec(block_q, 1, q_map),
       _spec(block_q, 1, q_map),
@@ -238,13 +339,16 @@ def dq(
     scratch_shapes=[pltpu.VMEM((block_q, d), jnp.float32)],
     name="shared_attention_tpu_bwd_dq",
     **_params(interpret),
-  )(q, k, v, *kp_leaves, *vp_leaves, do, lse, delta)
+  )(q, k, v, *kp_leaves, *vp_leaves, *((k, v) if own_specs else ()), do, lse, delta)
 
 
-def dkv(q, do, lse, delta, kp, vp, sm_scale, block_q, block_k, interpret):
-  """Past-K/V gradients per query head: (dk_past_h, dv_past_h), each [B, N, Tp, H]."""
+def dkv(q, do, lse, delta, past, own, sm_scale, block_q, block_k, interpret, prefill_block=1):
+  """Key-block gradients per query head, each [B, N, Tp, H]: ((dk_past_h, dv_past_h) or Nones,
+  (dk_own_h, dv_own_h) or Nones) for `past` / `own`, (k, v) pairs or None (own: block
+  prefill's in-block reads; the diagonal's share is the dq kernel's)."""
   b, hq, t, d = q.shape
-  group = hq // kp.shape[1]
+  keys = [x for pair in (past, own) if pair is not None for x in pair]
+  group = hq // keys[0].shape[1]
   num_q_blocks = t // block_q
 
   def q_map(b, h, j, i):
@@ -253,20 +357,26 @@ def dkv(q, do, lse, delta, kp, vp, sm_scale, block_q, block_k, interpret):
   kv_map = lambda b, h, j, i: (b, h // group, j, 0)
   out_map = lambda b, h, j, i: (b, h, j, 0)
   per_head = lambda x: jax.ShapeDtypeStruct((b, hq, t, d), x.dtype)
-  return pl.pallas_call(
-    functools.partial(_bwd_dkv_kernel, sm_scale=sm_scale),
+  kernel = functools.partial(
+    _bwd_dkv_kernel, sm_scale=sm_scale, prefill_block=prefill_block, has_past=past is not None
+  )
+  grads = pl.pallas_call(
+    kernel,
     grid=(b, hq, t // block_k, num_q_blocks),
     in_specs=[
       _spec(block_q, d, q_map),
       _spec(block_q, d, q_map),
       _spec(block_q, 1, q_map),
       _spec(block_q, 1, q_map),
-      _spec(block_k, d, kv_map),
-      _spec(block_k, d, kv_map),
+      *[_spec(block_k, d, kv_map)] * len(keys),
     ],
-    out_specs=[_spec(block_k, d, out_map)] * 2,
-    out_shape=[per_head(kp), per_head(vp)],
-    scratch_shapes=[pltpu.VMEM((block_k, d), jnp.float32)] * 2,
+    out_specs=[_spec(block_k, d, out_map)] * len(keys),
+    out_shape=[per_head(x) for x in keys],
+    scratch_shapes=[pltpu.VMEM((block_k, d), jnp.float32)] * len(keys),
     name="shared_attention_tpu_bwd_dkv",
     **_params(interpret),
-  )(q, do, lse, delta, kp, vp)
+  )(q, do, lse, delta, *keys)
+  grads = list(grads)
+  dpast = (grads.pop(0), grads.pop(0)) if past is not None else (None, None)
+  down = (grads.pop(0), grads.pop(0)) if own is not None else (None, None)
+  return dpast, down

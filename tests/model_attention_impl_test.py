@@ -16,6 +16,7 @@ import functools
 
 import chex
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from absl.testing import absltest, parameterized
@@ -87,10 +88,10 @@ class AttentionImplTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
     ("shared_fp8", True, "fp8", 1),
-    ("unshared_nvfp4_chunk", False, "nvfp4", 2),
+    ("unshared_nvfp4", False, "nvfp4", 1),
   )
   def test_decode_step_on_packed_cache_matches_xla(self, share, kv_format, chunk):
-    # One decode step (or chunk) on the same packed cache, filled by the XLA path. (A whole
+    # One decode step on the same packed cache, filled by the XLA path. (A whole
     # decode_forward is not compared: both impls write their own K/V to the cache, and a 1e-7
     # difference that crosses an fp8 rounding boundary grows over later tokens.)
     params, batch = _setup(WIDE_HEADS)
@@ -105,6 +106,16 @@ class AttentionImplTest(parameterized.TestCase):
     logits_x = step(xla)(params, tokens[:, t - chunk :], cache)
     logits_p = step(pallas)(params, tokens[:, t - chunk :], cache)
     np.testing.assert_allclose(logits_p, logits_x, atol=1e-5, rtol=0)
+
+  def test_a_chunk_on_a_packed_cache_needs_xla(self):
+    # A chunk reads its own earlier tokens through the cache's format (as one token at a time
+    # would), which paged_decode does not do.
+    params, batch = _setup(WIDE_HEADS)
+    tokens = batch["inputs"]
+    _, pallas = _models(WIDE_HEADS)
+    cache = init_cache(WIDE_HEADS, tokens.shape[0], tokens.shape[1], False, kv_format="nvfp4")
+    with self.assertRaisesRegex(ValueError, "one token at a time"):
+      jax.eval_shape(lambda p, c: pallas.apply(p, tokens[:, :2], cache=c), params, cache)
 
   def test_jacobi_passes_match_xla(self):
     params, batch = _setup(CORE_ONLY)
@@ -128,6 +139,42 @@ class AttentionImplTest(parameterized.TestCase):
     logits_x = shared_pass(xla)(params, tokens, kv)
     logits_p = shared_pass(pallas)(params, tokens, kv)
     np.testing.assert_allclose(logits_p, logits_x, atol=1e-5, rtol=0)
+
+  def test_block_prefill_jacobi_matches_xla(self):
+    # Block prefill passes (C 3 on 7 tokens: blocks 3, 3, 1; two passes reach block prefill
+    # exactly): logits and the parameter gradients of a loss through every pass.
+    params, batch = _setup()
+    tokens, targets = batch["inputs"], batch["targets"]
+
+    def loss(model, block):
+      def fn(p):
+        logits, _ = jacobi_forward(model, p, tokens, 2, prefill_block=block)
+        logp = jax.nn.log_softmax(logits)
+        return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1)), logits
+
+      return jax.jit(jax.value_and_grad(fn, has_aux=True))
+
+    xla, pallas = _models(TINY)
+    self.assertIn("pallas_call", str(jax.make_jaxpr(lambda p: loss(pallas, 3)(p))(params)))
+    (loss_x, logits_x), grads_x = loss(xla, 3)(params)
+    (loss_p, logits_p), grads_p = loss(pallas, 3)(params)
+    (_, plain_logits), _ = loss(xla, None)(params)
+    self.assertGreater(float(jnp.abs(plain_logits - logits_x).max()), 1e-3)  # Blocks matter.
+    np.testing.assert_allclose(logits_p, logits_x, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(loss_p, loss_x, atol=1e-6, rtol=0)
+    chex.assert_trees_all_close(grads_p, grads_x, atol=1e-5, rtol=0)
+
+  def test_block_prefill_through_a_kv_format_needs_xla(self):
+    params, batch = _setup(CORE_ONLY)
+    _, pallas = _models(CORE_ONLY)
+    tokens = batch["inputs"]
+    kv = jax.eval_shape(lambda p: pallas.apply(p, tokens)[1]["final_kv"], params)
+    with self.assertRaisesRegex(ValueError, "block prefill reads raw K/V"):
+      jax.eval_shape(
+        lambda p, kv: pallas.apply(p, tokens, shared_kv=kv, kv_format="fp8", prefill_block=2),
+        params,
+        kv,
+      )
 
 
 if __name__ == "__main__":

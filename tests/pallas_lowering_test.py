@@ -74,6 +74,24 @@ class _LoweringCases(parameterized.TestCase):
     grads = jax.grad(lambda *a: jnp.sum(attention(*a).astype(jnp.float32)), argnums=(0, 1, 2))
     self.assertEqual(type(self).calls(grads, q, kv, kv, past, past), 2)  # fwd, dq (no past grad).
 
+  @parameterized.parameters(64, 96)  # Block prefill: C a multiple of the tiles, and not.
+  def test_shared_attention_block_prefill(self, c):
+    q, kv = S((1, 256, 8, 128), jnp.bfloat16), S((1, 256, 4, 128), jnp.bfloat16)
+    attention = lambda *a: pallas_kernels.shared_attention(*a, interpret=False, prefill_block=c)
+    grads = jax.grad(lambda *a: jnp.sum(attention(*a).astype(jnp.float32)), argnums=(0, 1, 2, 3, 4))
+    self.assertEqual(type(self).calls(attention, q, kv, kv, kv, kv), 1)
+    self.assertEqual(type(self).calls(grads, q, kv, kv, kv, kv), 3)  # fwd, dq, dk/dv (both).
+
+  def test_shared_attention_block_prefill_packed_past(self):
+    q, kv = S((1, 256, 8, 128), jnp.bfloat16), S((1, 256, 4, 128), jnp.bfloat16)
+    past = _pages("fp8", pages=1, page_size=256)
+    attention = lambda q, k, v, kp, vp: pallas_kernels.shared_attention(
+      q, k, v, kp, vp, interpret=False, prefill_block=96
+    )
+    grads = jax.grad(lambda *a: jnp.sum(attention(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+    # fwd, dq, and the key-tile kernel for the own K/V's in-block reads (no past gradient).
+    self.assertEqual(type(self).calls(grads, q, kv, kv, past, past), 3)
+
   @parameterized.parameters("bf16", "fp8", "mxfp8", "nvfp4")
   def test_paged_decode(self, fmt):
     q, kv = S((4, 1, 16, 128), jnp.bfloat16), S((4, 1, 4, 128), jnp.bfloat16)

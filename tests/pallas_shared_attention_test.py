@@ -7,6 +7,9 @@ math (`looped.model.attention.attend` with the masks LoopedLM builds for a Jacob
 packed by `looped.kv_quant` must read as its `kv_quant.dequantize` round trip. The TPU variant
 (past / query blocks pipelined along a grid axis) runs in Pallas' TPU interpreter against the
 same references, with blocks that are multiples of 8 as Mosaic tiles them.
+
+The block form (`prefill_block` C: past at s < b(t), own K/V causally from b(t)) is checked the
+same way against the reference, and against `attend` with the block masks LoopedLM builds.
 """
 
 import functools
@@ -17,6 +20,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 from looped import kv_quant
+from looped.model import looped_lm
 from looped.model.attention import attend
 from pallas_kernels import PackedKV, reference, shared_attention
 
@@ -133,6 +137,144 @@ class SharedAttentionTest(parameterized.TestCase):
     q, k, v, kp, vp, _ = _inputs(1, 4, 3, 2, 8)
     with self.assertRaisesRegex(ValueError, "do not fit"):
       shared_attention(q, k, v, kp, vp, interpret=True)
+
+
+def _block_masks(b, t, c):
+  """Block prefill's reads, written out position by position: (past [B, T, T], own [B, T, T])."""
+  past, own = np.zeros((t, t), bool), np.zeros((t, t), bool)
+  for ti in range(t):
+    start = ti // c * c
+    past[ti, :start] = True
+    own[ti, start : ti + 1] = True
+  return (jnp.broadcast_to(x, (b, t, t)) for x in (past, own))
+
+
+class BlockPrefillTest(parameterized.TestCase):
+  """prefill_block C: t reads the past K/V at s < b(t) = (t // C) * C, its own K/V at
+  b(t) <= s <= t. C 1 is the plain form; C >= T reads no past at all."""
+
+  @parameterized.named_parameters(
+    # name, B, T, Hq, Hkv, block_q, block_k, C, variant
+    ("c1_is_plain", 2, 13, 4, 2, 8, 4, 1, "generic"),
+    ("c4_divides_tiles", 2, 13, 4, 2, 8, 4, 4, "generic"),
+    ("c2_divides_tiles_q4_k8", 1, 13, 2, 2, 4, 8, 2, "generic"),
+    ("c3_not_a_divisor", 2, 13, 4, 2, 8, 4, 3, "generic"),
+    ("c5_not_a_divisor_q4_k8", 1, 21, 4, 1, 4, 8, 5, "generic"),
+    ("c_at_least_t", 1, 13, 4, 2, 8, 4, 16, "generic"),
+    ("c12_spans_tiles", 1, 21, 2, 1, 4, 4, 12, "generic"),
+    ("tpu_c5_q16_k8", 1, 21, 4, 2, 16, 8, 5, "tpu"),
+    ("tpu_c4_q8_k16", 2, 21, 2, 2, 8, 16, 4, "tpu"),
+    ("tpu_c_at_least_t", 1, 21, 4, 1, 8, 8, 32, "tpu"),
+  )
+  def test_forward_and_gradients_match_reference(self, b, t, hq, hkv, bq, bk, c, variant):
+    q, k, v, kp, vp, do = _inputs(b, t, hq, hkv, 16, seed=5)
+    kernel = lambda *a: shared_attention(
+      *a, block_q=bq, block_k=bk, variant=variant, interpret=True, prefill_block=c
+    )
+    ref = lambda *a: reference.shared_attention(*a, prefill_block=c)
+    out, grads = _value_and_grads(kernel, (q, k, v, kp, vp), do)
+    ref_out, ref_grads = _value_and_grads(ref, (q, k, v, kp, vp), do)
+    np.testing.assert_allclose(out, ref_out, atol=2e-6, rtol=0)
+    for name, g, r in zip(("q", "k", "v", "k_past", "v_past"), grads, ref_grads):
+      if c >= t and name in ("k_past", "v_past"):  # One block: the past is never read.
+        np.testing.assert_array_equal(g, 0.0, err_msg=name)
+      else:
+        self.assertGreater(float(jnp.abs(r).max()), 0.1, name)  # Not vacuous.
+      np.testing.assert_allclose(g, r, atol=1e-5, rtol=0, err_msg=name)
+    if c == 1:  # C 1 is the plain form, the same kernels.
+      plain = lambda *a: shared_attention(
+        *a, block_q=bq, block_k=bk, variant=variant, interpret=True
+      )
+      plain_out, plain_grads = _value_and_grads(plain, (q, k, v, kp, vp), do)
+      np.testing.assert_array_equal(out, plain_out)
+      for g, p in zip(grads, plain_grads):
+        np.testing.assert_array_equal(g, p)
+
+  @parameterized.named_parameters(
+    # name, T, C, variant, block_q, block_k
+    ("c3", 13, 3, "generic", 8, 4),
+    ("c8", 13, 8, "generic", 4, 4),
+    ("c_at_least_t", 11, 11, "generic", 8, 8),
+    ("tpu_c6", 13, 6, "tpu", 8, 8),
+  )
+  def test_matches_the_models_attention_with_block_masks(self, t, c, variant, bq, bk):
+    # looped's block prefill: past [shared ; own] with masks [s < b(t) ; b(t) <= s < t] and
+    # the diagonal as self mask (LoopedLM.block_masks, here also written out by hand).
+    q, k, v, kp, vp, _ = _inputs(2, t, 4, 2, 8, seed=6)
+    b = q.shape[0]
+    past_mask, own_mask = _block_masks(b, t, c)
+    eye = jnp.broadcast_to(jnp.eye(t, dtype=bool), (b, t, t))
+    model_past, model_self = looped_lm.block_masks(t, b, c)
+    np.testing.assert_array_equal(model_past, jnp.concatenate([past_mask, own_mask & ~eye], -1))
+    np.testing.assert_array_equal(model_self, eye)
+    projection = jnp.asarray(np.random.default_rng(7).standard_normal(q.shape), jnp.float32)
+
+    def model(q, k, v, kp, vp):
+      past_k, past_v = (jnp.concatenate([x, y], axis=1) for x, y in ((kp, k), (vp, v)))
+      return attend(q, k, v, model_self, past_k, past_v, model_past)
+
+    def kernel(q, k, v, kp, vp):
+      return shared_attention(
+        q, k, v, kp, vp, block_q=bq, block_k=bk, variant=variant, interpret=True, prefill_block=c
+      )
+
+    loss = lambda fn: jax.jit(
+      jax.value_and_grad(lambda *a: jnp.sum(fn(*a) * projection), argnums=(0, 1, 2, 3, 4))
+    )
+    (model_loss, model_grads), (kernel_loss, kernel_grads) = (
+      loss(fn)(q, k, v, kp, vp) for fn in (model, kernel)
+    )
+    np.testing.assert_allclose(kernel_loss, model_loss, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(
+      jax.jit(kernel)(q, k, v, kp, vp), jax.jit(model)(q, k, v, kp, vp), atol=2e-6, rtol=0
+    )
+    for name, g, r in zip(("q", "k", "v", "k_past", "v_past"), kernel_grads, model_grads):
+      if c < t:
+        self.assertGreater(float(jnp.abs(r).max()), 0.1, name)
+      np.testing.assert_allclose(g, r, atol=1e-5, rtol=0, err_msg=name)
+
+  @parameterized.parameters(("fp8", "generic"), ("nvfp4", "tpu"))
+  def test_packed_past(self, fmt, variant):
+    # The past read through a KV format (a constant); own K/V gradients include the in-block
+    # reads, which come from the key-tile kernel even though the past has none.
+    q, k, v, kp, vp, do = _inputs(2, 13, 4, 2, 32, seed=8)
+    per_token = lambda fn: jax.jit(jax.vmap(jax.vmap(fn)))
+    quantized = [per_token(lambda tok: kv_quant.quantize(tok, fmt))(x) for x in (kp, vp)]
+    kp_read, vp_read = (per_token(kv_quant.dequantize)(x) for x in quantized)
+    kp_packed, vp_packed = (PackedKV(x.data, x.scale, x.tensor_scale, fmt) for x in quantized)
+
+    def kernel(q, k, v, kp, vp):
+      return shared_attention(
+        q, k, v, kp, vp, block_q=8, block_k=8, variant=variant, interpret=True, prefill_block=5
+      )
+
+    ref = lambda *a: reference.shared_attention(*a, prefill_block=5)
+    out, grads = _value_and_grads(kernel, (q, k, v, kp_packed, vp_packed), do)
+    ref_out, ref_grads = _value_and_grads(ref, (q, k, v, kp_read, vp_read), do)
+    np.testing.assert_allclose(out, ref_out, atol=2e-6, rtol=0)
+    for g, r in zip(grads[:3], ref_grads[:3]):
+      np.testing.assert_allclose(g, r, atol=1e-5, rtol=0)
+    for cotangent in jax.tree.leaves(grads[3:]):
+      if jnp.issubdtype(cotangent.dtype, jnp.floating):
+        np.testing.assert_array_equal(cotangent.astype(jnp.float32), 0.0)
+
+  def test_past_as_own_is_causal_attention(self):
+    # Whatever the blocks, reading the own K/V as past is ordinary causal attention.
+    q, k, v, _, _, do = _inputs(1, 13, 2, 1, 16, seed=9)
+    kernel = lambda q, k, v: shared_attention(
+      q, k, v, k, v, block_q=4, block_k=8, interpret=True, prefill_block=3
+    )
+    causal = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    out, grads = _value_and_grads(kernel, (q, k, v), do)
+    ref_out, ref_grads = _value_and_grads(causal, (q, k, v), do)
+    np.testing.assert_allclose(out, ref_out, atol=2e-6, rtol=0)
+    for g, r in zip(grads, ref_grads):
+      np.testing.assert_allclose(g, r, atol=1e-5, rtol=0)
+
+  def test_rejects_a_block_below_one(self):
+    q, k, v, kp, vp, _ = _inputs(1, 4, 2, 2, 8)
+    with self.assertRaisesRegex(ValueError, "prefill_block"):
+      shared_attention(q, k, v, kp, vp, interpret=True, prefill_block=0)
 
 
 if __name__ == "__main__":

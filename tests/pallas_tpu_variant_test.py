@@ -4,12 +4,14 @@ Mosaic copies a block only when its index changes from the previous grid step, s
 consecutive indices are the DMAs issued. Values are checked in interpret mode by
 pallas_paged_decode_test / pallas_shared_attention_test; these check that skipped steps cost
 no copy: a sequence fetches exactly its own pages, in order, and a query block exactly the past
-blocks up to its diagonal (and a past block the query blocks from its diagonal on).
+blocks up to its diagonal (and a past block the query blocks from its diagonal on); in block
+prefill, the past and own key blocks its masks reach.
 """
 
 import itertools
 
 import jax.numpy as jnp
+import numpy as np
 from absl.testing import absltest
 
 from pallas_kernels import paged_decode_tpu, shared_attention_tpu
@@ -57,6 +59,52 @@ class FlashFetchTest(absltest.TestCase):
   def test_schedules(self):
     for block_q, block_k in itertools.product((8, 16), (8, 16)):
       self._check(block_q, block_k)
+
+
+class BlockPrefillFetchTest(absltest.TestCase):
+  """Block prefill (C > 1): past blocks up to the last row's block start, own key blocks inside
+  the query block's blocks; each fetched once, and a grid step runs a part (pl.when) exactly
+  when its masks hold some pair."""
+
+  def _check(self, block_q, block_k, c, t=64):
+    nq, nk = t // block_q, t // block_k
+    pos = np.arange(t)
+    start = pos // c * c
+    past_pairs = pos[None, :] < start[:, None]  # [t, s]
+    own_pairs = (pos[None, :] >= start[:, None]) & (pos[None, :] < pos[:, None])
+
+    def tiles(pairs):  # [i, j]: query block i and key block j share a true pair.
+      return pairs.reshape(nq, block_q, nk, block_k).any(axis=(1, 3))
+
+    past_needed, own_needed = tiles(past_pairs), tiles(own_pairs)
+    leaf = [jnp.zeros((1, 1, t, 8))]
+    past_spec = shared_attention_tpu._past_specs(leaf, None, 1, block_q, block_k, c)[0]
+    own_spec = shared_attention_tpu._own_specs(8, 1, block_q, block_k, c)[0]
+    for i in range(nq):
+      q_start = i * block_q
+      for j in range(nk):
+        past_on = bool(shared_attention_tpu._needed(q_start, j * block_k, block_q, c))
+        own_on = bool(shared_attention_tpu._own_needed(i, j, block_q, block_k, c))
+        self.assertEqual((past_on, own_on), (past_needed[i, j], own_needed[i, j]), (i, j))
+      past_steps = [int(past_spec.index_map(0, 0, i, j)[2]) for j in range(nk)]
+      own_steps = [int(own_spec.index_map(0, 0, i, j)[2]) for j in range(nk)]
+      want_past = [int(j) for j in np.flatnonzero(past_needed[i])]
+      want_own = [int(j) for j in np.flatnonzero(own_needed[i])]
+      self.assertEqual(_dmas(past_steps), want_past or [0], f"query block {i}: past")
+      self.assertEqual(_dmas(own_steps), want_own or own_steps[:1], f"query block {i}: own")
+    for j in range(nk):
+      steps = [
+        int(shared_attention_tpu._dkv_query_block(j, i, block_q, block_k, nq)) for i in range(nq)
+      ]
+      readers = np.flatnonzero(past_needed[:, j] | own_needed[:, j])
+      want = [int(i) for i in readers] or steps[:1]
+      self.assertEqual(_dmas(steps), want, f"key block {j}")
+
+  def test_schedules(self):
+    for block_q, block_k in itertools.product((8, 16), (8, 16)):
+      for c in (2, 3, 8, 12, 64):
+        with self.subTest(block_q=block_q, block_k=block_k, c=c):
+          self._check(block_q, block_k, c)
 
 
 if __name__ == "__main__":

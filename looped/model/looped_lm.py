@@ -93,6 +93,7 @@ class Recurrence(nn.Module):
   cfg: ModelConfig
   decode: bool
   collect_states: bool = False
+  prefill_block: int | None = None  # Static (bcast entries are traced under remat).
 
   @nn.compact
   def __call__(self, carry, xs, bcast):
@@ -151,7 +152,7 @@ class Recurrence(nn.Module):
       return MixerContext(bcast["self_mask"])
     shared = bcast["shared_kv"][layer]
     flag = xs["read_shared"]
-    block = "block_past" in bcast
+    block = self.prefill_block is not None
 
     def past(own: KV) -> KV:
       # A recurrence that does not read the shared cache sees its own keys for s < t, which
@@ -160,7 +161,9 @@ class Recurrence(nn.Module):
       read = jax.tree.map(lambda sh, ow: jnp.where(flag, sh, ow), shared, own)
       return _concat_slots(read, own) if block else read
 
-    return MixerContext(bcast["self_mask"], past, bcast["past_mask"], bcast.get("read_past"))
+    return MixerContext(
+      bcast["self_mask"], past, bcast["past_mask"], bcast.get("read_past"), self.prefill_block
+    )
 
 
 def _with_own_chunk(entry, quantize_own):
@@ -305,21 +308,17 @@ class LoopedLM(nn.Module):
         raise ValueError("prefill_block needs shared_kv (it says which reads are shared).")
       if prefill_block < 1:
         raise ValueError(f"prefill_block must be >= 1, got {prefill_block}.")
-      if cfg.attention_impl != "xla" or "kda" in cfg.mixers("core"):
-        raise ValueError(
-          "prefill_block in a parallel forward needs attention_impl='xla' and no KDA core layers."
-        )
+      if "kda" in cfg.mixers("core"):
+        raise ValueError("prefill_block in a parallel forward needs no KDA core layers.")
       core_past_mask, core_self_mask = block_masks(t, b, prefill_block)
     bcast = self._broadcasts(
       e_BxTxD, positions_BxT, core_self_mask, core_past_mask, shared_kv, read_past
     )
-    if prefill_block is not None:
-      bcast["block_past"] = True
     carry = {
       "h": h0_BxTxD,
       "final_kv": [mixers_lib.parallel_entry_zeros(cfg, kind, b, t) for kind in cfg.mixers("core")],
     }
-    carry, ys = self._recurrences(False, collect_states)(carry, xs, bcast)
+    carry, ys = self._recurrences(False, collect_states, prefill_block)(carry, xs, bcast)
     logits_BxTxV, _ = self._coda_and_head(carry["h"], embed, positions_BxT, plain_context)
     aux = self._diagnostics(ys, depth_mask_BxR, collect_states)
     aux["final_kv"] = carry["final_kv"]
@@ -494,7 +493,7 @@ class LoopedLM(nn.Module):
     )
     return (cfg.state_init_std * noise(positions_BxT)).astype(e_BxTxD.dtype)
 
-  def _recurrences(self, decode: bool, collect_states: bool):
+  def _recurrences(self, decode: bool, collect_states: bool, prefill_block: int | None = None):
     """The core loop: lax.scan (one trace) or a Python loop (R traces), same parameters."""
     cfg = self.cfg
     body_cls = Recurrence
@@ -511,8 +510,8 @@ class LoopedLM(nn.Module):
         length=cfg.num_recurrences,
         unroll=min(cfg.scan_unroll or cfg.num_recurrences, cfg.num_recurrences),
       )
-      return scanned(cfg, decode, collect_states, name="recurrence")
-    body = body_cls(cfg, decode, collect_states, name="recurrence")
+      return scanned(cfg, decode, collect_states, prefill_block, name="recurrence")
+    body = body_cls(cfg, decode, collect_states, prefill_block, name="recurrence")
 
     def unrolled(carry, xs, bcast):
       ys = []

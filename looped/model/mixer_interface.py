@@ -48,12 +48,16 @@ class MixerContext:
     the past entry (lets a Jacobi pass choose, per recurrence, the shared or its own keys).
   past_mask_BxTxS: which past slots each new token sees (ignored when past is None).
   read_past: optional function applied to the past entry on every read (e.g. dequantize).
+  prefill_block: the block size C (a static int) of a parallel block-prefill pass, where
+    past(own) returns [shared-or-own ; own] under the block masks (looped_lm.block_masks);
+    kernels that read no masks (pallas_attention) need it.
   """
 
   self_mask_BxTxT: jax.Array
   past: KV | Callable[[KV], KV] | None = None
   past_mask_BxTxS: jax.Array | None = None
   read_past: Callable[[Any], KV] | None = None
+  prefill_block: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

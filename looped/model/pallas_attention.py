@@ -3,7 +3,11 @@
 LoopedLM (looped_lm.py) builds three kinds of MixerContext; each maps onto one kernel:
   past is None        parallel causal attention              -> shared_attention, past = own K/V
   past is a function  parallel Jacobi / BeNice! pass, or quantized reads of the own past: the
-                      past K/V (after read_past) at s < t, own K/V at s = t -> shared_attention
+                      past K/V (after read_past) at s < t, own K/V at s = t -> shared_attention;
+                      with ctx.prefill_block C (block prefill) past(own) is [past ; own] and the
+                      masks are the block ones -> shared_attention(prefill_block=C) on its
+                      first T slots (raw K/V only: there read_past would also apply to the own
+                      block's reads, which the kernel takes raw)
   past is a cache     decode / chunked prefill: slots < length, then the new chunk causally
                       -> paged_decode over the cache viewed as pages, still packed in its KV
                       format (dequantized inside the kernel; read_past is not applied)
@@ -63,6 +67,14 @@ def attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, ctx: MixerContext) -> jax.Array:
     past_k, past_v = k_BxTxKxH, v_BxTxKxH
   elif callable(ctx.past) and not isinstance(ctx.past, CacheAndOwnChunk):
     past_k, past_v = ctx.past((k_BxTxKxH, v_BxTxKxH))
+    if ctx.prefill_block is not None:
+      if ctx.read_past is not None:
+        raise ValueError(
+          "attention_impl='pallas' block prefill reads raw K/V; with a kv_format the own "
+          "block's reads go through the format too, which needs attention_impl='xla'."
+        )
+      t = q_BxTxNxH.shape[1]  # [past ; own] slots: the kernel reads the own K/V itself.
+      past_k, past_v = past_k[:, :t], past_v[:, :t]
     if ctx.read_past is not None:
       past_k, past_v = ctx.read_past((past_k, past_v))
   else:
@@ -74,4 +86,5 @@ def attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, ctx: MixerContext) -> jax.Array:
     v_BxTxKxH.astype(dtype),
     past_k.astype(dtype),
     past_v.astype(dtype),
+    prefill_block=ctx.prefill_block,
   )
