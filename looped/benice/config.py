@@ -67,6 +67,13 @@ class EvalConfig:
     "Jacobi shared-pass counts reported (one compilation for all).",
     by_hand="a non-empty tuple of integers >= 1",
   )
+  prefill_blocks: tuple[int, ...] = field(
+    (16, 64, 256),
+    "Block prefill sizes C measured on the exact-decode rows, each gap vs unshared with its 95% "
+    "CI (C = 1 is exact shared decode, already gap_exact; C >= data.seq_len is the unshared "
+    "forward; (): none).",
+    by_hand="a tuple of integers >= 1 (may be empty)",
+  )
   decode_batches: int = field(
     0,
     "First N eval batches also measured by exact decode (0: all); <= data.num_eval_batches.",
