@@ -40,7 +40,7 @@ import recipe_table  # noqa: E402
 from configs import pretrain  # noqa: E402
 from looped import kv_quant  # noqa: E402
 from looped.benice import collect, timing  # noqa: E402
-from looped.benice.report import gap_with_ci, pct  # noqa: E402
+from looped.benice.report import block_gap, block_sizes, gap_with_ci, pct  # noqa: E402
 from looped.model import from_config, mixers  # noqa: E402
 
 RESULTS = os.path.join(_REPO, "experiments", "results")
@@ -159,6 +159,33 @@ def default_command_kv_formats() -> str:
   return "\n".join(lines)
 
 
+def block_prefill() -> str:
+  """Block prefill gaps of the default model and the `:fixed` variant, seed 0
+  (experiments/results/block_prefill/): C = 1 is exact shared decode (gap_exact)."""
+  runs = {
+    regime: _report(f"block_prefill/{run}")["models"]
+    for regime, run in (("default", "default_s0"), ("`:fixed`", "fixed_s0"))
+  }
+  blocks = block_sizes(m for models in runs.values() for m in models.values())
+  sub = next(iter(runs["default"].values()))["decode_subset"]
+  t = sub["tokens"] // sub["rows"]  # Tokens per row: a block of C >= t is the whole row.
+  lines = [
+    f"| regime | model | ppl unshared ({sub['rows']} rows) | gap C=1 (exact decode) [95% CI] | "
+    + " | ".join(f"gap C={c}{' (>= T: unshared)' if c >= t else ''} [95% CI]" for c in blocks)
+    + " |",
+    "|---|---|---:|---:|" + "---:|" * len(blocks),
+  ]
+  for regime, models in runs.items():
+    for name, m in models.items():
+      lines.append(
+        f"| {regime} | {_MODEL_NAMES[name]} | {m['ppl_unshared_subset']:.3f} | "
+        f"{gap_with_ci(m['gap_exact'], m['gap_exact_ci95'])} | "
+        + " | ".join(block_gap(m, c) for c in blocks)
+        + " |"
+      )
+  return "\n".join(lines)
+
+
 # The `:fixed` regime's rows: (label, run prefix, model); each run exists per seed (_s0, _s1).
 _FIXED_ROWS = (
   ("zero-shot (pretrained)", "fixed", "zero_shot"),
@@ -269,6 +296,7 @@ TABLES: dict[str, Callable[[], str]] = {
   "default_command_timing": default_command_timing,
   "gap_sweep": gap_sweep,
   "fixed_regime": fixed_regime,
+  "block_prefill": block_prefill,
   "fixed_regime_reruns": fixed_regime_reruns,
   "composition": composition,
   "composition_per_seed": composition_per_seed,

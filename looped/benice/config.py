@@ -48,6 +48,13 @@ class BeniceConfig:
     "(0: kv_passes from the first step); <= post.train.num_steps, needs kv_passes > 0.",
     min=0,
   )
+  prefill_block: int = field(
+    0,
+    "The shared pass and its kv_passes read as block prefill with blocks of C tokens "
+    "(docs/design.md §3): shared K/V before a token's block, its own recurrence's inside (0: "
+    "token-level sharing, exact decode's reads); needs model.attention_impl 'xla', no KDA core.",
+    min=0,
+  )
   distill_weight: float = field(
     0.0, "Weight of KL(sg(unshared pass) || shared pass) (0: off).", min=0.0
   )

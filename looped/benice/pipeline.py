@@ -76,6 +76,14 @@ def validate(config, chosen: tuple[str, ...] = ()) -> None:
   b = config.benice
   if b.kv_passes_ramp_steps and not b.kv_passes:
     cc.fail("benice.kv_passes_ramp_steps", b.kv_passes_ramp_steps, "needs benice.kv_passes > 0")
+  if b.prefill_block and (
+    config.model.attention_impl != "xla" or "kda" in tuple(config.model.core_mixers)
+  ):
+    cc.fail(
+      "benice.prefill_block",
+      b.prefill_block,
+      "needs model.attention_impl = 'xla' and no KDA core layers (block prefill's parallel reads)",
+    )
   weights = (b.shared_ce_weight, b.unshared_ce_weight, b.kl_weight, b.residual_weight)
   if sum(weights) + b.distill_weight <= 0:
     cc.fail("benice.shared_ce_weight", b.shared_ce_weight, "some loss weight must be > 0")
