@@ -168,7 +168,7 @@ def _gap2(gap: float | None, ci) -> str:
 
 
 # Runs of the block prefill table (experiments/results/block_prefill/): (regime, run).
-_BLOCK_PREFILL_RUNS = (("default", "default_s0"),)
+_BLOCK_PREFILL_RUNS = (("default", "default_s0"), ("`:fixed`", "fixed_s0"))
 
 
 def block_prefill() -> str:
