@@ -102,6 +102,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.eval.jacobi_passes = (1, 2)  # Jacobi shared-pass counts reported.
     c.eval.decode_batches = 1  # Exact decode on the first eval batch.
     c.eval.kv_formats = ("nvfp4",)  # One cache format.
+    c.eval.prefill_blocks = (16,)  # One block prefill size (4 blocks of the 64-token rows).
     c.eval.samples = 1  # One sample row in the report.
     c.eval.sample_prompt_tokens = 8  # Short prompts.
     c.eval.sample_new_tokens = 8  # Short continuations.

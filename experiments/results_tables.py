@@ -40,7 +40,7 @@ import recipe_table  # noqa: E402
 from configs import pretrain  # noqa: E402
 from looped import kv_quant  # noqa: E402
 from looped.benice import collect, timing  # noqa: E402
-from looped.benice.report import gap_with_ci, pct  # noqa: E402
+from looped.benice.report import MISSING, block_sizes, gap_with_ci, pct  # noqa: E402
 from looped.model import from_config, mixers  # noqa: E402
 
 RESULTS = os.path.join(_REPO, "experiments", "results")
@@ -159,6 +159,44 @@ def default_command_kv_formats() -> str:
   return "\n".join(lines)
 
 
+def _gap2(gap: float | None, ci) -> str:
+  """A gap and its 95% interval in percent with two decimals (the default model's gaps are
+  hundredths of a percent); 'missing' where the report has none."""
+  if gap is None:
+    return MISSING
+  return f"{100 * gap:+.2f}% [{100 * ci[0]:+.2f}, {100 * ci[1]:+.2f}]"
+
+
+# Runs of the block prefill table (experiments/results/block_prefill/): (regime, run).
+_BLOCK_PREFILL_RUNS = (("default", "default_s0"), ("`:fixed`", "fixed_s0"))
+
+
+def block_prefill() -> str:
+  """Block prefill gaps of the default model and the `:fixed` variant, seed 0: C = 1 is exact
+  shared decode (gap_exact); every gap over the same 128 rows, vs their unshared perplexity."""
+  runs = {regime: _report(f"block_prefill/{run}")["models"] for regime, run in _BLOCK_PREFILL_RUNS}
+  blocks = block_sizes(m for models in runs.values() for m in models.values())
+  sub = next(iter(runs["default"].values()))["decode_subset"]
+  t = sub["tokens"] // sub["rows"]  # Tokens per row: a block of C >= t is the whole row.
+  lines = [
+    f"| regime | model | ppl unshared ({sub['rows']} rows) | gap C=1 (exact decode) [95% CI] | "
+    + " | ".join(f"gap C={c}{' (>= T: unshared)' if c >= t else ''} [95% CI]" for c in blocks)
+    + " |",
+    "|---|---|---:|---:|" + "---:|" * len(blocks),
+  ]
+  for regime, models in runs.items():
+    for name, m in models.items():
+      gaps = [
+        _gap2(m.get("gap_block", {}).get(str(c)), m.get("gap_block_ci95", {}).get(str(c)))
+        for c in blocks
+      ]
+      lines.append(
+        f"| {regime} | {_MODEL_NAMES[name]} | {m['ppl_unshared_subset']:.3f} | "
+        f"{_gap2(m['gap_exact'], m['gap_exact_ci95'])} | " + " | ".join(gaps) + " |"
+      )
+  return "\n".join(lines)
+
+
 # The `:fixed` regime's rows: (label, run prefix, model); each run exists per seed (_s0, _s1).
 _FIXED_ROWS = (
   ("zero-shot (pretrained)", "fixed", "zero_shot"),
@@ -269,6 +307,7 @@ TABLES: dict[str, Callable[[], str]] = {
   "default_command_timing": default_command_timing,
   "gap_sweep": gap_sweep,
   "fixed_regime": fixed_regime,
+  "block_prefill": block_prefill,
   "fixed_regime_reruns": fixed_regime_reruns,
   "composition": composition,
   "composition_per_seed": composition_per_seed,

@@ -5,7 +5,7 @@ import os
 from absl.testing import absltest
 
 import looped_testing as testing
-from looped.benice import collect
+from looped.benice import collect, report
 
 
 def _model(ppl_unshared, ppl_shared, gap, gap_j1, gap_j4):
@@ -48,6 +48,31 @@ class CollectTest(testing.TempDirTestCase):
       "| +0.0% [-3.0, +0.0] |",
       text,
     )
+
+  def test_block_prefill_gaps_and_reports_without_them(self):
+    """A report evaluated before block prefill was shows 'missing', never a zero gap."""
+    new = _model(4.0, 4.4, 0.10, 0.02, 0.08)
+    new.update(
+      gap_block={"16": 0.05, "64": 0.02},
+      gap_block_ci95={"16": [0.04, 0.07], "64": [0.01, 0.03]},
+    )
+    old = _model(5.0, 5.2, 0.04, 0.00, 0.06)
+    runs = [self.write_report("arm_s0", {"zero_shot": new})]
+    runs.append(self.write_report("arm_s1", {"zero_shot": old}))
+    text = collect.table(runs)
+    self.assertIn(
+      "| gap exact [95% CI] | gap block C=16 [95% CI] | gap block C=64 [95% CI] |", text
+    )
+    self.assertIn("| +10.0% [+9.0, +12.0] | +5.0% [+4.0, +7.0] | +2.0% [+1.0, +3.0] | +2.0%", text)
+    self.assertIn("| +4.0% [+3.0, +6.0] | missing | missing | +0.0%", text)
+    # The group's mean would mix seeds with and without the gap: missing, not a one-seed mean.
+    self.assertIn("| +7.0% (6.0%) ±1.5 | missing | missing | +1.0% (2.0%) ±1.0 |", text)
+    # Old reports alone: no block columns at all, the table as before.
+    self.assertNotIn("gap block", collect.table(runs[1:]))
+    self.assertEqual(report.block_gap(new, 16), "+5.0% [+4.0, +7.0]")
+    self.assertEqual(report.block_gap(new, 256), "missing")
+    self.assertEqual(report.block_gap(old, 16), "missing")
+    self.assertEqual(report.block_sizes([old, new]), [16, 64])
 
   def test_models_filter_and_missing_report(self):
     run = self.write_report(

@@ -84,6 +84,53 @@ class EvaluateTest(absltest.TestCase):
     self.assertLen(m["residual_norms"], TINY.num_recurrences)
     self.assertLen(m["contraction_ratios"], TINY.num_recurrences - 1)
 
+  def test_block_prefill_gaps(self):
+    """Block prefill on the decode subset: C = 1 is exact shared decode, C >= T the unshared
+    forward, and C = 3 (blocks 0-2, 3-5, 6-7) equals its Jacobi form after 2 passes."""
+    t = 8
+    model = LoopedLM(TINY)
+    rows = jax.random.randint(jax.random.PRNGKey(4), (3, 2, t + 1), 0, TINY.vocab_size)
+    batches = [{"inputs": np.asarray(r[:, :-1]), "targets": np.asarray(r[:, 1:])} for r in rows]
+    params = init_params(model, jax.random.PRNGKey(0), batches[0]["inputs"])
+    fns = evaluation.make_stats_fns(TINY)
+    blocks = (1, 3, t, 2 * t)
+    m = evaluation.evaluate(
+      fns, TINY, params, batches, (1,), decode_batches=2, prefill_blocks=blocks
+    )
+    ppl, gap, ci = m["ppl_shared_block_subset"], m["gap_block"], m["gap_block_ci95"]
+    self.assertEqual([list(ppl), list(gap), list(ci)], [["1", "3", "8", "16"]] * 3)
+    exact, unshared = m["ppl_shared_exact_subset"], m["ppl_unshared_subset"]
+    np.testing.assert_allclose(ppl["1"], exact, rtol=1e-5)
+    np.testing.assert_allclose(ci["1"], m["gap_exact_ci95"], atol=1e-5)
+    for c in (str(t), str(2 * t)):  # One block covers the row: the unshared forward.
+      np.testing.assert_allclose(ppl[c], unshared, rtol=1e-5)
+      np.testing.assert_allclose(ci[c], [0.0, 0.0], atol=1e-5)
+    for c in ppl:
+      np.testing.assert_allclose(gap[c], ppl[c] / unshared - 1, rtol=1e-6)
+      self.assertLessEqual(ci[c][0], gap[c] + 1e-12)
+      self.assertLessEqual(gap[c], ci[c][1] + 1e-12)
+    # C = 3 is neither exact decode nor the unshared forward on this model ...
+    self.assertGreater(abs(ppl["3"] - exact), 1e-4)
+    self.assertGreater(abs(ppl["3"] - unshared), 1e-4)
+    # ... and equals an independent form: Jacobi passes reading as block prefill does, after
+    # (number of blocks - 1) = 2 passes, from its own parallel forwards.
+    ce = [
+      -jax.nn.log_softmax(jacobi_forward(model, params, b["inputs"], 2, prefill_block=3)[0])[
+        np.arange(2)[:, None], np.arange(t)[None, :], b["targets"]
+      ].sum()
+      for b in batches[:2]
+    ]
+    np.testing.assert_allclose(ppl["3"], math.exp(sum(ce) / (4 * t)), rtol=1e-5)
+    # Decoding the subset one batch at a time changes nothing; no block sizes: empty dicts.
+    split = evaluation.evaluate(
+      fns, TINY, params, batches, (1,), decode_batches=2, decode_rows=2, prefill_blocks=(3,)
+    )
+    np.testing.assert_allclose(split["ppl_shared_block_subset"]["3"], ppl["3"], rtol=1e-6)
+    none = evaluation.evaluate(fns, TINY, params, batches, (1,), decode_batches=2, drift=False)
+    self.assertEqual(
+      (none["ppl_shared_block_subset"], none["gap_block"], none["gap_block_ci95"]), ({}, {}, {})
+    )
+
   def test_kv_drift_of_mla_and_kda_layers(self):
     """Drift reads each mixer's two cache entries: MLA latent / RoPE key, KDA state / conv tail."""
     cfg = dataclasses.replace(

@@ -297,6 +297,37 @@ class RecipeKnobTest(absltest.TestCase):
     ce = [float(ramped(params, None, batch, key, jnp.int32(s))[1]["ce_shared"]) for s in (1, 7)]
     self.assertNotAlmostEqual(ce[0], ce[1], places=4)  # The pass count matters here.
 
+  def test_prefill_block_shared_pass(self):
+    """prefill_block = C: the shared pass reads as block prefill (reference: the model's own
+    block-prefill forward on the unshared pass's K/V); C >= T is the unshared forward."""
+    model, params, batch = _setup()
+    key = jax.random.PRNGKey(5)
+    t = batch["inputs"].shape[1]
+    cfg = lambda **kw: _benice_cfg(**kw)
+    run = lambda c: jax.jit(objectives.benice(model, _depth(), c).loss_fn)(
+      params, None, batch, key
+    )[1]
+    token = run(cfg())
+    block = run(cfg(prefill_block=4))
+    _, aux = model.apply(params, batch["inputs"], rngs={"state": jax.random.split(key)[1]})
+    logits, _ = model.apply(
+      params,
+      batch["inputs"],
+      shared_kv=aux["final_kv"],
+      prefill_block=4,
+      rngs={"state": jax.random.split(key)[1]},
+    )
+    np.testing.assert_allclose(block["ce_shared"], _ce(logits, batch), rtol=1e-5)
+    self.assertGreater(abs(float(block["ce_shared"] - token["ce_shared"])), 1e-4)
+    whole = run(cfg(prefill_block=t))
+    np.testing.assert_allclose(whole["ce_shared"], whole["ce_unshared"], rtol=1e-5)
+    # With kv_passes the broadcast K/V come from block-prefill Jacobi passes: after
+    # (number of blocks - 1) = 2 of them (blocks 0-3, 4-7, 8), the trained pass is block
+    # prefill exactly, as it is after any further passes.
+    two, three = run(cfg(prefill_block=4, kv_passes=2)), run(cfg(prefill_block=4, kv_passes=3))
+    np.testing.assert_allclose(two["ce_shared"], three["ce_shared"], rtol=1e-5)
+    self.assertGreater(abs(float(two["ce_shared"] - block["ce_shared"])), 1e-5)
+
 
 if __name__ == "__main__":
   absltest.main()

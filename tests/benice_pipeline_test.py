@@ -1,6 +1,7 @@
 """The BeNice! program: config validation, the smoke pipeline end to end, rerun and reuse."""
 
 import contextlib
+import copy
 import hashlib
 import io
 import json
@@ -27,6 +28,7 @@ BAD_VALUES = [
   ("benice.kl_pass", "teacher", "'shared', 'unshared', 'both'"),
   ("benice.kv_passes", -1, ">= 0"),
   ("eval.jacobi_passes", (0, 4), "tuple of integers >= 1"),
+  ("eval.prefill_blocks", (16, 0), "tuple of integers >= 1 (may be empty)"),
   ("eval.decode_batches", 3, "<= 2"),
   ("eval.samples", -1, ">= 0"),
   ("eval.sample_new_tokens", 10_000, "must fit model.max_seq_len"),
@@ -200,6 +202,9 @@ class PipelineTest(testing.TempDirTestCase):
       self.assertTrue(lo <= m["gap_exact"] <= hi)
       self.assertEqual(list(m["ppl_shared_jacobi_eval"]), ["1", "2"])
       self.assertEqual(list(m["gap_jacobi_eval_ci95"]), ["1", "2"])
+      self.assertEqual(list(m["gap_block"]), ["16"])
+      lo, hi = m["gap_block_ci95"]["16"]
+      self.assertTrue(lo <= m["gap_block"]["16"] <= hi)
       self.assertLen(m["residual_norms"], r)
       self.assertEqual(set(m["kv_bytes_per_token"]), {"shared", "unshared"})
       self.assertEqual(list(m["kv_formats"]), list(config.eval.kv_formats))
@@ -233,6 +238,7 @@ class PipelineTest(testing.TempDirTestCase):
     self.assertIn("| benice |", printed)
     self.assertIn("| benice | nvfp4 |", printed)
     self.assertIn("gap exact [95% CI]", printed)
+    self.assertIn("| gap block C=16 [95% CI] |", printed)
     # Post-training stages record the pretraining they started from.
     self.assertEqual(report["stages"]["finetune"]["parent"]["step"], config.train.num_steps)
     # The stage table: every stage's wall time, split into parts that add up to it.
@@ -272,6 +278,21 @@ class PipelineTest(testing.TempDirTestCase):
     self.assertEqual(
       {k: r["wall_s"] for k, r in rows_again.items()}, {k: r["wall_s"] for k, r in rows.items()}
     )
+    # An evaluation cached before eval.prefill_blocks existed (no block gaps) is recomputed,
+    # not reported without them.
+    cached_path = os.path.join(workdir, "eval", "benice.json")
+    with open(cached_path) as f:
+      cached = json.load(f)
+    old = copy.deepcopy(cached)
+    del old["key"]["eval"]["prefill_blocks"]
+    for key in ("ppl_shared_block_subset", "gap_block", "gap_block_ci95"):
+      del old["metrics"][key]
+    with open(cached_path, "w") as f:
+      json.dump(old, f)
+    with no_train, no_eval, self.assertRaisesRegex(AssertionError, "evaluated"):
+      self._run(config, workdir)
+    with open(cached_path, "w") as f:
+      json.dump(cached, f)
 
     # More pretraining in the same workdir would pair a new zero-shot model with post-training
     # from the old checkpoint: refused before anything trains.

@@ -7,7 +7,8 @@ Each argument is a pipeline workdir (or its report/shareability.json); `--models
 those models. Runs whose names differ only in a trailing `_s<seed>` form a group; the table
 lists every run and model, each gap with its 95% interval, then each group's mean with its spread
 (max - min over seeds) in brackets and, for every gap, the widest 95% half-width of its seeds
-(one seed: its interval).
+(one seed: its interval). Block prefill gaps (`gap block C=`) appear when any report has them; a
+report evaluated without them shows `missing` there (rerun its pipeline to evaluate them).
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ def rows(paths: list[str], models: tuple[str, ...] = ()) -> list[dict]:
           "gap_exact_ci95": m["gap_exact_ci95"],
           "gap_jacobi": {int(n): g for n, g in m["gap_jacobi_eval"].items()},
           "gap_jacobi_ci95": {int(n): ci for n, ci in m["gap_jacobi_eval_ci95"].items()},
+          # Absent from reports evaluated before block prefill was: shown as missing.
+          "gap_block": {int(c): g for c, g in m.get("gap_block", {}).items()},
+          "gap_block_ci95": {int(c): ci for c, ci in m.get("gap_block_ci95", {}).items()},
           "contraction": m["contraction_ratios"],
           "k_drift_r1": [layer[0] for layer in m["kv_drift"]["k"]],
         }
@@ -97,16 +101,25 @@ def gap_stat(gaps, cis) -> str:
   return f"{stat([g for g, _ in pairs], _pct)} ±{100 * half:.1f}"
 
 
+def _block_cell(row: dict, c: int) -> str:
+  if c not in row["gap_block"]:
+    return report.MISSING
+  return report.gap_with_ci(row["gap_block"][c], row["gap_block_ci95"][c])
+
+
 def table(paths: list[str], models: tuple[str, ...] = ()) -> str:
   """Per-run rows, then per-group means with the spread (max - min over seeds) in brackets."""
   rs = rows(paths, models)
   passes = sorted({n for r in rs for n in r["gap_jacobi"]})
+  blocks = sorted({c for r in rs for c in r["gap_block"]})
   lines = [
     "| run | model | ppl unshared (eval) | ppl unshared (subset) | ppl shared exact (subset) | "
-    "gap exact [95% CI] | "
+    "gap exact [95% CI] |"
+    + "".join(f" gap block C={c} [95% CI] |" for c in blocks)
+    + " "
     + " | ".join(f"gap J{n} [95% CI]" for n in passes)
     + " | contraction | K drift r=1 |",
-    "|---|---|---|---|---|---|" + "---|" * len(passes) + "---|---|",
+    "|---|---|---|---|---|---|" + "---|" * (len(blocks) + len(passes)) + "---|---|",
   ]
   for r in rs:
     jacobi = " | ".join(
@@ -118,7 +131,9 @@ def table(paths: list[str], models: tuple[str, ...] = ()) -> str:
     lines.append(
       f"| {r['run']} | {r['model']} | {r['ppl_unshared_eval']:.3f} | "
       f"{r['ppl_unshared_subset']:.3f} | {r['ppl_shared_exact_subset']:.3f} | "
-      f"{report.gap_with_ci(r['gap_exact'], r['gap_exact_ci95'])} | {jacobi} | "
+      f"{report.gap_with_ci(r['gap_exact'], r['gap_exact_ci95'])} | "
+      + "".join(f"{_block_cell(r, c)} | " for c in blocks)
+      + f"{jacobi} | "
       + " ".join(f"{c:.2f}" for c in r["contraction"])
       + " | "
       + " ".join(f"{c:.2f}" for c in r["k_drift_r1"])
@@ -130,8 +145,12 @@ def table(paths: list[str], models: tuple[str, ...] = ()) -> str:
   lines += [
     "",
     "| group | model | seeds | ppl unshared (eval) | ppl unshared (subset) | "
-    "ppl shared exact (subset) | gap exact | " + " | ".join(f"gap J{n}" for n in passes) + " |",
-    "|---|---|---|---|---|---|---|" + "---|" * len(passes),
+    "ppl shared exact (subset) | gap exact |"
+    + "".join(f" gap block C={c} |" for c in blocks)
+    + " "
+    + " | ".join(f"gap J{n}" for n in passes)
+    + " |",
+    "|---|---|---|---|---|---|---|" + "---|" * (len(blocks) + len(passes)),
   ]
 
   f3 = lambda x: f"{x:.3f}"
@@ -143,6 +162,13 @@ def table(paths: list[str], models: tuple[str, ...] = ()) -> str:
     cells.append(
       gap_stat([m["gap_exact"] for m in members], [m["gap_exact_ci95"] for m in members])
     )
+    # A seed without the block gap is missing from its group, not a zero in the mean.
+    cells += [
+      gap_stat([m["gap_block"][c] for m in members], [m["gap_block_ci95"][c] for m in members])
+      if all(c in m["gap_block"] for m in members)
+      else report.MISSING
+      for c in blocks
+    ]
     cells += [
       gap_stat(
         [m["gap_jacobi"].get(n) for m in members], [m["gap_jacobi_ci95"].get(n) for m in members]

@@ -48,6 +48,13 @@ class BeniceConfig:
     "(0: kv_passes from the first step); <= post.train.num_steps, needs kv_passes > 0.",
     min=0,
   )
+  prefill_block: int = field(
+    0,
+    "The shared pass and its kv_passes read as block prefill with blocks of C tokens "
+    "(docs/design.md §3): shared K/V before a token's block, its own recurrence's inside (0: "
+    "token-level sharing, exact decode's reads); needs model.attention_impl 'xla', no KDA core.",
+    min=0,
+  )
   distill_weight: float = field(
     0.0, "Weight of KL(sg(unshared pass) || shared pass) (0: off).", min=0.0
   )
@@ -66,6 +73,13 @@ class EvalConfig:
     (1, 4),
     "Jacobi shared-pass counts reported (one compilation for all).",
     by_hand="a non-empty tuple of integers >= 1",
+  )
+  prefill_blocks: tuple[int, ...] = field(
+    (16, 64, 256),
+    "Block prefill sizes C measured on the exact-decode rows, each gap vs unshared with its 95% "
+    "CI (C = 1 is exact shared decode, already gap_exact; C >= data.seq_len is the unshared "
+    "forward; (): none).",
+    by_hand="a tuple of integers >= 1 (may be empty)",
   )
   decode_batches: int = field(
     0,

@@ -12,6 +12,13 @@ perplexities over the same tokens (all at full depth R; ppl = exp(mean next-toke
                              (`decode_forward(share_kv=True)`), on the decode subset.
   ppl_shared_jacobi_subset[n] Jacobi passes on the decode subset.
   gap_exact                  ppl_shared_exact_subset / ppl_unshared_subset - 1.
+  ppl_shared_block_subset[C] block prefill with blocks of C tokens aligned from position 0
+                             (`decode_forward(share_kv=True, block=C)`), on the decode subset:
+                             recurrence r of a token reads the cached final K/V of every token
+                             before its block and the recurrence-r K/V of its block's earlier
+                             tokens and itself. C = 1 is exact shared decode (gap_exact); C >= T
+                             is the unshared forward.
+  gap_block[C]               ppl_shared_block_subset[C] / ppl_unshared_subset - 1.
   *_ci95                     95% bootstrap interval of a gap: rows resampled with replacement,
                              shared and unshared paired on the same rows (`BOOTSTRAP_SAMPLES`).
   kv_drift                   {'k', 'v'}: per core layer, per recurrence r = 1..R,
@@ -71,6 +78,7 @@ class StatsFns(NamedTuple):
   jacobi: Callable  # (params, inputs, targets, max_passes) -> (ce_IxB, residual_R, relative_R)
   decode: Callable  # (params, inputs, targets) -> ce_B of exact shared decode
   drift: Callable  # (params, inputs) -> squared norms (dk, dv [layer, R]; k, v [layer])
+  block: Callable  # (params, inputs, targets, C) -> ce_B of block prefill (C static)
 
 
 @functools.lru_cache(maxsize=16)
@@ -96,6 +104,13 @@ def make_stats_fns(cfg: ModelConfig, kv_format: str | None = None) -> StatsFns:
     logits, _ = decode_forward(model, params, inputs_BxT, share_kv=True, kv_format=kv_format)
     return jnp.sum(token_cross_entropy(logits, targets_BxT), axis=1)
 
+  def block(params, inputs_BxT, targets_BxT, size):
+    """Row CE of block prefill with blocks of `size` tokens (1: exact shared decode)."""
+    logits, _ = decode_forward(
+      model, params, inputs_BxT, share_kv=True, block=size, kv_format=kv_format
+    )
+    return jnp.sum(token_cross_entropy(logits, targets_BxT), axis=1)
+
   def drift(params, inputs_BxT):
     """Squared norms of K_r - K_R and of K_R per core layer, from an unshared prefill."""
     b, t = inputs_BxT.shape
@@ -115,7 +130,12 @@ def make_stats_fns(cfg: ModelConfig, kv_format: str | None = None) -> StatsFns:
     dk, k, dv, v = out
     return dk, dv, k, v
 
-  return StatsFns(jax.jit(jacobi, static_argnums=3), jax.jit(decode), jax.jit(drift))
+  return StatsFns(
+    jax.jit(jacobi, static_argnums=3),
+    jax.jit(decode),
+    jax.jit(drift),
+    jax.jit(block, static_argnums=3),
+  )
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_format: str | None = None) -> dict:
@@ -158,6 +178,7 @@ def evaluate(
   decode_rows: int = 0,
   drift: bool = True,
   place: Callable = jnp.asarray,
+  prefill_blocks: tuple[int, ...] = (),
 ) -> dict:
   """Shareability metrics (module docstring) of `params`; JSON-ready (pass counts as str).
 
@@ -167,6 +188,8 @@ def evaluate(
   drift: also measure K/V drift (an unshared forward that does not depend on the KV format).
   place: puts a host array of rows on the devices; on a mesh, split over its batch axes
     (sharding.batch_sharding), so each device computes its own rows, not all of them.
+  prefill_blocks: block sizes C measured by block prefill on the decode subset (may be empty;
+    the keys ppl_shared_block_subset, gap_block and gap_block_ci95 are then empty dicts).
   """
   passes = sorted({0, *(int(n) for n in jacobi_passes)})
   ce_rows = {n: [] for n in passes}
@@ -187,15 +210,20 @@ def evaluate(
   sub_targets = np.concatenate([b["targets"] for b in subset])
   rows = len(sub_inputs)
   group = decode_rows or rows
+  blocks = sorted({int(c) for c in prefill_blocks})
   decode_ce, drift_sums = [], None
+  block_ce = {c: [] for c in blocks}
   for start in range(0, rows, group):
     inputs = place(sub_inputs[start : start + group])
     targets = place(sub_targets[start : start + group])
     decode_ce.append(np.asarray(fns.decode(params, inputs, targets), np.float64))
+    for c in blocks:
+      block_ce[c].append(np.asarray(fns.block(params, inputs, targets, c), np.float64))
     if drift:
       part = [np.asarray(x, np.float64) for x in fns.drift(params, inputs)]
       drift_sums = part if drift_sums is None else [a + b for a, b in zip(drift_sums, part)]
   decode_ce = np.concatenate(decode_ce)
+  block_ce = {c: np.concatenate(v) for c, v in block_ce.items()}
   unshared_sub = ce_rows[0][:rows]
   num = len(eval_batches)
   residual_norms = (residual_R / num).tolist()
@@ -203,6 +231,7 @@ def evaluate(
   jacobi = {str(n): _ppl(ce_rows[n], tokens_per_row) for n in passes if n}
   sub_un = _ppl(unshared_sub, tokens_per_row)
   sub_exact = _ppl(decode_ce, tokens_per_row)
+  sub_block = {str(c): _ppl(block_ce[c], tokens_per_row) for c in blocks}
   metrics = {
     "metrics_version": METRICS_VERSION,
     "eval_rows": int(len(ce_rows[0])),
@@ -221,6 +250,9 @@ def evaluate(
     },
     "gap_exact": sub_exact / sub_un - 1.0,
     "gap_exact_ci95": gap_ci95(decode_ce, unshared_sub, tokens_per_row),
+    "ppl_shared_block_subset": sub_block,
+    "gap_block": {c: p / sub_un - 1.0 for c, p in sub_block.items()},
+    "gap_block_ci95": {str(c): gap_ci95(block_ce[c], unshared_sub, tokens_per_row) for c in blocks},
     "residual_norms": residual_norms,
     "relative_residuals": (relative_R / num).tolist(),
     "contraction_ratios": contraction_ratios(residual_norms),

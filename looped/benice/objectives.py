@@ -29,6 +29,10 @@ Recipe knobs (all off by default, so the objective above is unchanged):
                            so the unshared model is disturbed gradually
   kv_passes_ramp_steps = N kv_passes grows 0 -> kv_passes over N steps (a curriculum:
                            pass n + 1 is trained only once pass n is)
+  prefill_block = C        the shared pass (and the kv_passes before it) reads as block
+                           prefill with blocks of C tokens: the broadcast K/V for positions
+                           before the token's block, its own recurrence's K/V inside it
+                           (docs/design.md §3); the serving mode whose gap it then targets
 """
 
 from __future__ import annotations
@@ -120,6 +124,7 @@ def benice(model: LoopedLM, depth_cfg, benice_cfg, frozen_params=None) -> Object
   w_distill = float(benice_cfg.get("distill_weight", 0.0))
   shared_ramp_steps = int(benice_cfg.get("shared_ramp_steps", 0))
   kv_ramp_steps = int(benice_cfg.get("kv_passes_ramp_steps", 0))
+  prefill_block = int(benice_cfg.get("prefill_block", 0)) or None  # None: token-level reads.
   kl_pass = benice_cfg.kl_pass
   kv_passes = int(benice_cfg.kv_passes)
   read_R = read_mask_R(benice_cfg.read_recurrences, model.cfg.num_recurrences)
@@ -150,9 +155,24 @@ def benice(model: LoopedLM, depth_cfg, benice_cfg, frozen_params=None) -> Object
     }
     if need_shared:
       passes = kv_passes_at(step, kv_passes, kv_ramp_steps)
-      kv = broadcast_kv(model, params, inputs_BxT, aux_u["final_kv"], read_R, passes, **kw)
+      kv = broadcast_kv(
+        model,
+        params,
+        inputs_BxT,
+        aux_u["final_kv"],
+        read_R,
+        passes,
+        prefill_block=prefill_block,
+        **kw,
+      )
       logits_s, aux_s = model.apply(
-        params, inputs_BxT, shared_kv=kv, read_shared_R=read_R, collect_states=need_states, **kw
+        params,
+        inputs_BxT,
+        shared_kv=kv,
+        read_shared_R=read_R,
+        collect_states=need_states,
+        prefill_block=prefill_block,
+        **kw,
       )
       ce_s = jnp.mean(token_cross_entropy(logits_s, targets_BxT))
       loss = loss + shared_scale * w_shared * ce_s

@@ -76,6 +76,14 @@ def validate(config, chosen: tuple[str, ...] = ()) -> None:
   b = config.benice
   if b.kv_passes_ramp_steps and not b.kv_passes:
     cc.fail("benice.kv_passes_ramp_steps", b.kv_passes_ramp_steps, "needs benice.kv_passes > 0")
+  if b.prefill_block and (
+    config.model.attention_impl != "xla" or "kda" in tuple(config.model.core_mixers)
+  ):
+    cc.fail(
+      "benice.prefill_block",
+      b.prefill_block,
+      "needs model.attention_impl = 'xla' and no KDA core layers (block prefill's parallel reads)",
+    )
   weights = (b.shared_ce_weight, b.unshared_ce_weight, b.kl_weight, b.residual_weight)
   if sum(weights) + b.distill_weight <= 0:
     cc.fail("benice.shared_ce_weight", b.shared_ce_weight, "some loss weight must be > 0")
@@ -88,6 +96,11 @@ def validate(config, chosen: tuple[str, ...] = ()) -> None:
     or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in passes)
   ):
     cc.fail("eval.jacobi_passes", passes, "must be a non-empty tuple of integers >= 1")
+  blocks = cc.get(config, "eval.prefill_blocks")
+  if not isinstance(blocks, (tuple, list)) or not all(
+    isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in blocks
+  ):
+    cc.fail("eval.prefill_blocks", blocks, "must be a tuple of integers >= 1 (may be empty)")
   formats = cc.get(config, "eval.kv_formats")
   if not isinstance(formats, (tuple, list)) or any(f not in kv_quant.FORMATS for f in formats):
     cc.fail("eval.kv_formats", formats, f"must be a tuple of formats from {kv_quant.FORMATS}")
@@ -224,11 +237,13 @@ def _evaluate(config, workdir: str, model: LoopedLM, abstract, stage_dirs: dict,
       jacobi_passes=tuple(config.eval.jacobi_passes),
       decode_batches=config.eval.decode_batches,
       decode_rows=config.eval.decode_rows,
+      prefill_blocks=tuple(config.eval.prefill_blocks),
       place=functools.partial(jax.device_put, device=sharding.batch_sharding(mesh)),
     )
     metrics = evaluate(evaluation.make_stats_fns(model.cfg), model.cfg)
     seconds = {"fp32": time.time() - start}
-    # Per format only what its table reports: unshared and exact shared perplexities.
+    # Per format only what its table reports: unshared and exact shared perplexities (no
+    # Jacobi passes, drift or block prefill).
     metrics["kv_formats"] = {
       fmt: evaluate(
         evaluation.make_stats_fns(model.cfg, fmt),
@@ -236,6 +251,7 @@ def _evaluate(config, workdir: str, model: LoopedLM, abstract, stage_dirs: dict,
         kv_format=fmt,
         jacobi_passes=(),
         drift=False,
+        prefill_blocks=(),
       )
       for fmt in config.eval.kv_formats
     }

@@ -60,13 +60,31 @@ def gap_with_ci(gap: float, ci) -> str:
   return f"{pct(gap)} [{100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]"
 
 
+MISSING = "missing"  # A block-prefill gap the evaluation does not have (never shown as 0).
+
+
+def block_sizes(models) -> list[int]:
+  """Every block prefill size C measured in any of these metrics dicts, ascending."""
+  return sorted({int(c) for m in models for c in m.get("gap_block", {})})
+
+
+def block_gap(m: dict, c: int) -> str:
+  """Block prefill's gap at C with its 95% interval, or MISSING where `m` has none: a report
+  from before block prefill was evaluated, or C not among its eval.prefill_blocks."""
+  gaps = m.get("gap_block", {})
+  if str(c) not in gaps:
+    return MISSING
+  return gap_with_ci(gaps[str(c)], m["gap_block_ci95"][str(c)])
+
+
 def summary(m: dict) -> str:
   """One log line per model."""
   jacobi = ", ".join(f"J{n} {p:.3f}" for n, p in m["ppl_shared_jacobi_eval"].items())
+  blocks = "".join(f", C={c} {block_gap(m, c)}" for c in block_sizes([m]))
   return (
     f"ppl unshared (eval) {m['ppl_unshared_eval']:.3f}; subset: unshared "
     f"{m['ppl_unshared_subset']:.3f}, shared exact {m['ppl_shared_exact_subset']:.3f} "
-    f"(gap {gap_with_ci(m['gap_exact'], m['gap_exact_ci95'])}); eval {jacobi}; "
+    f"(gap {gap_with_ci(m['gap_exact'], m['gap_exact_ci95'])}{blocks}); eval {jacobi}; "
     f"K drift r=1 {_floats([layer[0] for layer in m['kv_drift']['k']], '{:.2f}')}"
   )
 
@@ -76,11 +94,13 @@ def markdown(report: dict) -> str:
   first = next(iter(models.values()))
   passes = list(first["ppl_shared_jacobi_eval"])
   subset = first["decode_subset"]
+  blocks = block_sizes(models.values())
   header = (
     ["model", "ppl unshared (eval)"]
     + [f"ppl shared J{n} (eval)" for n in passes]
     + [f"gap J{n} (eval) [95% CI]" for n in passes]
     + ["ppl unshared (subset)", "ppl shared exact (subset)", "gap exact [95% CI]"]
+    + [f"gap block C={c} [95% CI]" for c in blocks]
     + ["K drift r=1..R (core layer 0)", "contraction r=2..R", "KV B/token shared / unshared"]
   )
   lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -92,6 +112,7 @@ def markdown(report: dict) -> str:
       + [gap_with_ci(m["gap_jacobi_eval"][n], m["gap_jacobi_eval_ci95"][n]) for n in passes]
       + [f"{m['ppl_unshared_subset']:.3f}", f"{m['ppl_shared_exact_subset']:.3f}"]
       + [gap_with_ci(m["gap_exact"], m["gap_exact_ci95"])]
+      + [block_gap(m, c) for c in blocks]
       + [_floats(m["kv_drift"]["k"][0], "{:.2f}"), _floats(m["contraction_ratios"], "{:.2f}")]
       + [f"{kv['shared']:.0f} / {kv['unshared']:.0f}"]
     )
@@ -101,9 +122,16 @@ def markdown(report: dict) -> str:
     f"(eval): the whole eval set ({first['eval_tokens']} tokens); (subset): its first "
     f"{subset['rows']} rows ({subset['tokens']} tokens), where exact shared decode runs token "
     "by token. Each gap is shared / unshared ppl - 1 over the same tokens, with a 95% bootstrap "
-    "interval over rows. Jn: n Jacobi shared passes. K drift: ||K_r - K_R|| / ||K_R|| of the "
-    "unshared forward; contraction: ratio of consecutive residual norms ||h_r - h_(r-1)||. KV "
-    "bytes per token in bf16."
+    "interval over rows. Jn: n Jacobi shared passes. "
+    + (
+      "Block C: block prefill on the subset, blocks of C tokens from position 0 reading the "
+      "shared cache before their block and their own recurrence's K/V inside it (C = 1 is exact "
+      f"decode; C >= the row length is the unshared forward; {MISSING}: not evaluated). "
+      if blocks
+      else ""
+    )
+    + "K drift: ||K_r - K_R|| / ||K_R|| of the unshared forward; contraction: ratio of "
+    "consecutive residual norms ||h_r - h_(r-1)||. KV bytes per token in bf16."
   )
   if any(m.get("kv_formats") for m in models.values()):
     lines += ["", kv_formats_markdown(models)]

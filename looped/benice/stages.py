@@ -143,6 +143,7 @@ _ADDED_RECIPE_AND_DATA_DEFAULTS = {
   "benice.distill_weight": 0.0,
   "benice.shared_ramp_steps": 0,
   "benice.kv_passes_ramp_steps": 0,
+  "benice.prefill_block": 0,
   "data.tokenizer_json": "",
 }
 _ADDED_FIELD_DEFAULTS = {**_MODEL_FIELD_DEFAULTS, **_ADDED_RECIPE_AND_DATA_DEFAULTS}
