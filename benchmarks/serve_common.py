@@ -41,7 +41,10 @@ def start_server(
   while not os.path.exists(path):
     if proc.poll() is not None or time.monotonic() > deadline:
       proc.kill()
-      raise RuntimeError(f"the server did not start; see {log.name}")
+      proc.wait()
+      with open(log.name) as f:
+        tail = f.read()[-3000:]
+      raise RuntimeError(f"the server did not start; the end of {log.name}:\n{tail}")
     time.sleep(0.2)
   with open(path) as f:
     return proc, json.load(f)["url"]
