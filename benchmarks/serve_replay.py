@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import tempfile
@@ -40,11 +39,11 @@ import numpy as np
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _REPO)
 
+from benchmarks import serve_common  # noqa: E402
 from configs import serve as serve_config  # noqa: E402
 from looped.engine.padding import Padding  # noqa: E402
 from looped.scheduler import pages as pages_lib  # noqa: E402
 from looped.scheduler import replay, scheduler  # noqa: E402
-from looped.server import client  # noqa: E402
 from looped.sim import engine_cost, hardware, shape, traces  # noqa: E402
 from looped.sim import metrics as sim_metrics  # noqa: E402
 
@@ -86,47 +85,29 @@ def prompt_tokens(request: traces.Request, salt: int) -> list[int]:
 
 
 def start_server(args, share_kv: bool, workdir: str) -> tuple[subprocess.Popen, str]:
-  command = [
-    sys.executable,
-    "-m",
-    "looped.main",
-    "--config=configs/serve.py:smoke",
-    f"--workdir={workdir}",
-    f"--config.serve.checkpoint={args.checkpoint}",
-    f"--config.model.max_seq_len={args.max_model_len}",
-    f"--config.serve.share_kv={share_kv}",
-    f"--config.serve.kv_budget_bytes={args.kv_budget_bytes}",
-    f"--config.serve.page_size={args.page_size}",
-    f"--config.serve.max_num_seqs={args.max_num_seqs}",
-    f"--config.serve.max_num_batched_tokens={args.max_num_batched_tokens}",
-    f"--config.serve.prefill_block={args.prefill_block}",
-    f"--config.serve.max_waiting={args.num_requests}",
-    f"--config.serve.row_buckets={tuple(args.row_buckets)}",
-    f"--config.serve.token_buckets={tuple(args.token_buckets)}",
-    f"--config.serve.column_buckets={tuple(args.column_buckets)}",
-  ]
-  log = open(os.path.join(workdir, "server.log"), "w")
-  proc = subprocess.Popen(command, cwd=_REPO, stdout=log, stderr=subprocess.STDOUT)
-  path = os.path.join(workdir, "server.json")
-  deadline = time.monotonic() + 600
-  while not os.path.exists(path):
-    if proc.poll() is not None or time.monotonic() > deadline:
-      raise RuntimeError(f"the server did not start; see {log.name}")
-    time.sleep(0.2)
-  with open(path) as f:
-    return proc, json.load(f)["url"]
+  return serve_common.start_server(
+    "configs/serve.py:smoke",
+    [
+      f"serve.checkpoint={args.checkpoint}",
+      f"model.max_seq_len={args.max_model_len}",
+      f"serve.share_kv={share_kv}",
+      f"serve.kv_budget_bytes={args.kv_budget_bytes}",
+      f"serve.page_size={args.page_size}",
+      f"serve.max_num_seqs={args.max_num_seqs}",
+      f"serve.max_num_batched_tokens={args.max_num_batched_tokens}",
+      f"serve.prefill_block={args.prefill_block}",
+      f"serve.max_waiting={args.num_requests}",
+      f"serve.row_buckets={tuple(args.row_buckets)}",
+      f"serve.token_buckets={tuple(args.token_buckets)}",
+      f"serve.column_buckets={tuple(args.column_buckets)}",
+    ],
+    workdir,
+    timeout_s=600,
+  )
 
 
-def scrape(url: str) -> dict[str, float]:
-  status, text = client.request(url + "/metrics")
-  if status != 200:
-    raise RuntimeError(f"/metrics answered {status}")
-  out = {}
-  for line in text.splitlines():
-    if line and not line.startswith("#"):
-      key, value = line.rsplit(" ", 1)
-      out[key.split("{")[0] if "le=" not in key else key] = float(value)
-  return out
+scrape = serve_common.scrape
+_percentiles = serve_common.percentiles
 
 
 def replay_http(url: str, requests, salt: int, clients: int) -> list[dict]:
@@ -136,23 +117,23 @@ def replay_http(url: str, requests, salt: int, clients: int) -> list[dict]:
   start = time.monotonic() + 0.5
 
   def one(i, r):
-    sent = time.monotonic() - start
     body = {
       "prompt": prompt_tokens(r, salt),
       "max_tokens": r.output_len,
       "temperature": 0,
       "ignore_eos": True,
     }
-    stream = client.Stream(url + "/v1/completions", body, timeout_s=3600)
-    times = []
-    for chunk in stream:
-      if chunk.get("choices") and chunk["choices"][0]["finish_reason"] is None:
-        times.append(time.monotonic() - start)
-    stream.close()
-    if stream.status != 200 or not stream.done:
-      raise RuntimeError(f"request {r.request_id}: {stream.status} {stream.error}")
+    try:
+      got = serve_common.stream_completion(url, body, lambda: time.monotonic() - start)
+    except RuntimeError as e:
+      raise RuntimeError(f"request {r.request_id}: {e}") from e
     # The finish chunk follows the last token's chunk; it carries no token of its own.
-    results[i] = {"arrival": r.arrival_s, "sent": sent, "tokens": times, "output_len": r.output_len}
+    results[i] = {
+      "arrival": r.arrival_s,
+      "sent": got["sent"],
+      "tokens": got["tokens"],
+      "output_len": r.output_len,
+    }
 
   with ThreadPoolExecutor(clients) as pool:
     futures = []
@@ -390,8 +371,7 @@ def main():
         wall = time.monotonic() - started
         after = scrape(url)
       finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(600)
+        serve_common.stop_server(proc, workdir)
     measured = {**measured_summary(results, before, after), "wall_s": wall}
     pages = int(measured["num_pages"])
     runs[layout] = {
