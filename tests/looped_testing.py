@@ -68,6 +68,27 @@ def saved_params(model_cfg, workdir: str, step: int | None = None):
   return checkpointing.restore_params(workdir, abstract, step)
 
 
+_RANDOM_PARAMS = {}
+
+
+def random_params(model_cfg: ModelConfig, seed: int = 0, tokens_shape=(1, 8)):
+  """init_params(LoopedLM(model_cfg), PRNGKey(seed), zeros(tokens_shape)), as one compiled
+  program (flax's init run op by op compiles every op of the model on its own: twice the CPU)
+  and once per process: tests that only need some fixed random params share them. The arrays
+  are never donated by the engine or trainer paths that read them; do not mutate them."""
+  key = (model_cfg, seed, tuple(tokens_shape))
+  if key not in _RANDOM_PARAMS:
+    import jax
+    import jax.numpy as jnp
+
+    from looped.model import LoopedLM, init_params
+
+    model = LoopedLM(model_cfg)
+    init = jax.jit(lambda rng: init_params(model, rng, jnp.zeros(tokens_shape, jnp.int32)))
+    _RANDOM_PARAMS[key] = init(jax.random.PRNGKey(seed))
+  return _RANDOM_PARAMS[key]
+
+
 def set_field(config, dotted: str, value) -> None:
   """config.<dotted> = value, even if the type differs (to test bad values)."""
   node = config

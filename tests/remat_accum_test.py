@@ -29,34 +29,47 @@ def _batch(rows: int = 8, t: int = 12):
   return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 
+def _remat_grads(name: str, batch):
+  model = LoopedLM(dataclasses.replace(testing.TINY_MODEL, remat=name))
+  params = init_params(model, jax.random.PRNGKey(0), batch["inputs"])
+  loss_fn = objectives.language_modeling(model, FIXED).loss_fn
+  return jax.jit(jax.grad(lambda p: loss_fn(p, None, batch, jax.random.PRNGKey(1))[0]))(params)
+
+
 class RematTest(parameterized.TestCase):
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.batch = _batch()
+    cls.reference = _remat_grads("none", cls.batch)  # One no-remat reference for every policy.
+
   @parameterized.parameters(p for p in REMAT_POLICIES if p != "none")
   def test_policy_gives_the_gradients_of_no_remat(self, policy):
-    batch = _batch()
-    grads = {}
-    for name in ("none", policy):
-      model = LoopedLM(dataclasses.replace(testing.TINY_MODEL, remat=name))
-      params = init_params(model, jax.random.PRNGKey(0), batch["inputs"])
-      loss_fn = objectives.language_modeling(model, FIXED).loss_fn
-      grad = jax.jit(jax.grad(lambda p, f=loss_fn: f(p, None, batch, jax.random.PRNGKey(1))[0]))
-      grads[name] = grad(params)
-    chex.assert_trees_all_close(grads[policy], grads["none"], rtol=1e-5, atol=1e-7)
-    self.assertGreater(float(jnp.abs(grads["none"]["params"]["embed"]["embedding"]).max()), 0)
+    grads = _remat_grads(policy, self.batch)
+    chex.assert_trees_all_close(grads, self.reference, rtol=1e-5, atol=1e-7)
+    self.assertGreater(float(jnp.abs(self.reference["params"]["embed"]["embedding"]).max()), 0)
 
 
 class GradAccumulationTest(testing.TempDirTestCase, parameterized.TestCase):
-  @parameterized.parameters(2, 4)
-  def test_microbatches_give_the_one_pass_loss_and_gradients(self, steps):
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
     # h_0 = zeros and fixed depth: nothing random, so the mean over equal microbatches is the
     # one-pass mean exactly (up to float summation order).
     model = LoopedLM(dataclasses.replace(testing.TINY_MODEL, state_init="zeros"))
-    batch = _batch()
-    params = init_params(model, jax.random.PRNGKey(0), batch["inputs"])
+    cls.batch = _batch()
+    cls.params = init_params(model, jax.random.PRNGKey(0), cls.batch["inputs"])
     grad_fn = jax.value_and_grad(objectives.language_modeling(model, FIXED).loss_fn, has_aux=True)
-    key = jax.random.PRNGKey(1)
-    (loss, metrics), grads = jax.jit(grad_fn)(params, None, batch, key)
-    accumulated = jax.jit(trainer._accumulated(grad_fn, steps))
-    (loss_k, metrics_k), grads_k = accumulated(params, None, batch, key)
+    cls.grad_fn = staticmethod(grad_fn)  # A plain function, not a method of the test.
+    cls.key = jax.random.PRNGKey(1)
+    # The one-pass reference, computed once for every microbatch count.
+    cls.one_pass = jax.jit(grad_fn)(cls.params, None, cls.batch, cls.key)
+
+  @parameterized.parameters(2, 4)
+  def test_microbatches_give_the_one_pass_loss_and_gradients(self, steps):
+    (loss, metrics), grads = self.one_pass
+    accumulated = jax.jit(trainer._accumulated(self.grad_fn, steps))
+    (loss_k, metrics_k), grads_k = accumulated(self.params, None, self.batch, self.key)
     np.testing.assert_allclose(loss_k, loss, rtol=1e-6)
     np.testing.assert_allclose(metrics_k["mean_depth"], metrics["mean_depth"])
     chex.assert_trees_all_close(grads_k, grads, rtol=1e-5, atol=1e-6)  # |g| <= 0.2

@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import chex
@@ -45,9 +46,18 @@ def _cli(workdir, **extra):
 
 
 class TrainerTest(testing.TempDirTestCase):
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    # One uninterrupted 40-step run: the loss and metrics test reads it, the resume test
+    # compares against its final state, the init-params test starts from its params.
+    cls._run_dir = tempfile.TemporaryDirectory()
+    cls.addClassCleanup(cls._run_dir.cleanup)
+    cls.run_workdir = os.path.join(cls._run_dir.name, "run")
+    cls.result = trainer.run(_config(), cls.run_workdir)
+
   def test_loss_falls_and_metrics_are_written(self):
-    workdir = os.path.join(self.tmp, "run")
-    result = trainer.run(_config(), workdir)
+    workdir, result = self.run_workdir, self.result
     records = read_metrics(workdir)
     self.assertEqual([r["step"] for r in records], list(range(2, 41, 2)))
     losses = [r["loss"] for r in records]
@@ -58,7 +68,7 @@ class TrainerTest(testing.TempDirTestCase):
     self.assertTrue(os.listdir(os.path.join(workdir, "tensorboard")))
 
   def test_killed_run_resumes_bitwise_exactly(self):
-    reference = trainer.run(_config(), os.path.join(self.tmp, "reference")).state
+    reference = self.result.state  # The same config, uninterrupted.
 
     workdir = os.path.join(self.tmp, "killed")
     ckpt_dir = checkpointing.checkpoint_dir(workdir)
@@ -109,8 +119,7 @@ class TrainerTest(testing.TempDirTestCase):
 
   def test_init_params_stay_valid_after_training(self):
     config = _config(**{"train.num_steps": 3})
-    first = trainer.run(config, os.path.join(self.tmp, "a")).state.params
-    init = jax.tree.map(np.asarray, jax.device_get(first))
+    init = jax.tree.map(np.asarray, jax.device_get(self.result.state.params))  # Trained params.
     on_device = jax.device_put(init)
     model = trainer.LoopedLM(trainer.model_lib.from_config(config.model))
     objective = trainer.objectives.language_modeling(model, config.depth)
