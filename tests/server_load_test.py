@@ -79,6 +79,7 @@ def _engine(params, tok):
       page_size=4,
       max_num_batched_tokens=32,
       max_num_seqs=8,
+      prefill_block=4,  # One page: the prompts' shared heads are hits up to their last page.
       row_buckets=(8,),
       token_buckets=(32,),
       column_buckets=(16,),
