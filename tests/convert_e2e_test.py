@@ -8,6 +8,7 @@ chosen as on the command line)."""
 import json
 import os
 
+import engine_reference
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,8 +23,9 @@ from looped import data as data_lib
 from looped import programs
 from looped.checkpoints import model_record
 from looped.data import tokenizers
+from looped.engine.requests import GenRequest
+from looped.engine.sampling import SamplingParams
 from looped.model import LoopedLM, from_config
-from looped.model.sharing import decode_forward
 
 _DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "testdata")
 _PROMPTS = ("def main(", "the loop")
@@ -61,7 +63,8 @@ class ConvertEndToEndTest(testing.TempDirTestCase):
 
   def _generate_is_greedy_shared_decode(self, converted: str, eos: str):
     """configs/generate.py on the converted dir: its text is the tokenizer's decode of its
-    tokens, and the tokens are greedy exact shared decoding of the converted params."""
+    tokens, and the tokens are greedy shared decoding of the converted params under the
+    generator's prefill block (each request alone, engine_reference.py)."""
     config = generate_config.get_config()
     config.gen.checkpoint = converted
     testing.set_field(config, "gen.prompts", _PROMPTS)
@@ -77,11 +80,11 @@ class ConvertEndToEndTest(testing.TempDirTestCase):
       self.assertLen(gen.tokens, 6)
       self.assertEqual(gen.text, tok.decode(gen.tokens))
       ids = [int(t) for t in tok.encode(prompt)]
-      logits, _ = decode_forward(
-        model, params, jnp.asarray([ids + list(gen.tokens)]), share_kv=True
+      request = GenRequest(0, tuple(ids), SamplingParams(max_new_tokens=6))
+      (greedy,), _ = engine_reference.block_reference(
+        model.cfg, params, [request], share_kv=True, block=config.gen.prefill_block
       )
-      greedy = jnp.argmax(logits[0, len(ids) - 1 : -1], axis=-1)
-      self.assertEqual(list(gen.tokens), [int(t) for t in greedy], prompt)
+      self.assertEqual(list(gen.tokens), greedy, prompt)
 
   def _benice(self, converted: str, models: tuple[str, ...], recurrences: int = 0) -> dict:
     """The pipeline from the converted dir (at `recurrences`, as --config.model.num_recurrences

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-import jax.numpy as jnp
+import engine_reference
 import ml_collections
 import numpy as np
 import safetensors.numpy
@@ -21,8 +21,9 @@ from looped.checkpoints import model_record
 from looped.convert import huginn, ouro
 from looped.data import tokenizers
 from looped.engine import generate
-from looped.model import LoopedLM, from_config
-from looped.model.sharing import decode_forward
+from looped.engine.requests import GenRequest
+from looped.engine.sampling import SamplingParams
+from looped.model import from_config
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -217,16 +218,17 @@ class ConvertTest(testing.TempDirTestCase):
     self.assertLen(gen.tokens, 5)
     tok = tokenizers.HuggingFaceTokenizer(os.path.join(out, "tokenizer.json"))
     self.assertEqual(gen.text, tok.decode(gen.tokens))
-    # Exact shared decode of the converted params, token by token (the engine's reference).
+    # Shared decode of the converted params under the generator's prefill block, the request
+    # alone on a dense cache (engine_reference.py).
     model_cfg, _ = generate.model_and_data(config)
     cfg = from_config(model_cfg)
-    model = LoopedLM(cfg)
     params = testing.saved_params(model_cfg, out)
     prompt = [int(t) for t in tok.encode("def f(x):")]
-    tokens = jnp.asarray([prompt + list(gen.tokens)])
-    logits, _ = decode_forward(model, params, tokens, share_kv=True)
-    greedy = jnp.argmax(logits[0, len(prompt) - 1 : -1], axis=-1)
-    self.assertEqual(gen.tokens, [int(t) for t in greedy])
+    request = GenRequest(0, tuple(prompt), SamplingParams(max_new_tokens=5))
+    (greedy,), _ = engine_reference.block_reference(
+      cfg, params, [request], share_kv=True, block=config.gen.prefill_block
+    )
+    self.assertEqual(gen.tokens, greedy)
 
   def test_rerun_into_a_converted_workdir_is_refused(self):
     src, out, _ = self._convert(OURO, ouro)
