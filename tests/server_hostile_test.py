@@ -234,10 +234,10 @@ class ReadinessTest(absltest.TestCase):
     try:
       self.assertEqual(client.request(server.url + "/health"), (200, {"status": "ok"}))
       self.assertEqual(loop.warmup_shapes, len(engine.step_shapes()))
-      compiled = engine.executor._step._cache_size()
+      compiled = engine.executor._call._cache_size()
       status, body = client.request(server.url + "/v1/completions", "POST", raw=raw)
       self.assertEqual(status, 200, body)
-      self.assertEqual(engine.executor._step._cache_size(), compiled)  # Nothing compiled.
+      self.assertEqual(engine.executor._call._cache_size(), compiled)  # Nothing compiled.
     finally:
       server.__exit__(None, None, None)
 
