@@ -100,8 +100,9 @@ class ServerProgramTest(absltest.TestCase):
         f"--config.serve.checkpoint={self.train_dir}",
         "--config.model.max_seq_len=32",
         "--config.serve.max_num_seqs=1",
-        # Three step shapes to warm up (one row, 16 tokens, 1-3 page-table columns).
+        # Few call shapes to warm up (one row; 1 or 16 tokens; 1-3 page-table columns).
         "--config.serve.max_num_batched_tokens=16",
+        "--config.serve.prefill_block=16",
         "--config.serve.token_buckets=(16,)",
       ],
       cwd=REPO,
