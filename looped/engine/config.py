@@ -10,6 +10,12 @@ from looped import kv_quant
 from looped.schema import field
 
 KV_FORMATS = ("",) + kv_quant.FORMATS  # '' : raw pages in the compute dtype.
+# gen.prefill_block and serve.prefill_block: why the default is 32.
+PREFILL_BLOCK_DOC = (
+  "Prefill block (docs/design.md §3): prompt tokens per call, 1 = exact shared decode; <= "
+  "max_num_batched_tokens. 32: 64 filled whole steps and lost hits on shorter prefixes, 16 "
+  "costs more quality (docs/results.md: 'Generation engine: throughput', 'Block prefill')."
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,9 +48,7 @@ class GenConfig:
   max_num_seqs: int = field(8, "Cap on requests running at once.", min=1)
   prefill_block: int = field(
     32,
-    "Prefill block (docs/design.md §3): prompt tokens per call, 1 = exact shared decode; <= "
-    "max_num_batched_tokens. 32: 64 filled whole steps and lost hits on shorter prefixes, 16 "
-    "costs more quality (docs/results.md: 'Generation engine: throughput', 'Block prefill').",
+    PREFILL_BLOCK_DOC,
     min=1,
   )
   max_new_tokens: int = field(64, "Tokens generated per prompt at most.", min=1)

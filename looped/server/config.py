@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from looped.engine.config import KV_FORMATS
+from looped.engine.config import KV_FORMATS, PREFILL_BLOCK_DOC
 from looped.schema import field
 
 _BUCKETS = "a tuple of positive integers (empty: powers of two)"
@@ -39,9 +39,7 @@ class ServeConfig:
   max_num_seqs: int = field(8, "Cap on requests running at once.", min=1)
   prefill_block: int = field(
     32,
-    "Prefill block (docs/design.md §3): prompt tokens per call, 1 = exact shared decode; <= "
-    "max_num_batched_tokens. 32: 64 filled whole steps and lost hits on shorter prefixes, 16 "
-    "costs more quality (docs/results.md: 'Generation engine: throughput', 'Block prefill').",
+    PREFILL_BLOCK_DOC,
     min=1,
   )
   row_buckets: tuple[int, ...] = field(
