@@ -12,7 +12,9 @@ from ml_collections import config_flags
 
 from configs import serve_sim
 from looped import config_checks, programs
-from looped.sim import simulate, traces
+from looped.scheduler import scheduler as scheduler_lib
+from looped.sim import hardware, simulate, traces
+from looped.sim import shape as shape_lib
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -126,6 +128,42 @@ class ConfigFlagsTest(absltest.TestCase):
     self.assertEqual(simulate.kv_formats(config), ("fp8", "nvfp4"))
 
 
+class PrefillBlockTest(absltest.TestCase):
+  def test_blocks_cut_chunks_and_shared_hits_end_at_a_block(self):
+    """Two 90-token requests with the same prompt, one after the other (16-token pages, a
+    512-token step budget). Blocks of 32 cut the first prompt into 32 + 32 + 26 (3 steps, then 3
+    decode steps); the second request hits 5 pages (80 tokens) unshared but, shared, only up
+    to the last block boundary (64): its rest fits one step either way. Without blocks every
+    prompt is one step."""
+    m = serve_sim.get_config("smoke").model
+    shape = shape_lib.ModelShape.from_config(m)
+    hw = hardware.load("h200", "")
+    reqs = [traces.Request(i, 10.0 * i, 90, 4, (7,), 512) for i in range(2)]
+    got = {}
+    for block in (32, None):
+      for share in (True, False):
+        cfg = scheduler_lib.SchedulerConfig(16, 512, 8, 1024, prefill_block=block)
+        r = simulate.simulate_one(
+          reqs, shape, hw, budget=None, share_kv=share, kv_format="bf16", config=cfg
+        )
+        got[block, share] = (r["num_steps"], r["cached_prompt_tokens"])
+    self.assertEqual(
+      got,
+      {
+        (32, True): (6 + 4, 64),
+        (32, False): (6 + 4, 80),
+        (None, True): (4 + 4, 80),
+        (None, False): (4 + 4, 80),
+      },
+    )
+
+  def test_block_above_the_step_budget_is_refused(self):
+    config = serve_sim.get_config("smoke")
+    config.sim.prefill_block = config.sim.max_num_batched_tokens + 1
+    with self.assertRaisesRegex(config_checks.ConfigError, "sim.prefill_block"):
+      simulate.validate(config)
+
+
 class CommandLineTest(absltest.TestCase):
   def test_main_with_trace_and_sweep_overrides(self):
     tmp = _tempdir(self)
@@ -153,7 +191,7 @@ class CommandLineTest(absltest.TestCase):
       "--config.sim.kv_format=('bf16','nvfp4')",
       "--config.sim.check_invariants=False",
     ]
-    proc = subprocess.run(cmd, cwd=_REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, cwd=_REPO, capture_output=True, text=True, timeout=600)
     self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
     with open(os.path.join(workdir, "sim", "results.json")) as f:
       results = json.load(f)
@@ -182,7 +220,7 @@ class CommandLineTest(absltest.TestCase):
       f"--workdir={workdir}",
       "--config.sim.kv_format=(bf16,int4)",
     ]
-    proc = subprocess.run(cmd, cwd=_REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, cwd=_REPO, capture_output=True, text=True, timeout=600)
     self.assertNotEqual(proc.returncode, 0)
     self.assertIn("config.sim.kv_format", proc.stderr)
     self.assertFalse(os.path.exists(os.path.join(workdir, "sim")))

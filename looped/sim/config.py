@@ -45,6 +45,12 @@ class SimConfig:
     8192, "Per-step token budget (decodes + prefill chunks).", min=1
   )
   max_num_seqs: int = field(256, "Cap on running requests.", min=1)
+  prefill_block: int = field(
+    32,
+    "Prefill block as the engine runs it (docs/design.md §3): chunks end at its multiples; "
+    "shared, a block is one step's chunk and generated tokens one per step. 0: no blocks.",
+    min=0,
+  )
   hardware: str = field(
     "h200",
     "Hardware profile ('cpu_2core' prices looped/engine's padded CPU step; there 'bf16' stands "

@@ -113,6 +113,14 @@ def validate(config: Any) -> None:
     )
   page_size = config.sim.page_size
   _hardware(config)
+  block = config.sim.prefill_block
+  if block > config.sim.max_num_batched_tokens:
+    checks.fail(
+      "sim.prefill_block",
+      block,
+      f"must be at most sim.max_num_batched_tokens = {config.sim.max_num_batched_tokens} "
+      "(a block is one step's chunk, never split)",
+    )
   for budget, share, fmt in itertools.product(
     budgets(config), share_kv_values(config), kv_formats(config)
   ):
@@ -161,7 +169,9 @@ def simulate_one(
   check_invariants: bool = False,
   label: str = "",
 ) -> dict[str, Any]:
-  """Replays the requests under one KV budget and layout; returns the run's metrics."""
+  """Replays the requests under one KV budget and layout; returns the run's metrics. Under
+  sharing, a config with a prefill block schedules blocks as the engine does (shared_blocks)."""
+  config = dataclasses.replace(config, shared_blocks=share_kv and config.prefill_block is not None)
   page_bytes = config.page_size * shape.kv_bytes_per_token(share_kv, kv_format)
   num_pages = None if budget is None else int(budget // page_bytes)
   pool = pages_lib.PagePool(num_pages, debug=check_invariants)
@@ -201,6 +211,7 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
     max_num_batched_tokens=config.sim.max_num_batched_tokens,
     max_num_seqs=config.sim.max_num_seqs,
     max_model_len=config.model.max_seq_len,
+    prefill_block=config.sim.prefill_block or None,
   )
   requests = load_requests(config)
   logging.info(
