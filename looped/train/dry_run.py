@@ -28,7 +28,8 @@ from looped import config_checks as cc
 from looped import model as model_lib
 from looped import sharding
 from looped.model.looped_lm import LoopedLM
-from looped.train import objectives, optim, trainer
+from looped.train import objectives, optim
+from looped.train.state import boxed_init_fn
 
 
 def device_count(config) -> int:
@@ -83,7 +84,7 @@ def memory(config) -> dict:
   optimizer = optim.make_optimizer(config.train)
   # The abstract mesh in context: the model's sharding constraints trace against it.
   with jax.sharding.use_abstract_mesh(mesh), nn.logical_axis_rules(rules):
-    abstract = jax.eval_shape(trainer.boxed_init_fn(config, model, optimizer))
+    abstract = jax.eval_shape(boxed_init_fn(config, model, optimizer))
     state_shardings = sharding.shardings(abstract, mesh, rules)
     unboxed = jax.tree.map(
       lambda x: x.value if hasattr(x, "value") else x,

@@ -10,10 +10,8 @@ import dataclasses
 import math
 import os
 import time
-from typing import Any
 
 import flax.linen as nn
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,14 +30,7 @@ from looped.train import mfu as mfu_lib
 from looped.train import profiler as profiler_lib
 from looped.train.config import DepthConfig, TrainConfig
 from looped.train.metrics_writer import MetricsWriter
-
-
-@flax.struct.dataclass
-class TrainState:
-  step: jax.Array
-  params: Any
-  opt_state: Any
-  rng: jax.Array
+from looped.train.state import TrainState, boxed_init_fn
 
 
 @dataclasses.dataclass
@@ -140,19 +131,6 @@ def init_state(config, model: LoopedLM, optimizer, mesh: Mesh, rules) -> TrainSt
   init_boxed = boxed_init_fn(config, model, optimizer)
   state_shardings = sharding.shardings(jax.eval_shape(init_boxed), mesh, rules)
   return jax.jit(lambda: nn.unbox(init_boxed()), out_shardings=state_shardings)()
-
-
-def boxed_init_fn(config, model: LoopedLM, optimizer):
-  """() -> a fresh TrainState whose params (and hence Adam moments) are boxed with their
-  logical axis names: traced under jit by init_state, abstractly by the dry run."""
-  params_key, train_key = jax.random.split(jax.random.PRNGKey(config.seed))
-  dummy = jnp.zeros((1, config.data.seq_len), jnp.int32)
-
-  def init_boxed():
-    params = {"params": model.init(params_key, dummy)["params"]}  # Not 'perturbations'.
-    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), train_key)
-
-  return init_boxed
 
 
 def make_train_step(objective: objectives.Objective, optimizer, schedule, train_cfg):
