@@ -13,11 +13,20 @@ from absl.testing import absltest
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 import looped_testing as testing
+from configs import benice as benice_configs
 from configs import pretrain
+from looped import model as model_lib
+from looped.benice import objectives as benice_objectives
+from looped.model.looped_lm import LoopedLM
 from looped.train import mfu, trainer
 from looped.train.metrics_writer import read_metrics
 
 PEAK_TFLOPS = 1e-3  # train.peak_tflops: a made-up peak, so MFU is the hand count's alone.
+# Multiply-adds per token of one forward of the smoke model (P/B/C = 1/2/1, R = 4) at T = 32:
+# a layer's Q and O 64 x 64 each, K and V 64 x 32 each = 12288; SwiGLU 3 x 64 x 128 = 24576;
+# 1 + 2 x 4 + 1 = 10 layers run. Diagonal injection e B^T: 64 x 64 per recurrence, 4 of them.
+# Tied LM head 64 x 257. Scores Q K^T and P V: 2 x 2 heads x 32 wide x 32 keys per layer run.
+SMOKE_MACS_T32 = 10 * (12288 + 24576) + 4 * 64 * 64 + 64 * 257 + 10 * 2 * 2 * 32 * 32
 
 
 def _xspace_class():
@@ -66,14 +75,8 @@ class TinyRunTest(testing.TempDirTestCase):
     self.assertEqual((m.d_model, m.num_heads, m.num_kv_heads, m.head_dim), (64, 2, 1, 32))
     self.assertEqual((m.mlp_dim, m.mlp_type, m.injection), (128, "swiglu", "diagonal"))
     self.assertEqual((m.vocab_size, d.seq_len, m.num_recurrences), (257, 32, 4))
-    # Multiply-adds per token of one forward of the smoke model (P/B/C = 1/2/1, R = 4, T = 32):
-    # a layer's Q and O 64 x 64 each, K and V 64 x 32 each = 12288; SwiGLU 3 x 64 x 128 = 24576;
-    # 1 + 2 x 4 + 1 = 10 layers run. Diagonal injection e B^T: 64 x 64 per recurrence, 4 of
-    # them. Tied LM head 64 x 257. Scores Q K^T and P V: 2 x 2 heads x 32 wide x 32 keys per
-    # layer run.
-    macs = 10 * (12288 + 24576) + 4 * 64 * 64 + 64 * 257 + 10 * 2 * 2 * 32 * 32
-    self.assertEqual(macs, 442432)
-    step_flops = 3 * 2 * macs * d.batch_size * d.seq_len  # Forward + backward (2 forwards).
+    self.assertEqual(SMOKE_MACS_T32, 442432)
+    step_flops = 3 * 2 * SMOKE_MACS_T32 * d.batch_size * d.seq_len  # Backward: 2 forwards.
     timed = [r for r in self.records if r["tokens_per_s"] > 0]
     self.assertEqual([r["step"] for r in timed], [2, 3])
     self.assertNotIn("mfu", self.records[0])  # Step 1 compiles: nothing timed yet.
@@ -93,11 +96,29 @@ class TinyRunTest(testing.TempDirTestCase):
       space.ParseFromString(f.read())
     self.assertTrue(any(p.name.startswith("/host:") for p in space.planes))
 
+
+class CountsTest(absltest.TestCase):
+  """No compilation: the BeNice! step's FLOP count and the peak table's lookups."""
+
   def test_peak_table_matches_device_kinds(self):
     self.assertEqual(mfu.known_peak_tflops("TPU v5 lite"), 197.0)  # v5e, not v5p's 459.
     self.assertEqual(mfu.known_peak_tflops("TPU v5"), 459.0)
     self.assertEqual(mfu.known_peak_tflops("NVIDIA H100 80GB HBM3"), 989.0)
+    self.assertEqual(mfu.known_peak_tflops("NVIDIA H100 PCIe"), 756.0)
     self.assertIsNone(mfu.known_peak_tflops("cpu"))
+
+  def test_a_benice_step_counts_each_pass(self):
+    config = benice_configs.get_config("smoke")
+    config.benice.kv_passes = 2  # Gradient-free K/V passes, ramped in over 4 steps:
+    config.benice.kv_passes_ramp_steps = 4  # step * 3 // 4 of them, at most 2.
+    config.benice.kl_weight = 0.5  # A frozen teacher's forward.
+    model = LoopedLM(model_lib.from_config(config.model))
+    objective = benice_objectives.benice(model, config.post.depth, config.benice, frozen_params={})
+    forward = 2 * SMOKE_MACS_T32
+    for step, kv_passes in ((0, 0), (1, 0), (2, 1), (3, 2), (9, 2)):
+      # Unshared and shared pass trained (3 forwards each), the K/V passes, the teacher.
+      expected = (3 + 3 + kv_passes + 1) * forward
+      self.assertEqual(objective.flops_per_token(32, step), expected, f"step {step}")
 
 
 class Parcae140mTest(testing.TempDirTestCase):
