@@ -86,11 +86,8 @@ def memory(config) -> dict:
   with jax.sharding.use_abstract_mesh(mesh), nn.logical_axis_rules(rules):
     abstract = jax.eval_shape(boxed_init_fn(config, model, optimizer))
     state_shardings = sharding.shardings(abstract, mesh, rules)
-    unboxed = jax.tree.map(
-      lambda x: x.value if hasattr(x, "value") else x,
-      abstract,
-      is_leaf=lambda x: hasattr(x, "value"),
-    )
+    boxed = lambda x: isinstance(x, nn.Partitioned)  # A leaf with its logical axis names.
+    unboxed = jax.tree.map(lambda x: x.value if boxed(x) else x, abstract, is_leaf=boxed)
     params = _bytes_per_device(unboxed.params, state_shardings.params)
     opt_state = _bytes_per_device(unboxed.opt_state, state_shardings.opt_state)
     batch_shards = sizes["data"] * sizes["fsdp"]
