@@ -18,6 +18,9 @@ and MLA 3:1 over the distinct layers: prelude KDA, core KDA + MLA, coda KDA; doc
 
   python -m looped.main --config=configs/benice.py:smoke,kda --workdir=/tmp/benice_kda
 
+and at most one paper size, `parcae_140m`, `parcae_370m` or `huginn_width` (configs/pretrain.py
+sets the model, depth, corpus and pretraining; post-training runs 2000 steps).
+
 Stage configs: pretraining reads seed/model/data/depth/train (as configs/pretrain.py sets
 them; each section's fields, docs and ranges are in its schema, listed by `--help`). Both
 post-training stages (standard finetune and BeNice!) read the same with `post.depth` in place
@@ -50,6 +53,9 @@ VARIANTS = {
   "mla": "every layer multi-head latent attention (cached: latent + RoPE key)",
   "kda": "every layer Kimi delta attention (cached: a state per sequence)",
   "hybrid": "KDA everywhere but every second core layer MLA (3:1 KDA:MLA over the default depth)",
+  "parcae_140m": "configs/pretrain.py's Parcae-small shape and corpus; 2000 post-training steps",
+  "parcae_370m": "configs/pretrain.py's Parcae-medium shape and corpus; 2000 post-training steps",
+  "huginn_width": "configs/pretrain.py's Huginn-0125 shape and corpus; 2000 post-training steps",
 }
 
 
@@ -68,9 +74,11 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # Pretraining length: 300 steps keeps the main command within 12 minutes on 2 CPU cores; the
   # regimes the gap sweep and the recipe study measured (`fixed`, `zero_shot`) keep their 500.
   long = bool({"fixed", "zero_shot"} & args)
-  c.train.num_steps = 500 if long else 300  # Pretraining steps (default: ~0.55 s/step, 2 cores).
-  c.train.eval_every = c.train.num_steps // 2  # Pretraining steps between validation passes.
-  c.train.checkpoint_every = c.train.num_steps // 2  # Pretraining steps between checkpoints.
+  paper_size = bool(set(pretrain.SIZES) & args)  # Pretraining as configs/pretrain.py sets it.
+  if not paper_size:
+    c.train.num_steps = 500 if long else 300  # Pretraining steps (~0.55 s/step, 2 cores).
+    c.train.eval_every = c.train.num_steps // 2  # Pretraining steps between validation passes.
+    c.train.checkpoint_every = c.train.num_steps // 2  # Pretraining steps between checkpoints.
 
   # Sections: every field, default, doc and range in its schema (see `--help`).
   c.post = ml_collections.ConfigDict()  # Post-training: standard finetune and BeNice! alike.
@@ -90,6 +98,13 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.eval = schema.defaults(EvalConfig)  # Shareability evaluation: looped/benice/config.py.
   c.pipeline = schema.defaults(PipelineConfig)  # Reuse of finished stages: the same file.
 
+  if paper_size:  # Post-training at scale: ~1B tokens of 256 x 2048 per step.
+    c.post.train.num_steps = 2000  # Post-training steps (both arms).
+    c.post.train.warmup_steps = 100  # Linear warmup steps.
+    c.post.train.log_every = 50  # Steps between metrics records.
+    c.post.train.eval_every = 500  # Steps between validation passes.
+    c.post.train.checkpoint_every = 500  # Steps between checkpoints.
+    c.eval.decode_batches = 1  # Exact (sequential) shared decode on the first eval batch only.
   if "smoke" in args:
     c.train.num_steps = 20  # Pretraining steps.
     c.train.eval_every = 20  # One validation pass, at the end.

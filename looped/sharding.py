@@ -57,6 +57,11 @@ class MeshConfig:
     "as many as mesh and batch divide; 1: one multi-threaded device).",
     min=0,
   )
+  dry_run_devices: int = schema_field(
+    0,
+    "train.dry_run: devices the mesh is laid over (0: jax.device_count()); they need not exist.",
+    min=0,
+  )
 
 
 # Logical axes whose sharding is optional: with fewer KV heads (GQA) or a vocabulary not

@@ -56,15 +56,31 @@ class FlopsTest(parameterized.TestCase):
     cfg = dataclasses.replace(
       testing.TINY_MODEL, injection=injection, scan_recurrences=scan, scan_unroll=unroll
     )
+    self._assert_counts_the_dots(cfg)
+
+  # MLA with low-rank queries beside GQA; MLA with full-rank queries in Ouro's shape (no
+  # injection, no coda, an exit gate each recurrence).
+  @parameterized.parameters(
+    dict(
+      prelude_mixers=("mla",), core_mixers=("gqa", "mla"), mla_q_rank=12, mla_kv_rank=10,
+      mla_rope_dim=6,
+    ),
+    dict(core_mixers=("mla",), injection="none", exit_gate=True, num_coda_layers=0),
+  )  # fmt: skip
+  def test_mla_and_exit_gate_equal_the_dots_the_model_runs(self, **fields):
+    cfg = dataclasses.replace(testing.TINY_MODEL, scan_recurrences=False, **fields)
+    self._assert_counts_the_dots(cfg)
+
+  def _assert_counts_the_dots(self, cfg):
     model = LoopedLM(cfg)
     tokens_BxT = jnp.zeros((2, 12), jnp.int32)
     params = init_params(model, jax.random.PRNGKey(0), tokens_BxT)
     jaxpr = jax.make_jaxpr(lambda p, x: model.apply(p, x)[0])(params, tokens_BxT).jaxpr
     self.assertEqual(_dot_flops(jaxpr), flops.forward_flops_per_token(cfg, 12) * 2 * 12)
 
-  def test_other_mixers_are_refused(self):
-    cfg = dataclasses.replace(testing.TINY_MODEL, core_mixers=("mla",))
-    with self.assertRaisesRegex(ValueError, "GQA layers only"):
+  def test_kda_is_refused(self):
+    cfg = dataclasses.replace(testing.TINY_MODEL, core_mixers=("kda", "mla"))
+    with self.assertRaisesRegex(ValueError, "GQA and MLA layers; this model has kda layers"):
       flops.forward_flops_per_token(cfg, 8)
 
 

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 
 from looped.benice.config import READ_MODES
 from looped.losses import token_cross_entropy
+from looped.model import flops
 from looped.model.looped_lm import LoopedLM
 from looped.train.objectives import Objective, sample_depth
 
@@ -206,4 +207,20 @@ def benice(model: LoopedLM, depth_cfg, benice_cfg, frozen_params=None) -> Object
   terms = ("ce_shared",) * need_shared + ("ce_unshared",)
   terms += ("kl_shared",) * (w_kl > 0 and kl_shared) + ("kl_unshared",) * (w_kl > 0 and kl_unshared)
   terms += ("distill",) * (w_distill > 0) + ("residual_match",) * need_states
-  return Objective(loss_fn, frozen_params if w_kl > 0 else None, terms)
+
+  def flops_per_token(seq_len: int, step: int) -> float:
+    """The unshared pass trained; the shared pass trained, after its gradient-free K/V
+    passes (as many as the ramp gives at `step`); the frozen teacher's forward for the KL."""
+    cfg = model.cfg
+    total = flops.train_flops_per_token(cfg, seq_len)
+    if need_shared:
+      passes = kv_passes
+      if kv_ramp_steps:  # kv_passes_at in host integers.
+        passes = min(step * (kv_passes + 1) // kv_ramp_steps, kv_passes)
+      total = flops.benice_flops_per_token(cfg, seq_len, passes)
+    if w_kl > 0:
+      total += flops.forward_flops_per_token(cfg, seq_len)
+    return total
+
+  frozen = frozen_params if w_kl > 0 else None
+  return Objective(loss_fn, frozen, terms, flops_per_token=flops_per_token)

@@ -34,8 +34,8 @@ from looped.benice.config import MODEL_NAMES, BeniceConfig, EvalConfig, Pipeline
 from looped.checkpoints import checkpointing, model_record
 from looped.data import tokenizers
 from looped.model.looped_lm import LoopedLM
+from looped.train import dry_run, trainer
 from looped.train import objectives as train_objectives
-from looped.train import trainer
 
 MODELS = dict(zip(MODEL_NAMES, stages.STAGES, strict=True))  # Model name -> its stage.
 MODELS_OF_STAGE = {stage: name for name, stage in MODELS.items()}
@@ -279,6 +279,8 @@ def run(config, workdir: str, chosen: tuple[str, ...] = ()) -> dict:
   """Runs (or skips) every stage, then writes and prints the report. Returns the report.
   chosen: config.model fields used instead of the reused pretraining run's record (its loop
   count, set on the command line); post-training and evaluation then run at that count."""
+  if config.train.dry_run:  # Per-device memory of a stage's training; nothing runs.
+    return dry_run.run(config)
   invocation_start = time.time()
   config = _with_source_model(config, chosen)
   model = LoopedLM(model_lib.from_config(config.model))

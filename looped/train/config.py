@@ -33,6 +33,29 @@ class TrainConfig:
   grad_accum_steps: int = field(
     1, "Microbatches per step (gradients summed; batch split k ways).", min=1
   )
+  peak_tflops: float = field(
+    0.0,
+    "Peak TFLOP/s per device for MFU (0: the known bf16 peak of the device kind; on CPU the "
+    "matmul throughput measured at start-up).",
+    min=0.0,
+  )
+  profile_steps: int = field(
+    0,
+    "Steps traced by the JAX profiler into WORKDIR/profile for TensorBoard (0: off), as "
+    "MaxText's profiler_steps.",
+    min=0,
+  )
+  profile_skip_steps: int = field(
+    1,
+    "Steps of this run before the trace starts (1: skip the compiling step), as MaxText's "
+    "skip_first_n_steps_for_profiler.",
+    min=0,
+  )
+  dry_run: bool = field(
+    False,
+    "Print per-device memory (params, optimizer state, activations) on the mesh of "
+    "mesh.dry_run_devices and exit: abstract shapes only, no step, no data read.",
+  )
 
 
 @dataclasses.dataclass(frozen=True)

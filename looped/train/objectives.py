@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from looped.losses import token_cross_entropy
 from looped.model import depth as depth_lib
+from looped.model import flops
 from looped.model.looped_lm import LoopedLM
 
 
@@ -27,6 +28,10 @@ class Objective:
   loss_fn: Callable[..., tuple[jax.Array, dict]]
   frozen: Any = None
   log_terms: tuple[str, ...] = ()  # Metrics the loss sums (weighted), shown on progress lines.
+  # (seq_len, step) -> model FLOPs per token of the step whose state counter is `step` (0 for
+  # the first), forward and backward of every pass (looped/model/flops.py; ValueError for a
+  # model it does not count). None: not counted.
+  flops_per_token: Callable[[int, int], float] | None = None
 
 
 def sample_depth(key, batch: int, model: LoopedLM, depth_cfg) -> jax.Array:
@@ -63,4 +68,8 @@ def language_modeling(model: LoopedLM, depth_cfg) -> Objective:
     }
     return loss, metrics
 
-  return Objective(loss_fn)
+  def flops_per_token(seq_len: int, step: int) -> float:
+    del step
+    return flops.train_flops_per_token(model.cfg, seq_len)
+
+  return Objective(loss_fn, flops_per_token=flops_per_token)

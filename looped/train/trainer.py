@@ -10,10 +10,8 @@ import dataclasses
 import math
 import os
 import time
-from typing import Any
 
 import flax.linen as nn
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,17 +25,12 @@ from looped import model as model_lib
 from looped import schema, sharding
 from looped.checkpoints import checkpointing, model_record
 from looped.model.looped_lm import LoopedLM
-from looped.train import objectives, optim
+from looped.train import dry_run, objectives, optim
+from looped.train import mfu as mfu_lib
+from looped.train import profiler as profiler_lib
 from looped.train.config import DepthConfig, TrainConfig
 from looped.train.metrics_writer import MetricsWriter
-
-
-@flax.struct.dataclass
-class TrainState:
-  step: jax.Array
-  params: Any
-  opt_state: Any
-  rng: jax.Array
+from looped.train.state import TrainState, boxed_init_fn
 
 
 @dataclasses.dataclass
@@ -85,7 +78,11 @@ def validate_training(config) -> None:
   fields."""
   cc.integer(config, "seed", min_value=0)
   model_lib.validate(config)
-  data_lib.validate(config)
+  schema.validate(TrainConfig, config, "train")
+  if config.train.dry_run:  # Reads no data: the corpus and tokenizer may be elsewhere.
+    dry_run.validate(config)
+  else:
+    data_lib.validate(config)
   schema.validate(DepthConfig, config, "depth")
   cc.integer(
     config,
@@ -93,14 +90,16 @@ def validate_training(config) -> None:
     min_value=0,
     max_value=config.model.num_recurrences,
   )
-  schema.validate(TrainConfig, config, "train")
-  sharding.validate(config)
+  sharding.validate(config, dry_run.device_count(config) if config.train.dry_run else None)
   init_from = config.train.init_from
   if init_from and not os.path.isdir(init_from):
     cc.fail("train.init_from", init_from, "must be an existing checkpoint or run directory")
 
 
-def run(config, workdir: str) -> TrainResult:
+def run(config, workdir: str) -> TrainResult | dict:
+  """Pretrains; with train.dry_run, prints per-device memory and returns its figures."""
+  if config.train.dry_run:
+    return dry_run.run(config)
   model = LoopedLM(model_lib.from_config(config.model))
   return train(config, workdir, model, objectives.language_modeling(model, config.depth))
 
@@ -129,13 +128,7 @@ def evaluate(eval_fn, params, eval_batches, mesh, bytes_per_token: float) -> dic
 def init_state(config, model: LoopedLM, optimizer, mesh: Mesh, rules) -> TrainState:
   """A fresh train state, created in place on the mesh: each device computes only its shards
   of params and optimizer state (placed by their logical axes and the rule table)."""
-  params_key, train_key = jax.random.split(jax.random.PRNGKey(config.seed))
-  dummy = jnp.zeros((1, config.data.seq_len), jnp.int32)
-
-  def init_boxed():  # Params (and hence Adam moments) boxed with their logical axis names.
-    params = {"params": model.init(params_key, dummy)["params"]}  # Not 'perturbations'.
-    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), train_key)
-
+  init_boxed = boxed_init_fn(config, model, optimizer)
   state_shardings = sharding.shardings(jax.eval_shape(init_boxed), mesh, rules)
   return jax.jit(lambda: nn.unbox(init_boxed()), out_shardings=state_shardings)()
 
@@ -198,6 +191,21 @@ def _accumulated(grad_fn, steps: int):
     return jax.tree.map(lambda x: x / steps, total)
 
   return accumulated
+
+
+def _flops_per_step(objective: objectives.Objective, config):
+  """step counter -> model FLOPs of that step (objective.flops_per_token x tokens), or None
+  (logged) when the objective's model is not counted (looped/model/flops.py)."""
+  seq_len, tokens = config.data.seq_len, config.data.batch_size * config.data.seq_len
+  if objective.flops_per_token is None:
+    logging.info("MFU not logged: the objective does not count its FLOPs.")
+    return None
+  try:
+    objective.flops_per_token(seq_len, 0)
+  except ValueError as e:
+    logging.warning("MFU not logged: %s", e)
+    return None
+  return lambda step: objective.flops_per_token(seq_len, step) * tokens
 
 
 def _format_eta(seconds: float) -> str:
@@ -311,65 +319,91 @@ def _train(config, workdir, model, objective, init_params, mesh, rules) -> Train
     sum(x.size for x in jax.tree.leaves(state.params)),
   )
 
+  step_flops = _flops_per_step(objective, config)
+  peak_flops = None
+  if step_flops is not None:
+    peak_flops, peak_source = mfu_lib.mesh_peak_flops(mesh, tc.peak_tflops)
+    if peak_flops:
+      logging.info(
+        "MFU against %.4g TFLOP/s over %d devices (%s); %.4g TFLOPs per step at step %d",
+        peak_flops / 1e12,
+        mesh.size,
+        peak_source,
+        step_flops(start) / 1e12,
+        start + 1,
+      )
+  profiler = profiler_lib.Profiler(workdir, start + 1, tc.profile_skip_steps, tc.profile_steps)
+
   t_last, step_last, t_start, start_timed = time.time(), start, time.time(), start
   record: dict = {}
   timing.lap("setup")
-  for step in range(start + 1, tc.num_steps + 1):
-    batch = sharding.global_batch(next(data_iter), mesh)
-    timing.lap("data")
-    state, metrics = train_step(state, frozen, batch)
-    if step == start + 1:  # Throughput and ETA exclude the first step's compilation.
-      jax.block_until_ready(metrics["loss"])
-      timing.lap("compile")
-      t_last, step_last, t_start = time.time(), step, time.time()
-      start_timed = step
-    log_now = _is_due(step, tc.log_every, tc.num_steps)
-    eval_now = _is_due(step, tc.eval_every, tc.num_steps)
-    save_now = _is_due(step, tc.checkpoint_every, tc.num_steps)
-    if not (log_now or eval_now or save_now):
+  try:
+    for step in range(start + 1, tc.num_steps + 1):
+      batch = sharding.global_batch(next(data_iter), mesh)
+      timing.lap("data")
+      with profiler.step(step, state):
+        state, metrics = train_step(state, frozen, batch)
+      profiler.after(step, (state, metrics))
+      if step == start + 1:  # Throughput and ETA exclude the first step's compilation.
+        jax.block_until_ready(metrics["loss"])
+        timing.lap("compile")
+        t_last, step_last, t_start = time.time(), step, time.time()
+        start_timed = step
+      log_now = _is_due(step, tc.log_every, tc.num_steps)
+      eval_now = _is_due(step, tc.eval_every, tc.num_steps)
+      save_now = _is_due(step, tc.checkpoint_every, tc.num_steps)
+      if not (log_now or eval_now or save_now):
+        timing.lap("steps")
+        continue
+      metrics = jax.device_get(metrics)
       timing.lap("steps")
-      continue
-    metrics = jax.device_get(metrics)
-    timing.lap("steps")
-    if not (np.isfinite(metrics["loss"]) and np.isfinite(metrics["grad_norm"])):
-      ckpt.wait()
-      raise FloatingPointError(
-        f"Non-finite training loss ({metrics['loss']}) or gradient norm "
-        f"({metrics['grad_norm']}) at step {step}. Stopped without saving; the last good "
-        f"checkpoint is step {ckpt.latest_step()} in {ckpt.directory}."
-      )
-    now = time.time()
-    metrics["tokens_per_s"] = (step - step_last) * tokens_per_step / max(now - t_last, 1e-9)
-    metrics["elapsed_s"] = now - t_start
-    if eval_now:
-      metrics.update(evaluate(eval_fn, state.params, eval_batches, mesh, bytes_per_token))
-      timing.lap("eval")
-    record = writer.write(step, metrics)
-    eta = (tc.num_steps - step) * (now - t_start) / max(step - start_timed, 1)
-    terms = ", ".join(f"{t} {float(metrics[t]):.4f}" for t in objective.log_terms)
-    logging.info(
-      "step %d/%d | loss %.4f%s | %s%.0f tok/s | ETA %s",
-      step,
-      tc.num_steps,
-      metrics["loss"],
-      f" (weighted sum of {terms})" if terms else "",
-      f"val_loss {metrics['val_loss']:.4f} val_bpb {metrics['val_bpb']:.4f} | " if eval_now else "",
-      metrics["tokens_per_s"],
-      _format_eta(eta),
-    )
-    if save_now:
-      ok, loss_after = jax.device_get(saveable(state, frozen, batch))
-      if not ok:
+      if not (np.isfinite(metrics["loss"]) and np.isfinite(metrics["grad_norm"])):
         ckpt.wait()
         raise FloatingPointError(
-          f"The state after step {step} is not finite or has a non-finite loss ({loss_after}); "
-          f"not saved. The last good checkpoint is step {ckpt.latest_step()} in {ckpt.directory}."
+          f"Non-finite training loss ({metrics['loss']}) or gradient norm "
+          f"({metrics['grad_norm']}) at step {step}. Stopped without saving; the last good "
+          f"checkpoint is step {ckpt.latest_step()} in {ckpt.directory}."
         )
-      ckpt.save(step, state, data_iter)
-      timing.lap("checkpoint")
-    t_last, step_last = time.time(), step
-    timing.lap("steps")
-
+      now = time.time()
+      metrics["tokens_per_s"] = (step - step_last) * tokens_per_step / max(now - t_last, 1e-9)
+      metrics["elapsed_s"] = now - t_start
+      if peak_flops and step > step_last:  # Model FLOPs of the steps since the last line.
+        done = sum(step_flops(s) for s in range(step_last, step))
+        metrics["mfu"] = mfu_lib.mfu(done, now - t_last, peak_flops)
+      if eval_now:
+        metrics.update(evaluate(eval_fn, state.params, eval_batches, mesh, bytes_per_token))
+        timing.lap("eval")
+      record = writer.write(step, metrics)
+      evaluated = ""
+      if eval_now:
+        evaluated = f"val_loss {metrics['val_loss']:.4f} val_bpb {metrics['val_bpb']:.4f} | "
+      eta = (tc.num_steps - step) * (now - t_start) / max(step - start_timed, 1)
+      terms = ", ".join(f"{t} {float(metrics[t]):.4f}" for t in objective.log_terms)
+      logging.info(
+        "step %d/%d | loss %.4f%s | %s%.0f tok/s%s | ETA %s",
+        step,
+        tc.num_steps,
+        metrics["loss"],
+        f" (weighted sum of {terms})" if terms else "",
+        evaluated,
+        metrics["tokens_per_s"],
+        f" | MFU {metrics['mfu']:.2%}" if "mfu" in metrics else "",
+        _format_eta(eta),
+      )
+      if save_now:
+        ok, loss_after = jax.device_get(saveable(state, frozen, batch))
+        if not ok:
+          ckpt.wait()
+          raise FloatingPointError(
+            f"The state after step {step} is not finite or has a non-finite loss ({loss_after}); "
+            f"not saved. The last good checkpoint is step {ckpt.latest_step()} in {ckpt.directory}."
+          )
+        ckpt.save(step, state, data_iter)
+        timing.lap("checkpoint")
+      t_last, step_last = time.time(), step
+      timing.lap("steps")
+  finally:  # A trace still open (an error inside the profiled steps) is closed.
+    profiler.close()
   ckpt.wait()
   ckpt.close()
   writer.close()
