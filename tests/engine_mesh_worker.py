@@ -34,10 +34,9 @@ MESHES = {  # name: (data, fsdp, tensor)
   "tensor8": (1, 1, 8),
   "data4_tensor2": (4, 1, 2),
 }
-CASES = [  # (model name, share_kv, meshes)
-  ("mha", True, tuple(MESHES)),
-  ("mha", False, tuple(MESHES)),
-  ("gqa", True, ("one", "tensor8")),
+CASES = [  # (model, share_kv, meshes): pools split over 8 and 2 KV heads, and replicated.
+  ("mha", True, ("one", "tensor8")),
+  ("gqa", False, ("one", "tensor8", "data4_tensor2")),
 ]
 MODELS = {"mha": CFG, "gqa": GQA}
 
@@ -55,12 +54,17 @@ def requests(vocab: int) -> list[GenRequest]:
   return out
 
 
-def fractions(tree) -> dict[str, list[float]]:
-  """{path: fraction of the array on each device}, devices in id order."""
+def layout(tree) -> dict[str, dict]:
+  """{path: {'fractions': of the array on each device (by device id), 'spec': its
+  PartitionSpec, one entry per dimension}}."""
   out = {}
   for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
     shards = sorted(leaf.addressable_shards, key=lambda s: s.device.id)
-    out[jax.tree_util.keystr(path)] = [s.data.size / leaf.size for s in shards]
+    spec = list(leaf.sharding.spec) + [None] * (leaf.ndim - len(leaf.sharding.spec))
+    out[jax.tree_util.keystr(path)] = {
+      "fractions": [s.data.size / leaf.size for s in shards],
+      "spec": [list(a) if isinstance(a, tuple) else a for a in spec],
+    }
   return out
 
 
@@ -92,11 +96,10 @@ def serve(cfg, params, share_kv: bool, mesh_shape) -> dict:
     "logits": [
       {str(p): v.tolist() for p, v in ex.states[g.request_id].logits.items()} for g in gens
     ],
-    "params": fractions(ex.params),
-    "pages": fractions(ex.pages),
-    "param_spec": str(
-      ex.params["params"]["recurrence"]["layer_0"]["attn"]["query"]["kernel"].sharding.spec
-    ),
+    "params": layout(ex.params),
+    "pages": layout(ex.pages),
+    "most_rows": max(step["rows"] for step in ex.step_log),
+    "most_tokens": max(step["tokens"] for step in ex.step_log),
   }
 
 

@@ -84,6 +84,7 @@ def from_config(config, cfg: ModelConfig) -> tuple[tuple[int, int, int], tuple]:
   sharding.check_rules(rule_table)
   rule_table = tuple((name, tuple(a) if isinstance(a, list) else a) for name, a in rule_table)
   sizes = resolve_shape(config.mesh, jax.device_count())
+  check(cfg, sizes, rule_table)  # The model first: it fails on every host alike.
   n = math.prod(sizes.values())
   if n > jax.device_count():
     raise cc.ConfigError(
@@ -91,7 +92,6 @@ def from_config(config, cfg: ModelConfig) -> tuple[tuple[int, int, int], tuple]:
       "(on a CPU host: mesh.cpu_devices).",
       field="config.mesh",
     )
-  check(cfg, sizes, rule_table)
   return tuple(sizes[a] for a in sharding.AXES), rule_table
 
 
