@@ -145,7 +145,10 @@ class EngineMesh:
     return sharding.shardings(boxed, self.mesh, self.rules)
 
   def place_params(self, model: LoopedLM, params):
-    """params (host or any device) on the mesh by the rules."""
+    """params (host or any device) on the mesh by the rules; None (an engine built only to be
+    inspected, never run) stays None."""
+    if params is None:
+      return None
     abstract = jax.eval_shape(
       lambda: init_params(model, jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32))
     )
