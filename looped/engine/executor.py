@@ -97,7 +97,6 @@ def _call_fn(
   return pages, token_B, logprob_B, (logits_BxTxV if return_logits else None), positions
 
 
-@functools.lru_cache(maxsize=32)
 def compiled_call(
   cfg,
   share_kv: bool,
@@ -109,6 +108,11 @@ def compiled_call(
   """The jitted model call for a model, layout and mesh (None: one device); shared by engines
   so each shape compiles once. Call it inside mesh.context()."""
   mesh = mesh or EngineMesh.create(cfg)
+  return _compiled_call(cfg, share_kv, kv_format, logits, top_logprobs, mesh)
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled_call(cfg, share_kv, kv_format, logits, top_logprobs, mesh) -> Callable:
   call = functools.partial(_call_fn, LoopedLM(cfg), mesh, share_kv, kv_format, logits, top_logprobs)
   return jax.jit(call, donate_argnums=(1,))
 
