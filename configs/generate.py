@@ -40,6 +40,11 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # The tokenizer's fields of looped/data/config.py (DataConfig) (recorded: ignored).
   c.data = schema.defaults(DataConfig, only=TOKENIZER_FIELDS)
   c.gen = schema.defaults(GenConfig)  # looped/engine/config.py (GenConfig).
+  # The engine's devices (looped/engine/mesh.py): params split by mesh_rules, the page pool over
+  # KV heads; 1 x 1 x 1 is one device, --config.mesh.tensor=8 splits heads over 8.
+  c.mesh = pretrain.mesh_config()  # looped/sharding.py (MeshConfig).
+  c.mesh.data = 1  # No -1: the engine takes the first data x fsdp x tensor devices.
+  c.mesh_rules = pretrain.mesh_rules()  # Logical -> mesh axes, as training places params.
 
   if "smoke" in args:
     pretrain.smoke_model(c.model)

@@ -34,6 +34,8 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   base = generate.get_config("smoke" if "smoke" in args else "")
   c.model = base.model  # The model, if the checkpoint records none (old workdirs).
   c.data = base.data  # Its tokenizer, likewise: data.tokenizer, spm_path, tokenizer_json.
+  c.mesh = base.mesh  # The engine's devices, as configs/generate.py (one by default).
+  c.mesh_rules = base.mesh_rules  # Logical -> mesh axes of the params.
 
   c.serve = schema.defaults(ServeConfig)  # looped/server/config.py: every field, doc, range.
   if "smoke" in args:

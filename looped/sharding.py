@@ -101,7 +101,7 @@ def validate(config, num_devices: int | None = None) -> dict[str, int]:
   num_devices = jax.device_count() if num_devices is None else num_devices
   schema.validate(MeshConfig, config, "mesh")
   sizes = mesh_shape(cc.get(config, "mesh"), num_devices)
-  _check_rules(cc.get(config, "mesh_rules"))
+  check_rules(cc.get(config, "mesh_rules"))
   batch_shards = sizes["data"] * sizes["fsdp"]
   for field in ("batch_size", "eval_batch_size"):
     cc.divides(config, f"data.{field}", batch_shards, "mesh.data x mesh.fsdp")
@@ -127,12 +127,16 @@ def validate(config, num_devices: int | None = None) -> dict[str, int]:
 
 
 def cpu_device_count(config, cores: int) -> int:
-  """Devices to split a CPU host into: config.mesh.cpu_devices, or for 0 the most, up to
-  `cores`, that config.mesh, the batch sizes and the model divide evenly (validate)."""
+  """Devices to split a CPU host into: config.mesh.cpu_devices; for 0, a mesh without -1 has
+  its own size, else the most, up to `cores`, that config.mesh, the batch sizes and the model
+  divide evenly (validate)."""
   schema.validate(MeshConfig, config, "mesh")
   wanted = config.mesh.cpu_devices
   if wanted:
     return wanted
+  sizes = [config.mesh[a] for a in AXES]
+  if -1 not in sizes:  # A fixed mesh (the engine's) is that many devices.
+    return math.prod(sizes)
   for n in range(max(cores, 1), 1, -1):
     try:
       validate(config, n)
@@ -238,7 +242,8 @@ def _mesh_axes(rule_table, logical: str) -> tuple[str, ...]:
   return ()
 
 
-def _check_rules(rule_table) -> None:
+def check_rules(rule_table) -> None:
+  """ConfigError naming config.mesh_rules unless it is (logical axis, mesh axes) pairs."""
   if not isinstance(rule_table, (tuple, list)):
     cc.fail("mesh_rules", rule_table, "must be a tuple of (logical axis, mesh axes) pairs")
   for rule in rule_table:

@@ -129,6 +129,10 @@ class GenerateProgramTest(absltest.TestCase):
       _gen_config(self.train_dir, **{"gen.prompts": "x" * 30}), "gen.max_new_tokens.*max_seq_len 32"
     )
     self._fails(_gen_config(self.train_dir, **{"gen.prompts": "x", "gen.top_p": 0.0}), "gen.top_p")
+    self._fails(
+      _gen_config(self.train_dir, **{"gen.prompts": "x", "mesh.tensor": 3}),
+      r"config.mesh.tensor = 3 does not divide the model's num_heads = 2",
+    )
     # The engine cannot page KDA state: refused for a workdir without a recorded model (with
     # one, the recorded model is used; tests/model_record_test.py covers overrides).
     unrecorded = os.path.join(self.tmp, "unrecorded")

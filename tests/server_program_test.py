@@ -78,6 +78,9 @@ class ServerProgramTest(absltest.TestCase):
       ("serve.row_buckets", (4,), "serve.row_buckets.*must reach 8"),
       ("serve.token_buckets", (0, 64), "serve.token_buckets.*positive integers"),
       ("serve.drain_timeout_s", float("nan"), "serve.drain_timeout_s"),
+      ("mesh.tensor", 3, r"config.mesh.tensor = 3 does not divide the model's num_heads = 2"),
+      ("mesh.tensor", 2, r"config.mesh = .* needs 2 devices; there are 1"),
+      ("mesh.data", 0, "mesh.data"),
     ):
       with self.subTest(field=field, value=value):
         self._fails(_config(self.train_dir, **{field: value}), pattern)

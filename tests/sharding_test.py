@@ -111,6 +111,7 @@ class CpuDevicesTest(parameterized.TestCase):
     (dict(), 1, 1),
     (dict(**{"mesh.tensor": 2}), 3, 2),  # The fixed tensor axis takes 2; data the rest (1).
     (dict(**{"mesh.data": 1}), 8, 1),  # A fixed mesh of one device.
+    (dict(**{"mesh.data": 1, "mesh.tensor": 4}), 2, 4),  # A fixed mesh: its size (the engine's).
     (dict(**{"mesh.cpu_devices": 1}), 8, 1),  # Asked for: one device.
     (dict(**{"mesh.cpu_devices": 3}), 2, 3),  # Asked for: taken as given (validate judges it).
   )

@@ -20,6 +20,7 @@ import numpy as np
 from looped.engine import padding as padding_lib
 from looped.engine import paged_cache
 from looped.engine.executor import ModelExecutor, RequestState, powers_of_two
+from looped.engine.mesh import EngineMesh
 from looped.engine.requests import Generation, GenRequest
 from looped.model.looped_lm import LoopedLM
 from looped.scheduler import pages as pages_lib
@@ -79,6 +80,12 @@ class EngineConfig:
   # k > 0 lets requests with position_logprobs record each position's next-token logprob and
   # top k (ModelExecutor).
   top_logprobs: int = 0
+  # Device mesh (data, fsdp, tensor) over the first devices (looped.engine.mesh): params split
+  # by mesh_rules, the page pool over KV heads where they divide; (1, 1, 1): one device.
+  mesh_shape: tuple[int, int, int] = (1, 1, 1)
+  # Logical axis -> mesh axes, as config.mesh_rules (configs/pretrain.py:mesh_rules); needed by
+  # a mesh of more than one device.
+  mesh_rules: tuple = ()
 
 
 class Engine:
@@ -134,6 +141,12 @@ class Engine:
     )
     self.num_pages = c.num_pages
     self.check_invariants = c.check_invariants
+    if max(c.mesh_shape) > 1 and not c.mesh_rules:
+      raise ValueError(
+        f"mesh_shape = {c.mesh_shape} needs mesh_rules (logical axis -> mesh axes) to split "
+        "the model; without them every device would hold a full replica."
+      )
+    self.mesh = EngineMesh.create(model.cfg, tuple(c.mesh_shape), c.mesh_rules)
     self.executor = ModelExecutor(
       model,
       params,
@@ -146,6 +159,7 @@ class Engine:
       record_logits=c.record_logits,
       decode=decode,
       top_logprobs=c.top_logprobs,
+      mesh=self.mesh,
     )
     self.page_bytes = c.page_size * paged_cache.bytes_per_token(model.cfg, c.share_kv, c.kv_format)
     self.scheduler: scheduler_lib.Scheduler | None = None

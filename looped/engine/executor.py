@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from looped.engine import paged_cache, sampling
+from looped.engine.mesh import EngineMesh
 from looped.engine.padding import Padding, bucket, powers_of_two  # noqa: F401 (re-exported)
 from looped.engine.requests import GenRequest
 from looped.model.looped_lm import LoopedLM
@@ -58,6 +59,7 @@ class RequestState:
 
 def _call_fn(
   model: LoopedLM,
+  mesh: EngineMesh,
   share_kv: bool,
   kv_format: str | None,
   return_logits: bool,
@@ -81,6 +83,8 @@ def _call_fn(
   pages = paged_cache.scatter(
     pages, aux["cache"], page_table_BxP, context_B, num_new_B, t, share_kv
   )
+  # The pool stays where it was placed (split over KV heads), so the next step reuses it.
+  pages = jax.lax.with_sharding_constraint(pages, mesh.pool_shardings(pages, share_kv))
   last_BxV = logits_BxTxV[jnp.arange(b), jnp.maximum(num_new_B - 1, 0)]
   token_B, logprob_B = sampling.sample(last_BxV, temperature_B, top_k_B, top_p_B, seed_B, index_B)
   positions = None
@@ -93,13 +97,23 @@ def _call_fn(
   return pages, token_B, logprob_B, (logits_BxTxV if return_logits else None), positions
 
 
-@functools.lru_cache(maxsize=32)
 def compiled_call(
-  cfg, share_kv: bool, kv_format: str | None, logits: bool, top_logprobs: int = 0
+  cfg,
+  share_kv: bool,
+  kv_format: str | None,
+  logits: bool,
+  top_logprobs: int = 0,
+  mesh: EngineMesh | None = None,
 ) -> Callable:
-  """The jitted model call for a model and layout; shared by engines so each shape compiles
-  once."""
-  call = functools.partial(_call_fn, LoopedLM(cfg), share_kv, kv_format, logits, top_logprobs)
+  """The jitted model call for a model, layout and mesh (None: one device); shared by engines
+  so each shape compiles once. Call it inside mesh.context()."""
+  mesh = mesh or EngineMesh.create(cfg)
+  return _compiled_call(cfg, share_kv, kv_format, logits, top_logprobs, mesh)
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled_call(cfg, share_kv, kv_format, logits, top_logprobs, mesh) -> Callable:
+  call = functools.partial(_call_fn, LoopedLM(cfg), mesh, share_kv, kv_format, logits, top_logprobs)
   return jax.jit(call, donate_argnums=(1,))
 
 
@@ -167,17 +181,20 @@ class ModelExecutor:
     decode: Callable | None = None,
     on_token: Callable | None = None,
     top_logprobs: int = 0,
+    mesh: EngineMesh | None = None,
   ):
     """padding: the padded call shapes (rows, tokens, page-table columns). top_logprobs: k > 0
     makes every call also compute, per position, the logprob of the next token and the k most
-    likely ones, kept for requests with position_logprobs."""
+    likely ones, kept for requests with position_logprobs. mesh: where params and pages are
+    placed and the calls run (looped.engine.mesh; None: one device)."""
     self.model = model
-    self.params = params
+    self.mesh = mesh or EngineMesh.create(model.cfg)
+    self.params = self.mesh.place_params(model, params)
     self.page_size = page_size
     self.share_kv = share_kv
     self.kv_format = kv_format
     self.scratch_page = num_pages
-    self.pages = paged_cache.init_pages(model.cfg, num_pages, page_size, share_kv, kv_format)
+    self.reset_pages()
     self.padding = padding
     self.clock = clock
     self.record_logits = record_logits
@@ -188,7 +205,9 @@ class ModelExecutor:
     # Per step: rows, tokens needed, tokens computed (padding included), call shapes, seconds.
     self.step_log: list[dict] = []
     self.top_logprobs = top_logprobs
-    self._call = compiled_call(model.cfg, share_kv, kv_format, record_logits, top_logprobs)
+    self._call = compiled_call(
+      model.cfg, share_kv, kv_format, record_logits, top_logprobs, self.mesh
+    )
 
   def add(self, request: GenRequest) -> None:
     self.states[request.request_id] = RequestState(request, list(request.prompt_tokens))
@@ -199,7 +218,7 @@ class ModelExecutor:
     only the scratch page, so no cached K/V changes."""
     for i, (b, q, columns) in enumerate(shapes):
       inputs = _CallInputs.empty(b, q, columns, self.scratch_page)
-      self.pages, *_ = self._call(self.params, self.pages, *inputs.args())
+      self.pages, *_ = self._run(inputs)
       if on_shape is not None:
         on_shape(i + 1, len(shapes))
     jax.block_until_ready(self.pages)
@@ -211,9 +230,18 @@ class ModelExecutor:
   def reset_pages(self) -> None:
     """Fresh, zeroed pages (every cached K/V lost: the caller drops whatever refers to them)."""
     cfg = self.model.cfg
-    self.pages = paged_cache.init_pages(
-      cfg, self.scratch_page, self.page_size, self.share_kv, self.kv_format
+    init = functools.partial(
+      paged_cache.init_pages, cfg, self.scratch_page, self.page_size, self.share_kv, self.kv_format
     )
+    # Made in place, each device its shards only: the whole pool need not fit on one device.
+    shardings = self.mesh.pool_shardings(jax.eval_shape(init), self.share_kv)
+    self.pages = jax.jit(init, out_shardings=shardings)()
+
+  def _run(self, inputs: _CallInputs):
+    """One model call on the mesh: the step's inputs replicated, params and pages in place."""
+    args = jax.device_put(inputs.args(), self.mesh.replicated())
+    with self.mesh.context():
+      return self._call(self.params, self.pages, *args)
 
   def _inputs(self, batch, shape, group) -> _CallInputs:
     """The host arrays of one call; a row that cannot be built raises RequestFailed."""
@@ -249,7 +277,7 @@ class ModelExecutor:
     start = time.perf_counter()
     outputs = []
     for call_inputs in inputs:
-      self.pages, *out = self._call(self.params, self.pages, *call_inputs.args())
+      self.pages, *out = self._run(call_inputs)
       outputs.append(out)
     outputs = [
       (

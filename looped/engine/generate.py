@@ -22,6 +22,7 @@ from looped import schema
 from looped.checkpoints import model_record, restore
 from looped.data import tokenizers
 from looped.engine import checks, paged_cache
+from looped.engine import mesh as mesh_lib
 from looped.engine.config import GenConfig
 from looped.engine.engine import Engine, EngineConfig, pages_for_budget
 from looped.engine.requests import GenRequest
@@ -118,6 +119,7 @@ def validate(config, chosen: tuple[str, ...] = ()) -> None:
   model_cfg, data_cfg = model_and_data(config, chosen=chosen)
   cfg, fmt = checks.check_model_and_format(config, "gen", model_cfg)
   checks.check_prefill_block(config, "gen")
+  mesh_lib.from_config(config, cfg)
   page_size, max_new = config.gen.page_size, config.gen.max_new_tokens
   stops = cc.get(config, "gen.stop_strings")
   if isinstance(stops, str) or not all(isinstance(s, str) and s for s in stops):
@@ -184,6 +186,7 @@ def run(config, workdir: str, chosen: tuple[str, ...] = ()) -> dict[str, Any]:
     for i, p in enumerate(prompts)
   ]
   fmt = kv_format(config)
+  mesh_shape, mesh_rules = mesh_lib.from_config(config, cfg)
   if g.kv_budget_bytes is None:
     num_pages = sum(-(-(r.prompt_len + r.output_len) // g.page_size) for r in requests)
   else:
@@ -200,6 +203,8 @@ def run(config, workdir: str, chosen: tuple[str, ...] = ()) -> dict[str, Any]:
       max_num_seqs=g.max_num_seqs,
       prefill_block=g.prefill_block,
       max_model_len=cfg.max_seq_len,
+      mesh_shape=mesh_shape,
+      mesh_rules=mesh_rules,
     ),
     decode=tokenizer.decode,
   )

@@ -24,6 +24,7 @@ from looped import schema
 from looped.checkpoints import model_record, restore
 from looped.data import tokenizers
 from looped.engine import checks, paged_cache
+from looped.engine import mesh as mesh_lib
 from looped.engine.engine import Engine, EngineConfig, pages_for_budget
 from looped.model import config as model_lib
 from looped.model.looped_lm import LoopedLM
@@ -68,6 +69,7 @@ def validate(config, chosen: tuple[str, ...] = ()) -> None:
   tokenizers.get(data_cfg)
   _buckets(config, "serve.row_buckets", config.serve.max_num_seqs)
   block = checks.check_prefill_block(config, "serve")
+  mesh_lib.from_config(config, cfg)
   _buckets(config, "serve.token_buckets", min(block, config.serve.max_num_batched_tokens))
   _buckets(config, "serve.column_buckets", None)
   s = config.serve
@@ -93,6 +95,7 @@ def build(config, chosen: tuple[str, ...] = ()) -> tuple[Any, EngineLoop]:
   tokenizer = tokenizers.get(data_cfg)
   params = restore.restore_params(model, s.checkpoint, s.step, "serve.checkpoint")
   fmt = s.kv_format or None
+  mesh_shape, mesh_rules = mesh_lib.from_config(config, cfg)
   engine = Engine(
     model,
     params,
@@ -109,6 +112,8 @@ def build(config, chosen: tuple[str, ...] = ()) -> tuple[Any, EngineLoop]:
       row_buckets=_buckets(config, "serve.row_buckets", None) or None,
       token_buckets=_buckets(config, "serve.token_buckets", None) or None,
       column_buckets=_buckets(config, "serve.column_buckets", None) or None,
+      mesh_shape=mesh_shape,
+      mesh_rules=mesh_rules,
     ),
     decode=tokenizer.decode,
   )
