@@ -58,6 +58,32 @@ MLA = dataclasses.replace(
   mla_kv_rank=32,
   mla_rope_dim=32,
 )
+# KDA core layers (state slots) between GQA prelude and coda (pages), and a KDA:MLA hybrid core
+# between MLA layers.
+KDA = dataclasses.replace(CFG, core_mixers=("kda",))
+KDA_MLA = dataclasses.replace(MLA, core_mixers=("kda", "mla"))
+KDA_CASES = [
+  (KDA, True, None),
+  (KDA, False, None),
+  (KDA_MLA, True, None),
+  (KDA_MLA, False, None),
+  (KDA_MLA, True, "nvfp4"),
+  (KDA_MLA, False, "fp8"),
+]
+
+
+def _kda_requests(rng, vocab):
+  """Prompts of 20 and 12 tokens: blocks of 8 and a 4-token tail padded to 8 (the unpadded
+  reference compiles three call lengths: 8, 4 and 1). In 7 pages of 4 tokens with a 12-token
+  step, requests are preempted in both layouts."""
+  return [
+    GenRequest(
+      i,
+      tuple(int(t) for t in rng.integers(0, vocab, n)),
+      SamplingParams(max_new_tokens=new),
+    )
+    for i, (n, new) in enumerate(((20, 3), (20, 8), (12, 3), (12, 8)))
+  ]
 
 
 class EngineLogitsTest(parameterized.TestCase):
@@ -73,10 +99,19 @@ class EngineLogitsTest(parameterized.TestCase):
   def test_mla_logits_equal_reference(self, share_kv, kv_format):
     self._check(MLA, share_kv, kv_format)
 
+  @parameterized.parameters(*KDA_CASES)
+  def test_kda_logits_equal_reference(self, cfg, share_kv, kv_format):
+    """KDA states in slots, padded rows and chunks, preemption; prefix hits are off."""
+    self._check(cfg, share_kv, kv_format)
+
   def _check(self, cfg, share_kv, kv_format):
     model, params = LoopedLM(cfg), _params(cfg)
     rng = np.random.default_rng(1)
-    requests = _requests(6, rng, vocab=cfg.vocab_size, max_new=(3, 6), prefixes=1)
+    stateful = paged_cache.has_state(cfg)
+    if stateful:
+      requests = _kda_requests(rng, cfg.vocab_size)
+    else:
+      requests = _requests(6, rng, vocab=cfg.vocab_size, max_new=(3, 6), prefixes=1)
     # 3 rows, blocks of 8, 7 pages of 4 tokens: chunked prefill, prefix hits, preemption.
     engine = Engine(
       model,
@@ -86,7 +121,7 @@ class EngineLogitsTest(parameterized.TestCase):
         kv_format=kv_format,
         num_pages=7,
         page_size=4,
-        max_num_batched_tokens=8,
+        max_num_batched_tokens=12 if stateful else 8,  # Lets a block join decoding rows.
         max_num_seqs=3,
         prefill_block=BLOCK,
         row_buckets=(3,),
@@ -98,7 +133,10 @@ class EngineLogitsTest(parameterized.TestCase):
     )
     gens = engine.generate(requests)
     summary = engine.summary(gens)
-    self.assertGreater(summary["hit_rate"], 0)
+    if stateful:  # A KDA state is not a function of a page: no prefix hits.
+      self.assertEqual(summary["hit_rate"], 0)
+    else:
+      self.assertGreater(summary["hit_rate"], 0)
     self.assertGreater(summary["preemptions"], 0)
     slots = engine.executor.padding.column_buckets[-1] * 4
     tokens, ref = engine_reference.block_reference(

@@ -74,12 +74,13 @@ def _call_fn(
   seed_B,
   index_B,
   targets_BxT,
+  slot_B,
 ):
   b, t = tokens_BxT.shape
-  cache = paged_cache.gather(pages, page_table_BxP, context_B, share_kv, kv_format)
-  logits_BxTxV, aux = model.apply(params, tokens_BxT, cache=cache)
+  cache = paged_cache.gather(pages, page_table_BxP, context_B, share_kv, kv_format, slot_B)
+  logits_BxTxV, aux = model.apply(params, tokens_BxT, cache=cache, num_new_B=num_new_B)
   pages = paged_cache.scatter(
-    pages, aux["cache"], page_table_BxP, context_B, num_new_B, t, share_kv
+    pages, aux["cache"], page_table_BxP, context_B, num_new_B, t, share_kv, slot_B
   )
   last_BxV = logits_BxTxV[jnp.arange(b), jnp.maximum(num_new_B - 1, 0)]
   token_B, logprob_B = sampling.sample(last_BxV, temperature_B, top_k_B, top_p_B, seed_B, index_B)
@@ -117,9 +118,12 @@ class _CallInputs:
   seed: np.ndarray
   index: np.ndarray
   targets: np.ndarray
+  slot: np.ndarray  # Each row's state slot (KDA layers); padding rows the scratch slot.
 
   @classmethod
-  def empty(cls, rows: int, tokens: int, columns: int, scratch_page: int) -> _CallInputs:
+  def empty(
+    cls, rows: int, tokens: int, columns: int, scratch_page: int, scratch_slot: int = 0
+  ) -> _CallInputs:
     zeros_B = np.zeros((rows,), np.int32)
     return cls(
       np.zeros((rows, tokens), np.int32),
@@ -132,6 +136,7 @@ class _CallInputs:
       zeros_B.copy(),
       zeros_B.copy(),
       np.zeros((rows, tokens), np.int32),
+      np.full((rows,), scratch_slot, np.int32),
     )
 
   def args(self) -> tuple:
@@ -146,6 +151,7 @@ class _CallInputs:
       self.seed,
       self.index,
       self.targets,
+      self.slot,
     )
 
 
@@ -167,17 +173,22 @@ class ModelExecutor:
     decode: Callable | None = None,
     on_token: Callable | None = None,
     top_logprobs: int = 0,
+    num_slots: int = 0,
   ):
     """padding: the padded call shapes (rows, tokens, page-table columns). top_logprobs: k > 0
     makes every call also compute, per position, the logprob of the next token and the k most
-    likely ones, kept for requests with position_logprobs."""
+    likely ones, kept for requests with position_logprobs. num_slots: per-sequence state slots
+    (models with KDA layers: the scheduler's max_num_seqs, Sequence.slot indexes them)."""
     self.model = model
     self.params = params
     self.page_size = page_size
     self.share_kv = share_kv
     self.kv_format = kv_format
     self.scratch_page = num_pages
-    self.pages = paged_cache.init_pages(model.cfg, num_pages, page_size, share_kv, kv_format)
+    self.scratch_slot = num_slots
+    self.pages = paged_cache.init_pages(
+      model.cfg, num_pages, page_size, share_kv, kv_format, num_slots
+    )
     self.padding = padding
     self.clock = clock
     self.record_logits = record_logits
@@ -198,7 +209,7 @@ class ModelExecutor:
     (rows, tokens, columns) shape by running it once on no tokens: every row reads and writes
     only the scratch page, so no cached K/V changes."""
     for i, (b, q, columns) in enumerate(shapes):
-      inputs = _CallInputs.empty(b, q, columns, self.scratch_page)
+      inputs = _CallInputs.empty(b, q, columns, self.scratch_page, self.scratch_slot)
       self.pages, *_ = self._call(self.params, self.pages, *inputs.args())
       if on_shape is not None:
         on_shape(i + 1, len(shapes))
@@ -212,12 +223,14 @@ class ModelExecutor:
     """Fresh, zeroed pages (every cached K/V lost: the caller drops whatever refers to them)."""
     cfg = self.model.cfg
     self.pages = paged_cache.init_pages(
-      cfg, self.scratch_page, self.page_size, self.share_kv, self.kv_format
+      cfg, self.scratch_page, self.page_size, self.share_kv, self.kv_format, self.scratch_slot
     )
 
   def _inputs(self, batch, shape, group) -> _CallInputs:
     """The host arrays of one call; a row that cannot be built raises RequestFailed."""
-    inputs = _CallInputs.empty(shape.rows, shape.tokens, shape.columns, self.scratch_page)
+    inputs = _CallInputs.empty(
+      shape.rows, shape.tokens, shape.columns, self.scratch_page, self.scratch_slot
+    )
     for row, i in enumerate(group):
       seq, new, ctx = batch.seqs[i], batch.num_new_tokens[i], batch.num_context_tokens[i]
       try:
@@ -229,6 +242,10 @@ class ModelExecutor:
         inputs.temperature[row], inputs.top_k[row] = sp.temperature, sp.top_k
         inputs.top_p[row], inputs.seed[row] = sp.top_p, sp.seed
         inputs.index[row] = len(state.generated)
+        if self.scratch_slot:  # KDA layers: the row's state lives in its slot.
+          if seq.slot is None:
+            raise ValueError("holds no state slot (SchedulerConfig.state_slots is off).")
+          inputs.slot[row] = seq.slot
         if self.top_logprobs and state.request.position_logprobs:
           known = state.tokens[ctx + 1 : ctx + new + 1]  # The last one is sampled if unknown.
           inputs.targets[row, : len(known)] = known
