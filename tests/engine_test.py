@@ -241,9 +241,10 @@ class PagedCacheTest(absltest.TestCase):
     expected = padding.Padding.engine_default(engine.config)
     self.assertEqual(engine.executor.padding, expected)
 
-  def test_kda_is_refused(self):
-    cfg = dataclasses.replace(CFG, core_mixers=("kda",))
-    with self.assertRaisesRegex(ValueError, "kda"):
+  def test_kda_only_model_is_refused(self):
+    kda = ("kda",)
+    cfg = dataclasses.replace(CFG, prelude_mixers=kda, core_mixers=kda, coda_mixers=kda)
+    with self.assertRaisesRegex(ValueError, "at least one 'gqa' or 'mla' layer to page"):
       Engine(
         LoopedLM(cfg),
         None,
