@@ -72,17 +72,18 @@ KDA_CASES = [
 ]
 
 
+KDA_BLOCK = 4  # Every prompt block is padded to the 8-token bucket.
+
+
 def _kda_requests(rng, vocab):
-  """Prompts of 20 and 12 tokens: blocks of 8 and a 4-token tail padded to 8 (the unpadded
-  reference compiles three call lengths: 8, 4 and 1). In 7 pages of 4 tokens with a 12-token
-  step, requests are preempted in both layouts."""
+  """Prompts of 20 and 12 tokens, so blocks of exactly KDA_BLOCK tokens: the unpadded
+  reference compiles two call lengths, 4 and 1. In 7 pages of 4 tokens, requests are
+  preempted in both layouts."""
   return [
     GenRequest(
-      i,
-      tuple(int(t) for t in rng.integers(0, vocab, n)),
-      SamplingParams(max_new_tokens=new),
+      i, tuple(int(t) for t in rng.integers(0, vocab, n)), SamplingParams(max_new_tokens=4)
     )
-    for i, (n, new) in enumerate(((20, 3), (20, 8), (12, 3), (12, 8)))
+    for i, n in enumerate((20, 12, 12, 20))
   ]
 
 
@@ -109,10 +110,12 @@ class EngineLogitsTest(parameterized.TestCase):
     rng = np.random.default_rng(1)
     stateful = paged_cache.has_state(cfg)
     if stateful:
-      requests = _kda_requests(rng, cfg.vocab_size)
+      requests, block = _kda_requests(rng, cfg.vocab_size), KDA_BLOCK
     else:
       requests = _requests(6, rng, vocab=cfg.vocab_size, max_new=(3, 6), prefixes=1)
-    # 3 rows, blocks of 8, 7 pages of 4 tokens: chunked prefill, prefix hits, preemption.
+      block = BLOCK
+    # 3 rows, blocks of 8 (KDA: 4), 7 pages of 4 tokens: chunked prefill, prefix hits (not for
+    # KDA), preemption.
     engine = Engine(
       model,
       params,
@@ -121,9 +124,9 @@ class EngineLogitsTest(parameterized.TestCase):
         kv_format=kv_format,
         num_pages=7,
         page_size=4,
-        max_num_batched_tokens=12 if stateful else 8,  # Lets a block join decoding rows.
+        max_num_batched_tokens=8,
         max_num_seqs=3,
-        prefill_block=BLOCK,
+        prefill_block=block,
         row_buckets=(3,),
         token_buckets=(8,),
         column_buckets=(),  # One page-table width: fewer compilations.
@@ -140,7 +143,7 @@ class EngineLogitsTest(parameterized.TestCase):
     self.assertGreater(summary["preemptions"], 0)
     slots = engine.executor.padding.column_buckets[-1] * 4
     tokens, ref = engine_reference.block_reference(
-      cfg, params, requests, share_kv=share_kv, block=BLOCK, kv_format=kv_format, slots=slots
+      cfg, params, requests, share_kv=share_kv, block=block, kv_format=kv_format, slots=slots
     )
     compared = 0
     for i, (r, g) in enumerate(zip(requests, gens)):

@@ -4,7 +4,8 @@ A step takes the scheduler's ragged batch (each sequence computes q_i new tokens
 cached ones; prefill chunks and decode tokens mixed) and runs it as at most two padded calls
 (looped/engine/padding.py, which the simulator's engine pricing shares): the rows with one new
 token together, and the rows with a longer chunk together, so a decode does not pay for another
-row's chunk. A call gathers each row's pages into a dense cache, runs the model's decode path on
+row's chunk. A call gathers each row's pages (and KDA states, from its state slot) into a dense
+cache, runs the model's decode path on
 the whole chunk at once, writes the new entries back into the pages and samples the next token
 of every sequence whose chunk reaches its last token.
 
