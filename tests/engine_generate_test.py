@@ -138,6 +138,11 @@ class GenerateProgramTest(absltest.TestCase):
       _gen_config(unrecorded, **{"gen.prompts": "x", **testing.KDA_ONLY_OVERRIDES}),
       "config.model.*kda",
     )
+    # A KDA core's state slots come out of the budget before its pages.
+    hybrid = {"gen.prompts": "x", "model.core_mixers": ("kda",), "gen.kv_budget_bytes": 1e5}
+    self._fails(
+      _gen_config(unrecorded, **hybrid), "gen.kv_budget_bytes.*holds 0 pages .* after 8 state"
+    )
     # A prompt that alone fills the context is the prompt's fault, not max_new_tokens'.
     self._fails(
       _gen_config(self.train_dir, **{"gen.prompts": ("ab", "x" * 32)}),
