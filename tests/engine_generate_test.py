@@ -129,8 +129,8 @@ class GenerateProgramTest(absltest.TestCase):
       _gen_config(self.train_dir, **{"gen.prompts": "x" * 30}), "gen.max_new_tokens.*max_seq_len 32"
     )
     self._fails(_gen_config(self.train_dir, **{"gen.prompts": "x", "gen.top_p": 0.0}), "gen.top_p")
-    # A model of KDA layers only has nothing to page: refused for a workdir without a recorded
-    # model (with one, the recorded model is used; tests/model_record_test.py covers overrides).
+    # The engine cannot page KDA state: refused for a workdir without a recorded model (with
+    # one, the recorded model is used; tests/model_record_test.py covers overrides).
     unrecorded = os.path.join(self.tmp, "unrecorded")
     shutil.copytree(self.train_dir, unrecorded)
     os.remove(os.path.join(unrecorded, model_record.FILENAME))

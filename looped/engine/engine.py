@@ -153,12 +153,12 @@ class Engine:
       page_size=c.page_size,
       share_kv=c.share_kv,
       kv_format=c.kv_format,
+      num_slots=self.num_slots,
       padding=padding,
       clock=clock,
       record_logits=c.record_logits,
       decode=decode,
       top_logprobs=c.top_logprobs,
-      num_slots=self.num_slots,
     )
     self.page_bytes = c.page_size * paged_cache.bytes_per_token(model.cfg, c.share_kv, c.kv_format)
     self.slot_bytes = paged_cache.bytes_per_sequence(model.cfg, c.share_kv)

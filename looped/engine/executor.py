@@ -168,18 +168,18 @@ class ModelExecutor:
     page_size: int,
     share_kv: bool,
     kv_format: str | None,
+    # Per-sequence state slots of KDA layers (the scheduler's max_num_seqs; Sequence.slot).
+    num_slots: int = 0,
     padding: Padding,
     clock: scheduler_lib.Executor | None = None,
     record_logits: bool = False,
     decode: Callable | None = None,
     on_token: Callable | None = None,
     top_logprobs: int = 0,
-    num_slots: int = 0,
   ):
     """padding: the padded call shapes (rows, tokens, page-table columns). top_logprobs: k > 0
     makes every call also compute, per position, the logprob of the next token and the k most
-    likely ones, kept for requests with position_logprobs. num_slots: per-sequence state slots
-    (models with KDA layers: the scheduler's max_num_seqs, Sequence.slot indexes them)."""
+    likely ones, kept for requests with position_logprobs."""
     self.model = model
     self.params = params
     self.page_size = page_size
