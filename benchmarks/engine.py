@@ -139,7 +139,7 @@ def block_sweep(model, params, workloads, args):
 
 def _throughput_layout(model, params, workload, requests, share, budget, args, seat_counts=None):
   rows = []
-  num_pages = pages_for_budget(model, budget, PAGE, share, None)
+  num_pages = pages_for_budget(model, budget, PAGE, share, None, args.max_num_seqs)
   for seqs in seat_counts or (args.max_num_seqs, 1):
     if True:
       engine = Engine(

@@ -4,10 +4,11 @@ For GQA, MLA, KDA and a KDA:MLA hybrid, shared and unshared, in every KV format 
 accepts, the simulator's bytes per token (and so its pages per budget and bytes per request)
 equal the engine pool's, with one stated difference: the engine's pages (like the model's cache)
 quantize one token slice at a time and so store nvfp4's float32 tensor scale per token slice,
-which the simulator leaves out as kv_quant.bytes_per_value does (amortised over a page). The
-engine refuses models with KDA layers (paged_cache.check_model: a per-sequence state is not
-pageable); for those the engine side is the byte count its pool would use, from the same
-`paged_cache.bytes_per_token`, and the KDA state is compared with the model's own cache.
+which the simulator leaves out as kv_quant.bytes_per_value does (amortised over a page). KDA
+layers keep a per-sequence state, which the engine holds in one state slot per running request
+beside its pages: its pool is pages of the layout's per-token bytes plus slots of its
+per-sequence bytes (a model of KDA layers only has nothing to page and is refused by both), and
+the KDA state is compared with the model's own cache.
 
 Independent of the layout function: one hand-derived case per mixer and the hybrid, the entry
 list of a small model, and the bytes of the arrays the engine and the model really allocate
@@ -58,6 +59,10 @@ MODELS = {
   "kda_mla": ModelConfig(
     **_BASE, prelude_mixers=("mla",), core_mixers=("kda", "mla"), coda_mixers=("mla",)
   ),
+  # A KDA core between GQA prelude and coda.
+  "kda_gqa": ModelConfig(
+    **_BASE, prelude_mixers=("gqa",), core_mixers=("kda",), coda_mixers=("gqa",)
+  ),
 }
 FORMATS = (None,) + kv_quant.FORMATS  # None: raw pages at the compute dtype (float32 here).
 CASES = [(m, s, f) for m in MODELS for s in (True, False) for f in FORMATS]
@@ -100,12 +105,17 @@ class SimulatorMatchesEngineTest(parameterized.TestCase):
     if model == "kda":  # Nothing per token: nothing to page (the simulator refuses the model).
       self.assertEqual(sim_page, 0)
       return
-    engine_pages = engine_lib.pages_for_budget(LoopedLM(cfg), budget, page_size, share_kv, fmt)
+    # The budget first holds a state slot per running request (KDA layers; none otherwise).
+    seqs = 8
+    engine_pages = engine_lib.pages_for_budget(
+      LoopedLM(cfg), budget, page_size, share_kv, fmt, seqs
+    )
+    pages_budget = budget - seqs * sim.kv_bytes_per_sequence(share_kv)
     pages_per_request = math.ceil(length / page_size)  # The scheduler's pool, for both.
     if fmt != "nvfp4":
-      self.assertEqual(engine_pages, int(budget // sim_page))
+      self.assertEqual(engine_pages, int(pages_budget // sim_page))
     else:
-      self.assertLessEqual(engine_pages, int(budget // sim_page))
+      self.assertLessEqual(engine_pages, int(pages_budget // sim_page))
     self.assertEqual(
       pages_per_request * page_size * engine_bytes,
       pages_per_request * (sim_page + page_size * tensor_scales),
@@ -135,16 +145,48 @@ class ArraysTest(parameterized.TestCase):
   def test_engine_pages_and_model_cache(self, model, share_kv, fmt):
     cfg = MODELS[model]
     per_token = paged_cache.bytes_per_token(cfg, share_kv, fmt)
-    if "kda" in model:
+    state = _sim_shape(cfg).kv_bytes_per_sequence(share_kv)
+    if model == "kda":  # Nothing per token: the engine has nothing to page.
       with self.assertRaisesRegex(ValueError, "kda"):
-        paged_cache.init_pages(cfg, 1, 1, share_kv, fmt)
-    else:  # Two one-token pages: the real one and the scratch page.
-      pages = jax.eval_shape(lambda: paged_cache.init_pages(cfg, 1, 1, share_kv, fmt))
-      self.assertEqual(_nbytes(pages), 2 * per_token)
+        paged_cache.init_pages(cfg, 1, 1, share_kv, fmt, num_slots=1)
+    else:  # One-token pages and state slots: a real one and the scratch one of each.
+      pages = jax.eval_shape(lambda: paged_cache.init_pages(cfg, 1, 1, share_kv, fmt, 1))
+      self.assertEqual(_nbytes(pages), 2 * per_token + 2 * state)
     slots = 4
     cache = jax.eval_shape(lambda: init_cache(cfg, 1, slots, share_kv, kv_format=fmt))
-    state = _sim_shape(cfg).kv_bytes_per_sequence(share_kv)
     self.assertEqual(_nbytes(cache.layers), slots * per_token + state)
+
+  @parameterized.parameters(
+    *[
+      (m, s, f) for m in ("gqa", "kda_gqa", "kda_mla") for s in (True, False) for f in (None, "fp8")
+    ]
+  )
+  def test_engine_pool_bytes(self, model, share_kv, fmt):
+    """The engine's pool: num_pages pages of the layout's per-token bytes plus max_num_seqs
+    slots of its per-sequence bytes, what pages_for_budget fits and what is allocated."""
+    cfg = MODELS[model]
+    layout = cache_layout(cfg, share_kv)
+    per_token = layout.bytes_per_token(fmt, raw_itemsize=4, tensor_scales=True)
+    per_sequence = layout.bytes_per_sequence()
+    self.assertEqual(per_sequence > 0, "kda" in model)
+    num_pages, page_size, seqs = 5, 4, 3
+    config = engine_lib.EngineConfig(
+      share_kv=share_kv,
+      kv_format=fmt,
+      num_pages=num_pages,
+      page_size=page_size,
+      max_num_batched_tokens=8,
+      max_num_seqs=seqs,
+    )
+    engine = engine_lib.Engine(LoopedLM(cfg), None, config)
+    want = num_pages * page_size * per_token + seqs * per_sequence
+    self.assertEqual(engine.pool_bytes, want)
+    self.assertEqual(engine.num_slots, seqs if per_sequence else 0)
+    # The arrays, with the scratch page (and the scratch slot when there are slots).
+    scratch = page_size * per_token + per_sequence
+    self.assertEqual(_nbytes(engine.executor.pages), want + scratch)
+    args = (LoopedLM(cfg), engine.pool_bytes, page_size, share_kv, fmt, seqs)
+    self.assertEqual(engine_lib.pages_for_budget(*args), num_pages)
 
 
 class HandDerivedTest(absltest.TestCase):

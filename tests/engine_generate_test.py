@@ -139,8 +139,13 @@ class GenerateProgramTest(absltest.TestCase):
     shutil.copytree(self.train_dir, unrecorded)
     os.remove(os.path.join(unrecorded, model_record.FILENAME))
     self._fails(
-      _gen_config(unrecorded, **{"gen.prompts": "x", "model.core_mixers": ("kda",)}),
+      _gen_config(unrecorded, **{"gen.prompts": "x", **testing.KDA_ONLY_OVERRIDES}),
       "config.model.*kda",
+    )
+    # A KDA core's state slots come out of the budget before its pages.
+    hybrid = {"gen.prompts": "x", "model.core_mixers": ("kda",), "gen.kv_budget_bytes": 1e5}
+    self._fails(
+      _gen_config(unrecorded, **hybrid), "gen.kv_budget_bytes.*holds 0 pages .* after 8 state"
     )
     # A prompt that alone fills the context is the prompt's fault, not max_new_tokens'.
     self._fails(

@@ -4,9 +4,11 @@ Under the semantics of docs/design.md §3 a request's prompt is computed in bloc
 aligned from its start (the last one cut at the prompt's end) and every later position in a
 call of its own; greedy tokens are fed back. Rows are batched only to save compilations: each
 row has its own cache and its own block schedule (one call per block, padded to C tokens, the
-row's cache length advanced by its real block length), so rows never interact. No pages, no
-scheduler, no prefix cache, no preemption: what the engine's chunking, hits and recomputes must
-reproduce.
+row's cache length advanced by its real block length), so rows never interact. A model with a
+recurrent state (KDA) is run one request at a time on calls of exactly each block's tokens, so
+no padding ever reaches its state: the engine's handling of padding is what is under test. No
+pages, no scheduler, no prefix cache, no preemption: what the engine's chunking, hits and
+recomputes must reproduce.
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ def block_reference(
     if slots < length:
       raise ValueError(f"slots = {slots} < {length}, the longest request plus a block.")
     length = slots
+  if any("kda" in cfg.mixers(stage) for stage in ("prelude", "core", "coda")):
+    return _unpadded(cfg, params, requests, schedules, share_kv, kv_format, length)
   b = len(requests)
   cache = init_cache(cfg, b, length, share_kv, kv_format=kv_format)
   tokens = [list(r.prompt_tokens) for r in requests]
@@ -89,3 +93,35 @@ def block_reference(
           tokens[i].append(token)
   # A request whose schedule ended emits its last token from its last call; nothing after.
   return [g[: r.output_len] for g, r in zip(generated, requests)], logits
+
+
+@functools.lru_cache(maxsize=16)
+def _exact_call(cfg):
+  model = LoopedLM(cfg)
+
+  @jax.jit
+  def call(params, cache, tokens_1xC):  # Compiles once per block length.
+    logits_1xCxV, aux = model.apply(params, tokens_1xC, cache=cache)
+    return aux["cache"], logits_1xCxV
+
+  return call
+
+
+def _unpadded(cfg, params, requests, schedules, share_kv, kv_format, length):
+  """block_reference one request at a time, each call exactly its block's tokens."""
+  call = _exact_call(cfg)
+  all_generated, all_logits = [], []
+  for r, sched in zip(requests, schedules):
+    cache = init_cache(cfg, 1, length, share_kv, kv_format=kv_format)
+    tokens, generated, logits = list(r.prompt_tokens), [], {}
+    for start, q in sched:
+      cache, logits_1xCxV = call(params, cache, jnp.asarray([tokens[start : start + q]]))
+      logits_CxV = np.asarray(logits_1xCxV[0])
+      for j in range(q):
+        logits[start + j] = logits_CxV[j]
+      if start + q >= r.prompt_len:
+        generated.append(int(logits_CxV[q - 1].argmax()))
+        tokens.append(generated[-1])
+    all_generated.append(generated[: r.output_len])
+    all_logits.append(logits)
+  return all_generated, all_logits

@@ -58,6 +58,33 @@ MLA = dataclasses.replace(
   mla_kv_rank=32,
   mla_rope_dim=32,
 )
+# KDA core layers (state slots) between GQA prelude and coda (pages), and a KDA:MLA hybrid core
+# between MLA layers.
+KDA = dataclasses.replace(CFG, core_mixers=("kda",))
+KDA_MLA = dataclasses.replace(MLA, core_mixers=("kda", "mla"))
+KDA_CASES = [
+  (KDA, True, None),
+  (KDA, False, None),
+  (KDA_MLA, True, None),
+  (KDA_MLA, False, None),
+  (KDA_MLA, True, "nvfp4"),
+  (KDA_MLA, False, "fp8"),
+]
+
+
+KDA_BLOCK = 4  # Every prompt block is padded to the 8-token bucket.
+
+
+def _kda_requests(rng, vocab):
+  """Prompts of 20 and 12 tokens, so blocks of exactly KDA_BLOCK tokens: the unpadded
+  reference compiles two call lengths, 4 and 1. In 7 pages of 4 tokens, requests are
+  preempted in both layouts."""
+  return [
+    GenRequest(
+      i, tuple(int(t) for t in rng.integers(0, vocab, n)), SamplingParams(max_new_tokens=4)
+    )
+    for i, n in enumerate((20, 12, 12, 20))
+  ]
 
 
 class EngineLogitsTest(parameterized.TestCase):
@@ -73,11 +100,22 @@ class EngineLogitsTest(parameterized.TestCase):
   def test_mla_logits_equal_reference(self, share_kv, kv_format):
     self._check(MLA, share_kv, kv_format)
 
+  @parameterized.parameters(*KDA_CASES)
+  def test_kda_logits_equal_reference(self, cfg, share_kv, kv_format):
+    """KDA states in slots, padded rows and chunks, preemption; prefix hits are off."""
+    self._check(cfg, share_kv, kv_format)
+
   def _check(self, cfg, share_kv, kv_format):
     model, params = LoopedLM(cfg), _params(cfg)
     rng = np.random.default_rng(1)
-    requests = _requests(6, rng, vocab=cfg.vocab_size, max_new=(3, 6), prefixes=1)
-    # 3 rows, blocks of 8, 7 pages of 4 tokens: chunked prefill, prefix hits, preemption.
+    stateful = paged_cache.has_state(cfg)
+    if stateful:
+      requests, block = _kda_requests(rng, cfg.vocab_size), KDA_BLOCK
+    else:
+      requests = _requests(6, rng, vocab=cfg.vocab_size, max_new=(3, 6), prefixes=1)
+      block = BLOCK
+    # 3 rows, blocks of 8 (KDA: 4), 7 pages of 4 tokens: chunked prefill, prefix hits (not for
+    # KDA), preemption.
     engine = Engine(
       model,
       params,
@@ -88,7 +126,7 @@ class EngineLogitsTest(parameterized.TestCase):
         page_size=4,
         max_num_batched_tokens=8,
         max_num_seqs=3,
-        prefill_block=BLOCK,
+        prefill_block=block,
         row_buckets=(3,),
         token_buckets=(8,),
         column_buckets=(),  # One page-table width: fewer compilations.
@@ -98,11 +136,14 @@ class EngineLogitsTest(parameterized.TestCase):
     )
     gens = engine.generate(requests)
     summary = engine.summary(gens)
-    self.assertGreater(summary["hit_rate"], 0)
+    if stateful:  # A KDA state is not a function of a page: no prefix hits.
+      self.assertEqual(summary["hit_rate"], 0)
+    else:
+      self.assertGreater(summary["hit_rate"], 0)
     self.assertGreater(summary["preemptions"], 0)
     slots = engine.executor.padding.column_buckets[-1] * 4
     tokens, ref = engine_reference.block_reference(
-      cfg, params, requests, share_kv=share_kv, block=BLOCK, kv_format=kv_format, slots=slots
+      cfg, params, requests, share_kv=share_kv, block=block, kv_format=kv_format, slots=slots
     )
     compared = 0
     for i, (r, g) in enumerate(zip(requests, gens)):
@@ -203,9 +244,10 @@ class PagedCacheTest(absltest.TestCase):
     expected = padding.Padding.engine_default(engine.config)
     self.assertEqual(engine.executor.padding, expected)
 
-  def test_kda_is_refused(self):
-    cfg = dataclasses.replace(CFG, core_mixers=("kda",))
-    with self.assertRaisesRegex(ValueError, "kda"):
+  def test_kda_only_model_is_refused(self):
+    kda = ("kda",)
+    cfg = dataclasses.replace(CFG, prelude_mixers=kda, core_mixers=kda, coda_mixers=kda)
+    with self.assertRaisesRegex(ValueError, "at least one 'gqa' or 'mla' layer to page"):
       Engine(
         LoopedLM(cfg),
         None,

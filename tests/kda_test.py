@@ -1,8 +1,8 @@
 """KDA's delta rule against flash-linear-attention's naive forms, and its forms against each other.
 
 References: tests/testdata/kda_vectors.npz (tests/make_kda_vectors.py: fla's naive_recurrent_kda
-and naive_chunk_kda), live fla when importable, and a plain per-token numpy loop for the shared
-read.
+and naive_chunk_kda), live fla when importable, a plain per-token numpy loop for the shared
+read, and each row of a padded decode call decoded alone on its real tokens.
 """
 
 import importlib.util
@@ -15,6 +15,8 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 from looped.model import kda
+from looped.model.config import ModelConfig
+from looped.model.mixer_interface import MixerContext
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -145,6 +147,36 @@ class KdaFormsTest(parameterized.TestCase):
     np.testing.assert_allclose(kda.causal_conv(x[:, 6:], w, x[:, 3:6]), full[:, 6:], atol=1e-6)
     # Hand-computed: out_t = sum_i w_i x_{t-3+i} with zeros before the start.
     np.testing.assert_allclose(full[:, 1], w[2] * x[:, 0] + w[3] * x[:, 1], atol=1e-6)
+
+
+class KdaPaddingTest(absltest.TestCase):
+  """A batched decode call pads rows to one length: padding tokens (after num_new_B[b] real
+  ones) leave the row's state and conv tail as its real tokens left them."""
+
+  def test_padding_leaves_state_and_conv_tail(self):
+    cfg = ModelConfig(vocab_size=16, d_model=16, num_heads=2, head_dim=8, kda_conv_size=3)
+    layer = kda.KDA(cfg, 0.02)
+    lengths, t = (3, 6, 0), 6  # Row 2 is a padding row: nothing real at all.
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    x_BxTxD = jax.random.normal(keys[0], (3, t, cfg.d_model))
+    past = kda.KDAState(
+      0.1 * jax.random.normal(keys[1], (3, 2, 8, 8)),
+      jax.random.normal(keys[2], (3, cfg.kda_conv_size - 1, 3 * 2 * 8)),
+    )
+    mask = jnp.ones((3, t, t), bool)
+    params = layer.init(keys[0], x_BxTxD, None, MixerContext(mask, past))
+    ctx = MixerContext(mask, past, num_new_B=jnp.asarray(lengths))
+    y_BxTxD, state = layer.apply(params, x_BxTxD, None, ctx)
+    for b, n in enumerate(lengths):
+      row = lambda a, b=b: a[b : b + 1]
+      if n:  # The row alone, on exactly its real tokens.
+        one = MixerContext(mask[:1, :n, :n], jax.tree.map(row, past))
+        y_want, want = layer.apply(params, x_BxTxD[b : b + 1, :n], None, one)
+        np.testing.assert_allclose(y_BxTxD[b, :n], y_want[0], atol=1e-6)
+      else:
+        want = jax.tree.map(row, past)
+      np.testing.assert_allclose(state.state_BxNxHxE[b], want.state_BxNxHxE[0], atol=1e-6)
+      np.testing.assert_array_equal(state.conv_BxWxM[b], want.conv_BxWxM[0])
 
 
 if __name__ == "__main__":

@@ -33,6 +33,10 @@ TINY_MODEL = ModelConfig(
 )
 
 
+# Every layer KDA: a model with only per-sequence state, which the engine has nothing to page.
+KDA_ONLY_OVERRIDES = {f"model.{s}_mixers": ("kda",) for s in ("prelude", "core", "coda")}
+
+
 # A short smoke pretraining for trainer and fault tests: 32-token rows, batches of 4.
 TINY_RUN_OVERRIDES = {
   "data.seq_len": 32,

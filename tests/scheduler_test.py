@@ -149,6 +149,49 @@ class HandBuiltTracesTest(absltest.TestCase):
     self.assertEqual((m["num_requests"], m["num_rejected"]), (2, 1))
 
 
+class SlotRecorder(UnitStepExecutor):
+  """Also records each batch's state slots."""
+
+  def __init__(self):
+    super().__init__(fast_forward=False)
+    self.slots = []
+
+  def execute(self, batch):
+    self.slots.append({s.request.request_id: s.slot for s in batch.seqs})
+    return super().execute(batch)
+
+
+class StateSlotsTest(absltest.TestCase):
+  """state_slots: one slot per running request, taken at admission, given back on finish and
+  preemption; prefix_caching off: no hits, not even on a request's own pages."""
+
+  def test_slots_follow_admission_finish_and_preemption(self):
+    reqs = [
+      _req(0, 0.0, 8, 9, [1, 2]),  # G: 4 pages at its longest.
+      _req(1, 0.0, 4, 9, [3]),  # H: preempted at step 6 when G needs its 4th page.
+      _req(2, 0.5, 8, 1, [1, 2]),  # G's prompt: would hit G's pages with prefix caching.
+    ]
+    executor = SlotRecorder()
+    config = scheduler.SchedulerConfig(4, 64, 2, state_slots=True, prefix_caching=False)
+    pool = pages.PagePool(5, debug=True)
+    sched = scheduler.Scheduler(config, pool, executor, fast_forward=False, check_invariants=True)
+    replay.replay(reqs, sched)
+    g, h, k = sorted(sched.finished, key=lambda s: s.request.request_id)
+    self.assertEqual((g.num_preemptions, h.num_preemptions), (0, 1))
+    self.assertEqual(executor.slots[0], {0: 0, 1: 1})  # Lowest free slot first.
+    # H's slot went back when it was preempted; the queued K waits for G's pages; H is
+    # re-admitted once G finishes and takes the lowest free slot, 0.
+    h_slots = [step[1] for step in executor.slots if 1 in step]
+    self.assertEqual(h_slots[0], 1)
+    self.assertEqual(h_slots[-1], 0)
+    for step in executor.slots:  # Never two running requests on one slot.
+      self.assertLen(set(step.values()), len(step))
+    self.assertEqual((g.slot, h.slot, k.slot), (None, None, None))
+    self.assertEqual(sorted(sched.free_slots), [0, 1])
+    self.assertEqual(sched.stats.first_cached_tokens + sched.stats.readmit_cached_tokens, 0)
+    self.assertEqual(sched.pool.num_in_use, 0)
+
+
 class CostModelTimingTest(absltest.TestCase):
   def _executor(self):
     hw = hardware.Hardware("slow", 1e9, 1e9, 1.0, 1e-3, "test")

@@ -84,12 +84,12 @@ class ServerProgramTest(absltest.TestCase):
     ):
       with self.subTest(field=field, value=value):
         self._fails(_config(self.train_dir, **{field: value}), pattern)
-    # The engine cannot page KDA state: refused for a workdir without a recorded model (with
-    # one, the recorded model is used; tests/model_record_test.py covers overrides).
+    # A model of KDA layers only has nothing to page: refused for a workdir without a recorded
+    # model (with one, the recorded model is used; tests/model_record_test.py covers overrides).
     unrecorded = os.path.join(self._tmp.name, "unrecorded")
     shutil.copytree(self.train_dir, unrecorded, dirs_exist_ok=True)
     os.remove(os.path.join(unrecorded, model_record.FILENAME))
-    self._fails(_config(unrecorded, **{"model.core_mixers": ("kda",)}), "config.model.*kda")
+    self._fails(_config(unrecorded, **testing.KDA_ONLY_OVERRIDES), "config.model.*kda")
 
   def test_sigterm_drains_the_stream_in_flight_and_exits(self):
     workdir = os.path.join(self._tmp.name, "serve")

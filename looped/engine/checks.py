@@ -28,6 +28,14 @@ def check_model_and_format(config, section: str, model_cfg):
   return cfg, fmt
 
 
+def slots_note(cfg, share_kv: bool, max_num_seqs: int) -> str:
+  """What the budget holds before its pages, for a model with KDA layers (else '')."""
+  per_seq = paged_cache.bytes_per_sequence(cfg, share_kv)
+  if not per_seq:
+    return ""
+  return f" after {max_num_seqs} state slots of {per_seq:.0f} bytes (max_num_seqs)"
+
+
 def check_prefill_block(config, section: str) -> int:
   """`{section}.prefill_block`: within the per-step token budget (a block is one call, never
   split across steps)."""

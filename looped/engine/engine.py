@@ -29,11 +29,18 @@ from looped.scheduler import scheduler as scheduler_lib
 
 
 def pages_for_budget(
-  model: LoopedLM, budget_bytes: float, page_size: int, share_kv: bool, kv_format: str | None
+  model: LoopedLM,
+  budget_bytes: float,
+  page_size: int,
+  share_kv: bool,
+  kv_format: str | None,
+  max_num_seqs: int,
 ) -> int:
-  """Pages a KV budget holds in the given layout and format."""
+  """Pages a KV budget holds in the given layout and format once it holds the state slots of
+  max_num_seqs requests (models with KDA layers; 0 bytes otherwise)."""
   per_page = page_size * paged_cache.bytes_per_token(model.cfg, share_kv, kv_format)
-  return int(budget_bytes // per_page)
+  slots = max_num_seqs * paged_cache.bytes_per_sequence(model.cfg, share_kv)
+  return max(int((budget_bytes - slots) // per_page), 0)
 
 
 # The gen and serve configs' default prefill block (their comments say why).
@@ -47,7 +54,8 @@ class EngineConfig:
 
   # Cache only the final recurrence's core K/V (docs/design.md §3): fewer bytes per token.
   share_kv: bool
-  # KV pages in the pool: the memory budget (pages_for_budget converts a byte budget).
+  # KV pages in the pool: the memory budget (pages_for_budget converts a byte budget). A model
+  # with KDA layers also holds max_num_seqs state slots (paged_cache.bytes_per_sequence each).
   num_pages: int
   # Format the cached K/V are stored in (looped.kv_quant; None: raw compute-dtype arrays).
   kv_format: str | None = None
@@ -108,6 +116,8 @@ class Engine:
     self.model = model
     self.engine_config = config
     self.max_model_len = c.max_model_len or model.cfg.max_seq_len
+    stateful = paged_cache.has_state(model.cfg)
+    self.num_slots = c.max_num_seqs if stateful else 0  # One state slot per running request.
     block = c.prefill_block
     if block is None:
       limit = min(DEFAULT_PREFILL_BLOCK, c.max_num_batched_tokens)
@@ -124,6 +134,8 @@ class Engine:
       self.max_model_len,
       prefill_block=block,
       shared_blocks=c.share_kv,
+      state_slots=stateful,
+      prefix_caching=not stateful,  # A KDA state is not a function of a page.
     )
     longest = padding_lib.longest_chunk(self.config)
     row_buckets = tuple(sorted(c.row_buckets or padding_lib.geometric(c.max_num_seqs)))
@@ -154,6 +166,7 @@ class Engine:
       page_size=c.page_size,
       share_kv=c.share_kv,
       kv_format=c.kv_format,
+      num_slots=self.num_slots,
       padding=padding,
       clock=clock,
       record_logits=c.record_logits,
@@ -162,7 +175,14 @@ class Engine:
       mesh=self.mesh,
     )
     self.page_bytes = c.page_size * paged_cache.bytes_per_token(model.cfg, c.share_kv, c.kv_format)
+    self.slot_bytes = paged_cache.bytes_per_sequence(model.cfg, c.share_kv)
     self.scheduler: scheduler_lib.Scheduler | None = None
+
+  @property
+  def pool_bytes(self) -> float:
+    """Bytes of the KV pool: pages, and state slots of models with KDA layers (scratch page and
+    slot excluded); what pages_for_budget fits into a budget."""
+    return self.num_pages * self.page_bytes + self.num_slots * self.slot_bytes
 
   def step_shapes(self) -> list[tuple[int, int, int]]:
     """Every padded call shape the scheduler's batches can produce (one compilation each)."""
@@ -225,6 +245,8 @@ class Engine:
     replay.replay(ordered, sched)
     if pool.num_in_use:
       raise RuntimeError(f"{pool.num_in_use} pages still held after serving (a leak).")
+    if len(sched.free_slots) != self.num_slots:
+      raise RuntimeError(f"{self.num_slots - len(sched.free_slots)} state slots still held.")
     seqs = {s.request.request_id: s for s in sched.finished}
     out = []
     for r in requests:
@@ -266,6 +288,9 @@ class Engine:
       "busy_s": busy,
       "num_pages": self.num_pages,
       "page_bytes": self.page_bytes,
+      "num_state_slots": self.num_slots,
+      "state_slot_bytes": self.slot_bytes,
+      "kv_pool_bytes": self.pool_bytes,
       "peak_pages_in_use": sched.pool.peak_in_use,
       "pages_in_use_at_end": sched.pool.num_in_use,
     }

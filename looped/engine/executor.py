@@ -4,7 +4,8 @@ A step takes the scheduler's ragged batch (each sequence computes q_i new tokens
 cached ones; prefill chunks and decode tokens mixed) and runs it as at most two padded calls
 (looped/engine/padding.py, which the simulator's engine pricing shares): the rows with one new
 token together, and the rows with a longer chunk together, so a decode does not pay for another
-row's chunk. A call gathers each row's pages into a dense cache, runs the model's decode path on
+row's chunk. A call gathers each row's pages (and KDA states, from its state slot) into a dense
+cache, runs the model's decode path on
 the whole chunk at once, writes the new entries back into the pages and samples the next token
 of every sequence whose chunk reaches its last token.
 
@@ -76,12 +77,13 @@ def _call_fn(
   seed_B,
   index_B,
   targets_BxT,
+  slot_B,
 ):
   b, t = tokens_BxT.shape
-  cache = paged_cache.gather(pages, page_table_BxP, context_B, share_kv, kv_format)
-  logits_BxTxV, aux = model.apply(params, tokens_BxT, cache=cache)
+  cache = paged_cache.gather(pages, page_table_BxP, context_B, share_kv, kv_format, slot_B)
+  logits_BxTxV, aux = model.apply(params, tokens_BxT, cache=cache, num_new_B=num_new_B)
   pages = paged_cache.scatter(
-    pages, aux["cache"], page_table_BxP, context_B, num_new_B, t, share_kv
+    pages, aux["cache"], page_table_BxP, context_B, num_new_B, t, share_kv, slot_B
   )
   # The pool stays where it was placed (split over KV heads), so the next step reuses it.
   pages = jax.lax.with_sharding_constraint(pages, mesh.pool_shardings(pages, share_kv))
@@ -131,9 +133,12 @@ class _CallInputs:
   seed: np.ndarray
   index: np.ndarray
   targets: np.ndarray
+  slot: np.ndarray  # Each row's state slot (KDA layers); padding rows the scratch slot.
 
   @classmethod
-  def empty(cls, rows: int, tokens: int, columns: int, scratch_page: int) -> _CallInputs:
+  def empty(
+    cls, rows: int, tokens: int, columns: int, scratch_page: int, scratch_slot: int = 0
+  ) -> _CallInputs:
     zeros_B = np.zeros((rows,), np.int32)
     return cls(
       np.zeros((rows, tokens), np.int32),
@@ -146,6 +151,7 @@ class _CallInputs:
       zeros_B.copy(),
       zeros_B.copy(),
       np.zeros((rows, tokens), np.int32),
+      np.full((rows,), scratch_slot, np.int32),
     )
 
   def args(self) -> tuple:
@@ -160,6 +166,7 @@ class _CallInputs:
       self.seed,
       self.index,
       self.targets,
+      self.slot,
     )
 
 
@@ -175,6 +182,8 @@ class ModelExecutor:
     page_size: int,
     share_kv: bool,
     kv_format: str | None,
+    # Per-sequence state slots of KDA layers (the scheduler's max_num_seqs; Sequence.slot).
+    num_slots: int = 0,
     padding: Padding,
     clock: scheduler_lib.Executor | None = None,
     record_logits: bool = False,
@@ -194,6 +203,7 @@ class ModelExecutor:
     self.share_kv = share_kv
     self.kv_format = kv_format
     self.scratch_page = num_pages
+    self.scratch_slot = num_slots
     self.reset_pages()
     self.padding = padding
     self.clock = clock
@@ -217,7 +227,7 @@ class ModelExecutor:
     (rows, tokens, columns) shape by running it once on no tokens: every row reads and writes
     only the scratch page, so no cached K/V changes."""
     for i, (b, q, columns) in enumerate(shapes):
-      inputs = _CallInputs.empty(b, q, columns, self.scratch_page)
+      inputs = _CallInputs.empty(b, q, columns, self.scratch_page, self.scratch_slot)
       self.pages, *_ = self._run(inputs)
       if on_shape is not None:
         on_shape(i + 1, len(shapes))
@@ -231,7 +241,13 @@ class ModelExecutor:
     """Fresh, zeroed pages (every cached K/V lost: the caller drops whatever refers to them)."""
     cfg = self.model.cfg
     init = functools.partial(
-      paged_cache.init_pages, cfg, self.scratch_page, self.page_size, self.share_kv, self.kv_format
+      paged_cache.init_pages,
+      cfg,
+      self.scratch_page,
+      self.page_size,
+      self.share_kv,
+      self.kv_format,
+      self.scratch_slot,
     )
     # Made in place, each device its shards only: the whole pool need not fit on one device.
     shardings = self.mesh.pool_shardings(jax.eval_shape(init), self.share_kv)
@@ -245,7 +261,9 @@ class ModelExecutor:
 
   def _inputs(self, batch, shape, group) -> _CallInputs:
     """The host arrays of one call; a row that cannot be built raises RequestFailed."""
-    inputs = _CallInputs.empty(shape.rows, shape.tokens, shape.columns, self.scratch_page)
+    inputs = _CallInputs.empty(
+      shape.rows, shape.tokens, shape.columns, self.scratch_page, self.scratch_slot
+    )
     for row, i in enumerate(group):
       seq, new, ctx = batch.seqs[i], batch.num_new_tokens[i], batch.num_context_tokens[i]
       try:
@@ -257,6 +275,10 @@ class ModelExecutor:
         inputs.temperature[row], inputs.top_k[row] = sp.temperature, sp.top_k
         inputs.top_p[row], inputs.seed[row] = sp.top_p, sp.seed
         inputs.index[row] = len(state.generated)
+        if self.scratch_slot:  # KDA layers: the row's state lives in its slot.
+          if seq.slot is None:
+            raise ValueError("holds no state slot (SchedulerConfig.state_slots is off).")
+          inputs.slot[row] = seq.slot
         if self.top_logprobs and state.request.position_logprobs:
           known = state.tokens[ctx + 1 : ctx + new + 1]  # The last one is sampled if unknown.
           inputs.targets[row, : len(known)] = known

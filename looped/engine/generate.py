@@ -149,13 +149,15 @@ def validate(config, chosen: tuple[str, ...] = ()) -> None:
       cc.fail("gen.kv_budget_bytes", budget, "must be a positive number of bytes or None")
     need = -(-(longest - 1) // page_size)
     model = LoopedLM(cfg)
-    have = pages_for_budget(model, budget, page_size, config.gen.share_kv, fmt or None)
+    share, seqs = config.gen.share_kv, config.gen.max_num_seqs
+    have = pages_for_budget(model, budget, page_size, share, fmt or None, seqs)
     if have < need:
-      page_bytes = page_size * paged_cache.bytes_per_token(cfg, config.gen.share_kv, fmt or None)
+      page_bytes = page_size * paged_cache.bytes_per_token(cfg, share, fmt or None)
       cc.fail(
         "gen.kv_budget_bytes",
         budget,
-        f"holds {have} pages of {page_bytes:.0f} bytes; the longest request needs {need}",
+        f"holds {have} pages of {page_bytes:.0f} bytes{checks.slots_note(cfg, share, seqs)}; the "
+        f"longest request needs {need}",
       )
 
 
@@ -190,7 +192,9 @@ def run(config, workdir: str, chosen: tuple[str, ...] = ()) -> dict[str, Any]:
   if g.kv_budget_bytes is None:
     num_pages = sum(-(-(r.prompt_len + r.output_len) // g.page_size) for r in requests)
   else:
-    num_pages = pages_for_budget(model, g.kv_budget_bytes, g.page_size, g.share_kv, fmt)
+    num_pages = pages_for_budget(
+      model, g.kv_budget_bytes, g.page_size, g.share_kv, fmt, g.max_num_seqs
+    )
   engine = Engine(
     model,
     params,

@@ -24,6 +24,7 @@ from looped import schema, sharding
 from looped.model import cache_layout
 from looped.model.cache_layout import STAGES
 from looped.model.config import ModelConfig
+from looped.model.kda import KDAState
 from looped.model.looped_lm import LoopedLM, init_params
 
 # Logical axis -> the ModelConfig field sizing it (the model's dimensions a rule may split).
@@ -159,7 +160,8 @@ class EngineMesh:
   def pool_shardings(self, pages: dict, share_kv: bool):
     """NamedShardings of paged_cache's pages: each leaf split on its KV-head dimension (the one
     after [.., pages, page_size]) by the 'kv_heads' rule where that dimension divides evenly
-    and is more than one head; replicated otherwise."""
+    and is more than one head; replicated otherwise, and KDA state slots (per-sequence, not per
+    token) are replicated."""
     axes = mesh_axes(self.rules, "kv_heads")
     shards = math.prod(self.mesh.shape[a] for a in axes)
 
@@ -172,7 +174,9 @@ class EngineMesh:
       spec[dim] = axes if len(axes) > 1 else axes[0]
       return NamedSharding(self.mesh, P(*spec))
 
-    return {
-      stage: [jax.tree.map(lambda x, s=stage: one(s, x), entry) for entry in pages[stage]]
-      for stage in STAGES
-    }
+    def entry_shardings(stage, entry):
+      if isinstance(entry, KDAState):
+        return jax.tree.map(lambda _: self.replicated(), entry)
+      return jax.tree.map(lambda x: one(stage, x), entry)
+
+    return {stage: [entry_shardings(stage, e) for e in pages[stage]] for stage in STAGES}

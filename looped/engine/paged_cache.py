@@ -7,8 +7,16 @@ scratch page: writes of padding tokens and page-table slots past a request's pag
 so every step has static shapes. With a KV format the pages hold the packed bytes and scales
 exactly as looped.model.kv_cache stores them per token, so a page is never dequantized in place.
 
-A step gathers each row's pages through its page table into a dense `KVCache` (the model's own
-decode path then runs unchanged), and scatters the new tokens' entries back into their pages.
+A layer with a per-sequence state instead (KDA: delta-rule state and conv tail, float32) keeps a
+`KDAState` of state slots [M + 1, ...] (with the same leading R axis when cached per
+recurrence), one slot per running request (the scheduler's `Sequence.slot`); slot M is the
+scratch slot of padding rows. A chunk starting at position 0 starts from a zero state, so a
+slot needs no reset when a request is (re)admitted. Prefix hits are off for such models: a state
+is not a function of a page.
+
+A step gathers each row's pages through its page table (and its state from its slot) into a
+dense `KVCache` (the model's own decode path then runs unchanged), and scatters the new tokens'
+entries back into their pages (and the new state into its slot).
 This dense-gather path is the first implementation; pallas_kernels.paged_decode reads pages
 directly but is not wired in yet.
 """
@@ -22,49 +30,68 @@ from looped.model import cache_layout, mixers
 from looped.model import kv_cache as kv_cache_lib
 from looped.model.cache_layout import STAGES
 from looped.model.config import ModelConfig
+from looped.model.kda import KDAState
 from looped.model.kv_cache import KVCache
 
 
 def check_model(cfg: ModelConfig) -> None:
-  """Raises ValueError if the model has a layer the paged engine cannot serve."""
-  for stage in STAGES:
-    if "kda" in cfg.mixers(stage):
-      raise ValueError(
-        f"The engine pages per-token K/V; {stage} layers use 'kda', whose cache is a per-sequence "
-        "state (not pageable, so not prefix-cacheable). Use 'gqa' or 'mla' mixers."
-      )
+  """Raises ValueError if the model has no layer the paged engine can page."""
+  if not cache_layout.cache_layout(cfg, True).per_token_layers:
+    raise ValueError(
+      "The engine needs at least one 'gqa' or 'mla' layer to page; a model of 'kda' layers "
+      "only keeps a per-sequence state."
+    )
+
+
+def has_state(cfg: ModelConfig) -> bool:
+  """Whether some layer keeps a per-sequence state (KDA): requests then hold state slots."""
+  return any(c.cache.state_shapes for c in cache_layout.cache_layout(cfg, True).layers)
 
 
 def init_pages(
-  cfg: ModelConfig, num_pages: int, page_size: int, share_kv: bool, kv_format: str | None
+  cfg: ModelConfig,
+  num_pages: int,
+  page_size: int,
+  share_kv: bool,
+  kv_format: str | None,
+  num_slots: int = 0,
 ) -> dict:
-  """Zeroed pages (plus the scratch page) for every cached layer: {stage: [entry]}."""
+  """Zeroed pages (plus the scratch page) for every paged layer and state slots (plus the
+  scratch slot) for every layer with a per-sequence state: {stage: [entry]}."""
   check_model(cfg)
   if kv_format is not None:
     mixers.check_kv_format(cfg, kv_format)
+  if has_state(cfg) and num_slots < 1:
+    raise ValueError(f"num_slots = {num_slots}: a model with KDA layers needs a state slot.")
 
   def zeros(shape):
     x = jnp.zeros(shape, cfg.compute_dtype)
     return x if kv_format is None else kv_cache_lib.quantize_tokens(x, kv_format)
 
+  def entry(layer: cache_layout.CachedLayer):
+    lead, cache = layer.lead, layer.cache
+    if cache.state_shapes:
+      state, conv = (jnp.zeros(lead + (num_slots + 1, *s), jnp.float32) for s in cache.state_shapes)
+      return KDAState(state, conv)
+    return tuple(zeros(lead + (num_pages + 1, page_size, *s)) for s in cache.token_shapes)
+
   layout = cache_layout.cache_layout(cfg, share_kv)
-  return {
-    stage: [
-      tuple(zeros(layer.lead + (num_pages + 1, page_size, *s)) for s in layer.cache.token_shapes)
-      for layer in layout.stage(stage)
-    ]
-    for stage in STAGES
-  }
+  return {stage: [entry(layer) for layer in layout.stage(stage)] for stage in STAGES}
 
 
 def bytes_per_token(cfg: ModelConfig, share_kv: bool, kv_format: str | None) -> float:
   """Stored bytes per token over all paged layers: raw pages at the compute dtype, or packed
-  elements and scales with nvfp4's per-token tensor scale included, as init_pages stores them.
-  A model with KDA layers is refused by check_model; for it this is what the pages would hold
-  (KDA's per-sequence state is not paged)."""
+  elements and scales with nvfp4's per-token tensor scale included, as init_pages stores them
+  (KDA's per-sequence state is not paged: bytes_per_sequence)."""
   return cache_layout.cache_layout(cfg, share_kv).bytes_per_token(
     kv_format, raw_itemsize=cfg.compute_dtype.itemsize, tensor_scales=True
   )
+
+
+def bytes_per_sequence(cfg: ModelConfig, share_kv: bool) -> float:
+  """Bytes of one state slot over all layers with a per-sequence state (float32, never in a KV
+  format), as init_pages stores them; 0 for a model without such layers."""
+  return cache_layout.cache_layout(cfg, share_kv).bytes_per_sequence()
 
 
 def _batch_axis(stage: str, share_kv: bool) -> int:
@@ -72,9 +99,15 @@ def _batch_axis(stage: str, share_kv: bool) -> int:
 
 
 def gather(
-  pages: dict, page_table_BxP: jax.Array, context_B: jax.Array, share_kv: bool, kv_format
+  pages: dict,
+  page_table_BxP: jax.Array,
+  context_B: jax.Array,
+  share_kv: bool,
+  kv_format,
+  slot_B: jax.Array | None = None,
 ) -> KVCache:
-  """Dense cache of each row's pages (slots = P * page_size), with length_B = context_B."""
+  """Dense cache of each row's pages (slots = P * page_size), with length_B = context_B, and of
+  each row's state slot (slot_B; a zero state for a row starting at position 0)."""
   b, p = page_table_BxP.shape
 
   def one(stage):
@@ -85,7 +118,14 @@ def gather(
       shape = g.shape
       return g.reshape(shape[: axis + 1] + (p * shape[axis + 2],) + shape[axis + 3 :])
 
-    return [jax.tree.map(leaf, entry) for entry in pages[stage]]
+    def state(x):
+      g = x[slot_B] if axis == 0 else x[:, slot_B]
+      fresh = (context_B == 0).reshape((1,) * axis + (b,) + (1,) * (g.ndim - axis - 1))
+      return jnp.where(fresh, 0.0, g)
+
+    return [
+      jax.tree.map(state if isinstance(entry, KDAState) else leaf, entry) for entry in pages[stage]
+    ]
 
   layers = {stage: one(stage) for stage in STAGES}
   return KVCache(context_B.astype(jnp.int32), layers, share_kv, kv_format)
@@ -99,10 +139,13 @@ def scatter(
   num_new_B: jax.Array,
   num_slots: int,
   share_kv: bool,
+  slot_B: jax.Array | None = None,
 ) -> dict:
-  """Writes slots [context_b, context_b + num_new_b) of the dense cache back into their pages.
+  """Writes slots [context_b, context_b + num_new_b) of the dense cache back into their pages,
+  and each row's new state into its state slot slot_B[b].
 
-  Slots j >= num_new_b of the num_slots-wide window (padding) go to the scratch page.
+  Slots j >= num_new_b of the num_slots-wide window (padding) go to the scratch page; padding
+  rows' slot_B is the scratch slot.
   """
   page_size = _page_size(pages, share_kv)
   j_T = jnp.arange(num_slots)
@@ -126,17 +169,22 @@ def scatter(
       index = (slice(None),) * axis + (page_BxT, slot_BxT)
       return page_leaf.at[index].set(new.astype(page_leaf.dtype))
 
+    def write_state(slot_leaf, new, axis=axis):
+      return slot_leaf.at[(slice(None),) * axis + (slot_B,)].set(new)
+
     out[stage] = [
-      jax.tree.map(write, entry, dense)
+      jax.tree.map(write_state if isinstance(entry, KDAState) else write, entry, dense)
       for entry, dense in zip(pages[stage], cache.layers[stage], strict=True)
     ]
   return out
 
 
 def _first_leaf(pages: dict, share_kv: bool):
+  """The first paged (per-token) leaf: state slots have no page axes."""
   for stage in STAGES:
-    if pages[stage]:
-      return stage, jax.tree.leaves(pages[stage][0])[0]
+    for entry in pages[stage]:
+      if not isinstance(entry, KDAState):
+        return stage, jax.tree.leaves(entry)[0]
   raise ValueError("The model caches nothing per token.")
 
 

@@ -226,6 +226,16 @@ def causal_conv(x_BxTxM, w_WxM, tail_BxWxM=None):
   return sum(xp[:, i : i + t] * w_WxM[i] for i in range(width))
 
 
+def conv_tail(window_BxSxM, width: int, num_new_B=None):
+  """The last `width` conv inputs of each row: window = [old tail ; the chunk's T inputs], and
+  a row with num_new_B[b] real tokens ends its tail at its last real one (padding after it
+  is not kept). None: every token is real."""
+  if num_new_B is None:
+    return window_BxSxM[:, window_BxSxM.shape[1] - width :]
+  one = lambda row, n: jax.lax.dynamic_slice_in_dim(row, n, width, axis=0)
+  return jax.vmap(one)(window_BxSxM, num_new_B)
+
+
 def _conv_init(key, shape, dtype):
   bound = 1.0 / math.sqrt(shape[0])  # torch Conv1d's default for a depthwise kernel.
   return jax.random.uniform(key, shape, dtype, -bound, bound)
@@ -249,7 +259,8 @@ class KDA(nn.Module):
   forward; a `KDAState`: recurrent decode from it (returns the new state); a function of the
   own `KDARecord` (parallel shared / quantized-read passes): the shared read of the returned
   records' states (the own records give the ordinary causal output). ctx.read_past and the
-  masks are not used: KDA's cache is not quantized and has no slots.
+  masks are not used: KDA's cache is not quantized and has no slots. In decode, ctx.num_new_B
+  marks each row's padding tokens, which leave its state and conv tail unchanged.
   """
 
   cfg: ModelConfig
@@ -293,9 +304,14 @@ class KDA(nn.Module):
       entry = own
     elif isinstance(past, KDAState):
       q, k, v = split(causal_conv(conv_in32, conv_w, past.conv_BxWxM))
-      o_BxTxNxE, state = kda_recurrent(q, k, v, g_BxTxNxH, beta_BxTxN, past.state_BxNxHxE)
+      g_step, beta_step = g_BxTxNxH, beta_BxTxN
+      if ctx.num_new_B is not None:  # Padding: g = b = 0 leaves the state exactly as it is.
+        real_BxT = jnp.arange(t)[None, :] < ctx.num_new_B[:, None]
+        g_step = jnp.where(real_BxT[:, :, None, None], g_BxTxNxH, 0.0)
+        beta_step = jnp.where(real_BxT[:, :, None], beta_BxTxN, 0.0)
+      o_BxTxNxE, state = kda_recurrent(q, k, v, g_step, beta_step, past.state_BxNxHxE)
       window = jnp.concatenate([past.conv_BxWxM, conv_in32], axis=1)
-      entry = KDAState(state, window[:, window.shape[1] - (cfg.kda_conv_size - 1) :])
+      entry = KDAState(state, conv_tail(window, cfg.kda_conv_size - 1, ctx.num_new_B))
     else:  # Shared read of past records (s < t); the diagonal is the token's own.
       past_in32 = past.conv_in_BxTxM.astype(jnp.float32)
       past_conv = causal_conv(past_in32, conv_w)

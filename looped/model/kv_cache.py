@@ -137,8 +137,9 @@ def _constrain_entry(kv):
   return tuple(one(x) for x in kv)
 
 
-def write_chunk(cache: KVCache, new: dict, num_tokens: int) -> KVCache:
-  """Appends the chunk's raw K/V (same structure as cache.layers, T slots), advances length.
+def write_chunk(cache: KVCache, new: dict, num_tokens) -> KVCache:
+  """Appends the chunk's raw K/V (same structure as cache.layers, T slots), advances length
+  by num_tokens (an int, or per row [B]: a padded row's real tokens).
 
   KDA layers' new entries are their states after the chunk, which replace the old ones.
   """

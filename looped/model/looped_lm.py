@@ -143,7 +143,13 @@ class Recurrence(nn.Module):
       past = xs["past"][layer] if "past" in xs else bcast["shared_kv"][layer]
       if "quantize_own" in bcast:
         past = _with_own_chunk(past, bcast["quantize_own"])
-      return MixerContext(bcast["self_mask"], past, bcast["past_mask"], bcast.get("read_past"))
+      return MixerContext(
+        bcast["self_mask"],
+        past,
+        bcast["past_mask"],
+        bcast.get("read_past"),
+        num_new_B=bcast.get("num_new_B"),
+      )
     if bcast["shared_kv"] is None:
       if "read_past" in bcast:  # Unshared, quantized reads of the own past.
         return MixerContext(
@@ -219,6 +225,7 @@ class LoopedLM(nn.Module):
     kv_format: str | None = None,
     initial_state_BxTxD: jax.Array | None = None,
     prefill_block: int | None = None,
+    num_new_B: jax.Array | None = None,
   ):
     """Returns (logits_BxTxV float32, aux).
 
@@ -242,11 +249,16 @@ class LoopedLM(nn.Module):
         `shared_kv` for positions before its block of this many tokens (blocks aligned from
         position 0) and its own recurrence's K/V inside it. Jacobi passes in this mode reach
         block prefill exactly after (number of blocks - 1) passes. Parallel mode only.
+      num_new_B: decode mode: per row, how many of the chunk's tokens are real (None: all T);
+        the rest are padding of a batched call. The row's length advances by its real tokens
+        and padding never advances a recurrent state (KDA) or its conv tail.
     aux: 'final_kv' (parallel) or 'cache' (decode), 'residual_norm_R',
       'relative_residual_R' (means over active sequences), optionally 'states_RxBxTxD', and
       with cfg.exit_gate 'exit_logits_RxBxT' (each recurrence's exit-gate logit per token).
     """
     if cache is None:
+      if num_new_B is not None:
+        raise ValueError("num_new_B is a decode-mode option (it marks a chunk's padding).")
       return self._parallel(
         tokens_BxT,
         depth_mask_BxR,
@@ -261,7 +273,13 @@ class LoopedLM(nn.Module):
     if prefill_block is not None:
       raise ValueError("prefill_block is a parallel-mode option; a decode call is one block.")
     return self._decode(
-      tokens_BxT, cache, depth_mask_BxR, backprop_recurrences, collect_states, initial_state_BxTxD
+      tokens_BxT,
+      cache,
+      depth_mask_BxR,
+      backprop_recurrences,
+      collect_states,
+      initial_state_BxTxD,
+      num_new_B,
     )
 
   def _parallel(
@@ -332,6 +350,7 @@ class LoopedLM(nn.Module):
     backprop_recurrences,
     collect_states,
     initial_state_BxTxD,
+    num_new_B,
   ):
     """New tokens (a prefill chunk or one decode step per row) against a KVCache: they attend
     to the cache's slots below each row's length and causally to each other; aux['cache'] is the
@@ -360,7 +379,7 @@ class LoopedLM(nn.Module):
       past = cache.layers[prefix][i]
       if quantize_own is not None:
         past = _with_own_chunk(past, quantize_own)
-      return MixerContext(self_mask_BxTxT, past, past_mask_BxTxS, read_past)
+      return MixerContext(self_mask_BxTxT, past, past_mask_BxTxS, read_past, num_new_B=num_new_B)
 
     embed, x_BxTxD = self._embed(tokens_BxT)
     x_BxTxD, prelude_kvs = self._plain_layers(x_BxTxD, "prelude", positions_BxT, plain_context)
@@ -374,6 +393,8 @@ class LoopedLM(nn.Module):
     )
     if quantize_own is not None:
       bcast["quantize_own"] = quantize_own
+    if num_new_B is not None:
+      bcast["num_new_B"] = num_new_B
     carry, ys = self._recurrences(True, collect_states)({"h": h0_BxTxD}, xs, bcast)
     logits_BxTxV, coda_kvs = self._coda_and_head(carry["h"], embed, positions_BxT, plain_context)
     aux = self._diagnostics(ys, depth_mask_BxR, collect_states)
@@ -382,7 +403,7 @@ class LoopedLM(nn.Module):
     else:
       core_new = ys["kv"]
     new_cache = {"prelude": prelude_kvs, "core": core_new, "coda": coda_kvs}
-    aux["cache"] = write_chunk(cache, new_cache, t)
+    aux["cache"] = write_chunk(cache, new_cache, t if num_new_B is None else num_new_B)
     return logits_BxTxV, aux
 
   def _embed(self, tokens_BxT):

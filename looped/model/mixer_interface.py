@@ -51,6 +51,9 @@ class MixerContext:
   prefill_block: the block size C (a static int) of a parallel block-prefill pass, where
     past(own) returns [shared-or-own ; own] under the block masks (looped_lm.block_masks);
     kernels that read no masks (pallas_attention) need it.
+  num_new_B: decode only: how many of each row's T tokens are real (None: all). The rest are
+    padding of a batched call; a recurrent state (KDA) must not advance over them. Attention
+    needs no such count: a padding token's K/V is never read by a real one (causal order).
   """
 
   self_mask_BxTxT: jax.Array
@@ -58,6 +61,7 @@ class MixerContext:
   past_mask_BxTxS: jax.Array | None = None
   read_past: Callable[[Any], KV] | None = None
   prefill_block: int | None = None
+  num_new_B: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,8 @@ Each step:
    contents, and it returns to the front of the queue, to be recomputed on re-admission.
 2. If nothing was preempted, queued requests are admitted first come, first served while budget,
    pages and the running cap allow; each reuses the longest cached run of its leading full pages
-   (the last prompt token is always computed). A head that does not fit blocks the queue.
+   (the last prompt token is always computed; `prefix_caching` off: none) and, with
+   `state_slots`, takes a per-sequence state slot. A head that does not fit blocks the queue.
 3. The executor runs the batch and returns its duration (a real executor may end a request
    early, on a stop token, by setting its Sequence's `stopped`). Pages that became full are
    registered in the prefix cache only then: under KV-sharing the cache holds final-recurrence
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import heapq
 import itertools
 import math
 from typing import Any, Protocol
@@ -54,6 +56,7 @@ class Sequence:
   first_token_s: float | None = None
   finish_s: float | None = None
   stopped: bool = False  # Set by an executor when a sampled token ends the request early.
+  slot: int | None = None  # Its state slot while running (SchedulerConfig.state_slots).
 
 
 @dataclasses.dataclass
@@ -86,6 +89,12 @@ class SchedulerConfig:
   # §3): a prompt block is never split, prefix hits end at a block boundary, and positions after
   # the prompt are computed one per step, as decoding computed them (also when recomputed).
   shared_blocks: bool = False
+  # Each running request holds one of max_num_seqs state slots (a recurrent mixer's state,
+  # e.g. KDA): taken at admission, given back on finish, preemption or abort.
+  state_slots: bool = False
+  # Reuse cached pages of a matching prompt prefix. Off for a model with a recurrent state:
+  # that state is not a function of a page, so a hit could not restore it.
+  prefix_caching: bool = True
 
 
 @dataclasses.dataclass
@@ -136,6 +145,8 @@ class Scheduler:
     self._head_hits: list[int] = []
     self._head_hit_set: set[int] = set()
     self._head_blocked = False  # The head failed to fit for lack of pages this step.
+    # Free state slots (SchedulerConfig.state_slots), lowest first.
+    self.free_slots = list(range(config.max_num_seqs)) if config.state_slots else []
 
   # -- Requests -------------------------------------------------------------------------------
 
@@ -169,6 +180,7 @@ class Scheduler:
       if seq.request.request_id == request_id:
         del self.running[i]
         self.pool.release(seq.pages)
+        self._free_slot(seq)
         seq.pages = []
         seq.prompt_keys = None
         return seq
@@ -182,6 +194,7 @@ class Scheduler:
       if seq.request.request_id == request_id:
         del self.running[i]
         self.pool.release(seq.pages)
+        self._free_slot(seq)
         seq.pages = []
         seq.num_computed = 0
         seq.num_registered = 0
@@ -249,10 +262,11 @@ class Scheduler:
     if not self._head_hit_set.isdisjoint(evicted):
       self._head = None
     if not preempted:
+      prefix_caching, state_slots = self.config.prefix_caching, self.config.state_slots
       waiting = self.waiting
       while waiting and budget > 0 and len(running) < self.config.max_num_seqs:
         seq = waiting[0]
-        hits = self._usable_hits(seq, self._head_hits_of(seq))
+        hits = self._usable_hits(seq, self._head_hits_of(seq)) if prefix_caching else []
         hit_tokens = len(hits) * p
         q = self._chunk(seq, hit_tokens, budget)
         if not q:
@@ -266,6 +280,8 @@ class Scheduler:
         self._head = None
         pool.acquire(hits)
         seq.pages = hits + pool.allocate(need)
+        if state_slots:  # Running requests never outnumber max_num_seqs: one is free.
+          seq.slot = heapq.heappop(self.free_slots)
         seq.num_computed = hit_tokens
         seq.num_registered = len(hits)
         self._count_admission(seq, hit_tokens)
@@ -434,6 +450,9 @@ class Scheduler:
     """Offers the sequence's newly full pages (callers check there are some) to the cache."""
     start = seq.num_registered
     full = seq.num_computed // self.config.page_size
+    if not self.config.prefix_caching:  # Nothing is offered, so a page is free once released.
+      seq.num_registered = full
+      return
     keys = seq.prompt_keys
     n_prompt = len(keys)
     if full <= n_prompt:
@@ -446,8 +465,16 @@ class Scheduler:
     self.pool.register(seq.pages[start:full], new_keys)
     seq.num_registered = full
 
+  def _free_slot(self, seq: Sequence) -> None:
+    """Gives the sequence's state slot back (its state is not kept: a re-admitted request is
+    recomputed from its first token, from a zero state)."""
+    if seq.slot is not None:
+      heapq.heappush(self.free_slots, seq.slot)
+      seq.slot = None
+
   def _preempt(self, seq: Sequence) -> None:
     self.pool.release(seq.pages)
+    self._free_slot(seq)
     seq.pages = []
     seq.num_computed = 0
     seq.num_registered = 0
@@ -457,6 +484,7 @@ class Scheduler:
 
   def _finish(self, seq: Sequence, now: float) -> None:
     self.pool.release(seq.pages)
+    self._free_slot(seq)
     seq.pages = []
     seq.prompt_keys = None
     seq.finish_s = now
@@ -473,6 +501,12 @@ class Scheduler:
       held.update(seq.pages)
     for seq in self.waiting:
       assert not seq.pages, "a queued request holds pages"
+      assert seq.slot is None, "a queued request holds a state slot"
+    if self.config.state_slots:
+      slots = [seq.slot for seq in self.running]
+      assert None not in slots, "a running request holds no state slot"
+      held_slots = sorted(slots + self.free_slots)
+      assert held_slots == list(range(self.config.max_num_seqs)), "state slots lost or shared"
     assert self.pool.num_in_use == len(held), "a page is referenced by no request"
     for page, count in held.items():
       assert self.pool.ref_count(page) == count, f"page {page} has wrong reference count"

@@ -75,14 +75,15 @@ def validate(config, chosen: tuple[str, ...] = ()) -> None:
   s = config.serve
   share, page_size, budget = s.share_kv, s.page_size, float(s.kv_budget_bytes)
   need = -(-(cfg.max_seq_len - 1) // page_size)
-  have = pages_for_budget(LoopedLM(cfg), budget, page_size, share, fmt or None)
+  have = pages_for_budget(LoopedLM(cfg), budget, page_size, share, fmt or None, s.max_num_seqs)
   if have < need:
     page_bytes = page_size * paged_cache.bytes_per_token(cfg, share, fmt or None)
     cc.fail(
       "serve.kv_budget_bytes",
       budget,
-      f"holds {have} pages of {page_bytes:.0f} bytes; a request of the model's whole context "
-      f"(max_seq_len {cfg.max_seq_len}) needs {need}",
+      f"holds {have} pages of {page_bytes:.0f} bytes"
+      f"{checks.slots_note(cfg, share, s.max_num_seqs)}; a request of the model's whole "
+      f"context (max_seq_len {cfg.max_seq_len}) needs {need}",
     )
 
 
@@ -102,7 +103,9 @@ def build(config, chosen: tuple[str, ...] = ()) -> tuple[Any, EngineLoop]:
     EngineConfig(
       share_kv=s.share_kv,
       kv_format=fmt,
-      num_pages=pages_for_budget(model, s.kv_budget_bytes, s.page_size, s.share_kv, fmt),
+      num_pages=pages_for_budget(
+        model, s.kv_budget_bytes, s.page_size, s.share_kv, fmt, s.max_num_seqs
+      ),
       page_size=s.page_size,
       max_num_batched_tokens=s.max_num_batched_tokens,
       max_num_seqs=s.max_num_seqs,
