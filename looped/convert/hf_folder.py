@@ -1,6 +1,7 @@
 """A checkpoint folder in the Hugging Face layout: config.json, weights in one
 `model.safetensors`, in shards listed by `model.safetensors.index.json`, or in one
-`pytorch_model.bin` (read by torch_bin.py without torch and without running pickled code), and
+`pytorch_model.bin` or `model.pt` (read by torch_bin.py without torch and without running
+pickled code), and
 `tokenizer.json` (with `tokenizer_config.json`, if present, naming its EOS).
 
 Reading is split so that every problem is found before any weight is loaded: `open_folder`
@@ -24,6 +25,7 @@ CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 TORCH_BIN = "pytorch_model.bin"  # torch.save's zip format; read with an allow-list unpickler.
+TORCH_PT = "model.pt"  # The same format under the name Parcae's save_pretrained writes.
 TOKENIZER = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"  # Its eos_token names the EOS (copied if present).
 
@@ -37,6 +39,9 @@ class HFFolder:
 
   @property
   def architecture(self) -> str:
+    """config.json's `architectures[0]`, else its `_class_name` (Parcae's configs)."""
+    if "architectures" not in self.config and isinstance(self.config.get("_class_name"), str):
+      return self.config["_class_name"]
     names = self.config.get("architectures") or [""]
     return names[0] if isinstance(names, list) and names else str(names)
 
@@ -75,10 +80,13 @@ def open_folder(path: str) -> HFFolder:
     shards = {str(k): str(v) for k, v in weight_map.items()}
   elif os.path.isfile(os.path.join(path, SINGLE)):
     shards = {name: SINGLE for name in _safetensors_shapes(path, SINGLE)}
-  elif os.path.isfile(os.path.join(path, TORCH_BIN)):
-    shards = {name: TORCH_BIN for name in torch_bin.read_index(os.path.join(path, TORCH_BIN))}
+  elif os.path.isfile(os.path.join(path, TORCH_BIN)) or os.path.isfile(
+    os.path.join(path, TORCH_PT)
+  ):
+    name = TORCH_BIN if os.path.isfile(os.path.join(path, TORCH_BIN)) else TORCH_PT
+    shards = {t: name for t in torch_bin.read_index(os.path.join(path, name))}
   else:
-    _fail(path, f"it has none of {INDEX}, {SINGLE}, {TORCH_BIN}")
+    _fail(path, f"it has none of {INDEX}, {SINGLE}, {TORCH_BIN}, {TORCH_PT}")
   for shard in sorted(set(shards.values())):
     if not os.path.isfile(os.path.join(path, shard)):
       _fail(path, f"shard {shard} listed in {INDEX} is missing")
@@ -108,7 +116,7 @@ def tensor_shapes(folder: HFFolder) -> dict[str, tuple[int, ...]]:
   for name, shard in folder.shards.items():
     by_shard.setdefault(shard, []).append(name)
   for shard, names in sorted(by_shard.items()):
-    if shard == TORCH_BIN:
+    if shard in (TORCH_BIN, TORCH_PT):
       present = {
         n: r.shape for n, r in torch_bin.read_index(os.path.join(folder.path, shard)).items()
       }
@@ -129,7 +137,7 @@ def load(folder: HFFolder, names) -> dict[str, np.ndarray]:
     by_shard.setdefault(folder.shards[name], []).append(name)
   for shard, shard_names in sorted(by_shard.items()):
     path = os.path.join(folder.path, shard)
-    if shard == TORCH_BIN:
+    if shard in (TORCH_BIN, TORCH_PT):
       refs = torch_bin.read_index(path)
       out.update(torch_bin.load(path, {n: refs[n] for n in shard_names}))
       continue
