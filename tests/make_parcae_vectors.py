@@ -20,9 +20,8 @@ import json
 import os
 import sys
 
-import numpy as np
-
 import make_looped_references as refs
+import numpy as np
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
