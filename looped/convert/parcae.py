@@ -9,7 +9,7 @@ What Parcae's public code computes (prelude / recurrent core / coda, diagonal in
     logits = lm_head(ln_f(coda(C h_R))) * logit_scale
 
 Blocks are pre-norm (RMSNorm with weight, eps norm_eps), attention applies RoPE to interleaved
-pairs then a weightless RMSNorm to q and k (qk_norm), the MLP is fc -> nonlin -> proj. Every
+pairs then a weightless RMSNorm to q and k (qk_norm), the MLP is fc -> relu(x)^2 / 2 -> proj. Every
 Parcae model also has value embeddings: per-layer token tables (`value_embeds.<layer>`) added to
 the attention values through a gate `2 sigmoid(ve_gate(x[..., :32]))` (on layers that have both).
 `from_pretrained` drops config.json's rope_settings, so the model runs at RoPE base 50000
@@ -141,7 +141,7 @@ _REQUIRED = {
   "block_class_name": ("TransformerPreNormBlock", "the pre-norm block"),
   "norm_class_name": ("RMSNorm", "RMSNorm"),
   "mlp_class_name": ("BaseMLP", "fc -> nonlin -> proj"),
-  "nonlin_name": ("ReLU2", "relu(x)^2 (LoopedLM's mlp_type='relu2')"),
+  "nonlin_name": ("ReLU2", "relu(x)^2 / 2"),
   "injection_type": ("diagonal", "LoopedLM's injection='diagonal'"),
   "clip_qkv": (None, "no clipping"),
   "logit_softcap": (None, "no softcap"),
