@@ -18,6 +18,6 @@ def family(architecture: str):
   if architecture not in FAMILIES:
     raise cc.ConfigError(
       f"config.json architectures = [{architecture!r}] is not supported; supported: "
-      f"{', '.join(sorted(FAMILIES))}."
+      f"{', '.join(sorted(a for a, m in FAMILIES.items() if getattr(m, 'CONVERTS', True)))}."
     )
   return FAMILIES[architecture]

@@ -29,6 +29,7 @@ from looped import config_checks as cc
 from looped.convert import common
 
 ARCHITECTURES = ("ParcaeConfig",)
+CONVERTS = False  # Recognised, not yet convertible: not listed among the supported families.
 _IGNORED = ("freqs_cis",)  # The RoPE table buffer (recomputed).
 _VE_GATE_CHANNELS = 32  # The public code's ve_gate input width (x[..., :32]).
 
