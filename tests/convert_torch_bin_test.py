@@ -73,6 +73,21 @@ class TorchBinTest(_Dirs):
     tbw.write(path, collections.OrderedDict(x=tbw.Tensor(s, 2, (3, 4), (4, 1))), [s])
     with self.assertRaisesRegex(torch_bin.UnsafePickleError, r"reaches element 13 of storage 0"):
       torch_bin.read_index(path)
+    # A stride-0 (expanded) view inside the storage that would allocate far more than it.
+    tbw.write(path, collections.OrderedDict(x=tbw.Tensor(s, 0, (10**6,), (0,))), [s])
+    with self.assertRaisesRegex(torch_bin.UnsafePickleError, r"more elements"):
+      torch_bin.read_index(path)
+
+  def test_short_storage_is_refused_before_reading(self):
+    s = tbw.Storage("0", np.zeros(10, np.float32))
+    path = os.path.join(self._dir(), "pytorch_model.bin")
+    # The pickle says 12 elements; the zip entry holds 10.
+    s_big = tbw.Storage("0", np.zeros(12, np.float32))
+    tbw.write(path, collections.OrderedDict(x=tbw.Tensor(s_big, 0, (3, 4), (4, 1))), [s])
+    with self.assertRaisesRegex(
+      torch_bin.UnsafePickleError, r"tensor x's storage 0 holds 40 bytes, not 48"
+    ):
+      torch_bin.read_index(path)
 
   def _malicious(self, fn: tbw.Global, marker: str) -> str:
     """A .bin whose state dict holds fn(...) that would create `marker` if run."""

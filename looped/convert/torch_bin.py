@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import io
+import math
 import pickle
 import zipfile
 
@@ -153,9 +154,9 @@ def _check_byteorder(path: str, zf: zipfile.ZipFile, prefix: str) -> None:
 
 
 def read_index(path: str) -> dict[str, TensorRef]:
-  """{tensor name: TensorRef} from the pickle alone (no storage is read); UnsafePickleError
-  in one line for a disallowed global, a malformed or out-of-bounds tensor, or a file that is
-  not torch's zip format."""
+  """{tensor name: TensorRef} from the pickle and the zip's directory (no storage is read);
+  UnsafePickleError in one line for a disallowed global, a malformed or out-of-bounds tensor, a
+  storage shorter than the pickle says, or a file that is not torch's zip format."""
   if not zipfile.is_zipfile(path):
     with open(path, "rb") as f:
       head = f.read(2)
@@ -171,11 +172,19 @@ def read_index(path: str) -> dict[str, TensorRef]:
       _fail(path, str(e))
     except Exception as e:  # A malformed pickle: say so in one line.
       _fail(path, f"its data.pkl does not unpickle ({type(e).__name__}: {e})")
+    sizes = {i.filename: i.file_size for i in zf.infolist()}
   if not isinstance(state, dict):
     _fail(path, f"it holds a {type(state).__name__}, not a state dict")
   for name, value in state.items():
     if not isinstance(name, str) or not isinstance(value, TensorRef):
       _fail(path, f"its entry {str(name)[:80]} is not a tensor")
+    s = value.storage
+    need = s.numel * s.dtype.itemsize
+    have = sizes.get(f"{prefix}data/{s.key}")
+    if have is None or have < need:
+      _fail(path, f"tensor {name}'s storage {s.key} holds {have or 0} bytes, not {need}")
+    if math.prod(value.shape) > max(s.numel, 1):  # An expanded view would allocate more.
+      _fail(path, f"tensor {name} has more elements {value.shape} than its storage {s.numel}")
   return dict(state)
 
 
