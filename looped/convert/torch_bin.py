@@ -196,12 +196,12 @@ def load(path: str, refs: dict[str, TensorRef]) -> dict[str, np.ndarray]:
     _check_byteorder(path, zf, prefix)
     for name, ref in refs.items():
       s = ref.storage
-      if s.key not in storages:
+      if (s.key, s.dtype) not in storages:
         data = zf.read(f"{prefix}data/{s.key}")
         if len(data) < s.numel * s.dtype.itemsize:
           _fail(path, f"storage {s.key} holds {len(data)} bytes, not {s.numel} x {s.dtype}")
-        storages[s.key] = np.frombuffer(data, s.dtype, count=s.numel)
-      flat = storages[s.key]
+        storages[(s.key, s.dtype)] = np.frombuffer(data, s.dtype, count=s.numel)
+      flat = storages[(s.key, s.dtype)]
       strides = tuple(st * flat.itemsize for st in ref.stride)
       view = np.lib.stride_tricks.as_strided(
         flat[ref.offset :], ref.shape, strides, writeable=False
