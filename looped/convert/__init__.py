@@ -1,12 +1,14 @@
 """Importing public looped checkpoints (Hugging Face layout) as LoopedLM checkpoints.
 
-hf_folder.py reads the folder; one module per family maps its config and weights (huginn.py,
-ouro.py); program.py is the `convert` program (configs/convert.py, docs/convert.md).
+hf_folder.py reads the folder (torch_bin.py its pytorch_model.bin, safely); one module per
+family maps its config and weights (huginn.py, ouro.py; parcae.py recognises Parcae and says
+what LoopedLM lacks for it); program.py is the `convert` program (configs/convert.py,
+docs/convert.md).
 """
 
-from looped.convert import huginn, ouro
+from looped.convert import huginn, ouro, parcae
 
-FAMILIES = {arch: module for module in (huginn, ouro) for arch in module.ARCHITECTURES}
+FAMILIES = {arch: module for module in (huginn, ouro, parcae) for arch in module.ARCHITECTURES}
 
 
 def family(architecture: str):
@@ -16,6 +18,6 @@ def family(architecture: str):
   if architecture not in FAMILIES:
     raise cc.ConfigError(
       f"config.json architectures = [{architecture!r}] is not supported; supported: "
-      f"{', '.join(sorted(FAMILIES))}."
+      f"{', '.join(sorted(a for a, m in FAMILIES.items() if getattr(m, 'CONVERTS', True)))}."
     )
   return FAMILIES[architecture]
