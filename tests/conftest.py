@@ -99,3 +99,28 @@ def pytest_terminal_summary(terminalreporter, config):
   for nodeid, seconds in rows[:n]:
     terminalreporter.write_line(f"{seconds:8.1f}s cpu  {nodeid}")
   terminalreporter.write_line(f"{sum(_CPU_S.values()):8.1f}s cpu  in all {len(rows)} tests")
+
+
+# The longest tests (wall seconds of a 2-worker run; `--durations`), started first: xdist hands
+# tests out in collection order, so a long test collected last keeps one worker busy while the
+# other idles. Order matters only for the run's length, never for a result.
+_LONG_FIRST = (
+  "tests/sharding_test.py::MeshTrainingTest",
+  "tests/docs_test.py::DocsTest::test_quick_commands_run_from_a_fresh_copy",
+  "tests/model_attention_impl_test.py::AttentionImplTest::test_block_prefill_jacobi_matches_xla",
+  "tests/multihost_test.py",
+  "tests/benice_pipeline_test.py::PipelineTest",
+  "tests/engine_mesh_test.py",
+  "tests/convert_e2e_test.py",
+  "tests/engine_test.py::EngineConcurrencyTest",
+  "tests/mixers_test.py::MixerKvFormatTest",
+  "tests/scale_test.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+  def rank(item):
+    ids = [i for i, prefix in enumerate(_LONG_FIRST) if item.nodeid.startswith(prefix)]
+    return ids[0] if ids else len(_LONG_FIRST)
+
+  items.sort(key=rank)  # Stable: the rest keep their order.

@@ -251,7 +251,8 @@ class ModelExecutor:
     )
     # Made in place, each device its shards only: the whole pool need not fit on one device.
     shardings = self.mesh.pool_shardings(jax.eval_shape(init), self.share_kv)
-    self.pages = jax.jit(init, out_shardings=shardings)()
+    with self.mesh.context():  # Not a caller's mesh (e.g. training's, around the evaluation).
+      self.pages = jax.jit(init, out_shardings=shardings)()
 
   def _run(self, inputs: _CallInputs):
     """One model call on the mesh: the step's inputs replicated, params and pages in place."""
