@@ -51,6 +51,12 @@ class MixerContext:
   prefill_block: the block size C (a static int) of a parallel block-prefill pass, where
     past(own) returns [shared-or-own ; own] under the block masks (looped_lm.block_masks);
     kernels that read no masks (pallas_attention) need it.
+  segment_ids_BxT: the new tokens' documents (int32; None: one document). The masks already
+    hide other documents' slots; layers that read no masks (pallas_attention) or keep a state
+    (KDA: reset where a document starts) read the ids. A parallel past holds the same positions,
+    so it has the same ids.
+  tail_segment_ids_BxW: decode with segment ids: the documents of the W = max(kda_conv_size - 1,
+    1) positions before the chunk (the last one is the position whose state a KDA cache holds).
   """
 
   self_mask_BxTxT: jax.Array
@@ -58,6 +64,8 @@ class MixerContext:
   past_mask_BxTxS: jax.Array | None = None
   read_past: Callable[[Any], KV] | None = None
   prefill_block: int | None = None
+  segment_ids_BxT: jax.Array | None = None
+  tail_segment_ids_BxW: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
