@@ -45,18 +45,22 @@ def segment_ids(inputs: np.ndarray, eos_id: int) -> np.ndarray:
   return np.cumsum(after_eos, axis=1, dtype=np.int32)
 
 
-def to_example(rows: np.ndarray, eos_id: int) -> dict[str, np.ndarray]:
+def to_example(rows: np.ndarray, eos_id: int | None) -> dict[str, np.ndarray]:
   """Splits packed rows [B, T + 1] into the model's {'inputs', 'targets', 'segment_ids'} (each
-  [B, T]; targets = inputs shifted by 1; segment_ids from the inputs' EOS markers)."""
+  [B, T]; targets = inputs shifted by 1; segment_ids from the inputs' EOS markers, left out
+  when eos_id is None: no document masking)."""
   rows = np.asarray(rows, np.int32)
   inputs = rows[:, :-1]
-  return {"inputs": inputs, "targets": rows[:, 1:], "segment_ids": segment_ids(inputs, eos_id)}
+  example = {"inputs": inputs, "targets": rows[:, 1:]}
+  if eos_id is not None:
+    example["segment_ids"] = segment_ids(inputs, eos_id)
+  return example
 
 
 class ToExample:
   """Picklable `to_example` with the tokenizer's EOS id, for Grain map."""
 
-  def __init__(self, eos_id: int):
+  def __init__(self, eos_id: int | None):
     self.eos_id = eos_id
 
   def __call__(self, rows: np.ndarray) -> dict[str, np.ndarray]:
