@@ -1,8 +1,8 @@
 """Document masking (segment ids, data.document_mask) in the model, against each document alone.
 
-Two documents are packed into one row, A (positions 0..2) then B (3..8), with segment ids
-[0, 0, 0, 1, ..., 1]. The reference is B run on its own, a separate, unmasked call at positions
-0..5: with masking, B's logits in the packed row equal it (RoPE scores depend on relative
+Two documents are packed into one row, A (positions 0..4) then B (5..9), with segment ids
+[0, ..., 0, 1, ..., 1]. The reference is B run on its own, a separate, unmasked call at positions
+0..4: with masking, B's logits in the packed row equal it (RoPE scores depend on relative
 positions only; h_0 is `state_init='embed'`, a function of the token, where the default's noise
 is keyed by row position) in the parallel forward, in exact shared decode (`decode_forward`,
 sharing.py) and in the Jacobi form (T - 1 shared passes), for every mixer: a GQA model and a
@@ -27,13 +27,13 @@ from looped.losses import token_cross_entropy
 from looped.model import LoopedLM
 from looped.model.sharing import decode_forward, jacobi_forward
 
-A, B = 3, 6  # Document lengths; B starts at position 3.
+A, B = 5, 5  # Document lengths; B starts at position 5.
 # Small programs (CI time): R = 3 in a scan of one recurrence per step. Two models hold every
 # mixer (one model per mixer would double this file's compile time).
 _DIMS = dict(mla_kv_rank=16, mla_rope_dim=4, state_init="embed", scan_unroll=1)
 MODELS = {
   "gqa": dict(num_core_layers=1),
-  # KDA chunks of 4: B (from position 3) starts inside the first chunk, in every KDA form.
+  # KDA chunks of 4: B starts inside the second chunk, whose start state holds A.
   "hybrid": dict(
     prelude_mixers=("kda",), core_mixers=("kda", "mla"), coda_mixers=("mla",), kda_chunk_size=4
   ),
