@@ -406,6 +406,11 @@ class LoopedLM(nn.Module):
     self_mask_BxTxT = causal_mask(t, b)
     segments = {}
     if segment_ids_BxT is not None:  # Document masking: cache slots and chunk of its document.
+      if cache_segment_ids_BxS.shape[1] < max(s, 1):
+        raise ValueError(
+          f"cache_segment_ids_BxS has {cache_segment_ids_BxS.shape[1]} positions; the cache "
+          f"has {s} slots (at least 1 position is needed)."
+        )
       slots_BxS = cache_segment_ids_BxS[:, :s]
       past_mask_BxTxS = past_mask_BxTxS & same_segment(segment_ids_BxT, slots_BxS)
       self_mask_BxTxT = self_mask_BxTxT & same_segment(segment_ids_BxT, segment_ids_BxT)
