@@ -71,6 +71,16 @@ def past_query_start(k_start, prefill_block: int):
   return block_start(k_start, prefill_block) + prefill_block
 
 
+def same_segment(mask_QxS, seg_refs, q_rows, k_cols):
+  """mask & (query and key in the same document) when segment ids are given (seg_refs: the
+  query ids as a [rows, 1] column and the key ids as a [1, cols] row); mask itself otherwise.
+  q_rows / k_cols index the refs (slices, or `...` for a whole block)."""
+  if seg_refs is None:
+    return mask_QxS
+  seg_q_ref, seg_k_ref = seg_refs
+  return mask_QxS & (seg_q_ref[q_rows, :] == seg_k_ref[:, k_cols])
+
+
 def past_tile(leaf_refs, start, size: int, fmt: str | None, dtype):
   """Past K or V rows [start, start + size) as [size, D]; a packed past is dequantized here.
 

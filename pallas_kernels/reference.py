@@ -32,9 +32,11 @@ def shared_attention(
   v_past_BxTxKxH,
   sm_scale=None,
   prefill_block=None,
+  segment_ids_BxT=None,
 ):
   """Position t attends to the past K/V at s < b(t) and to its own K/V at b(t) <= s <= t, with
-  b(t) = t (prefill_block None) or t's block start (t // prefill_block) * prefill_block."""
+  b(t) = t (prefill_block None) or t's block start (t // prefill_block) * prefill_block; with
+  segment ids only to positions s of t's document."""
   b, t, _, d = q_BxTxNxH.shape
   sm_scale = d**-0.5 if sm_scale is None else sm_scale
   k = jnp.concatenate([k_past_BxTxKxH, k_BxTxKxH], axis=1)
@@ -44,6 +46,9 @@ def shared_attention(
   past_TxT = idx[None, :] < start_T[:, None]
   own_TxT = (idx[None, :] >= start_T[:, None]) & (idx[None, :] <= idx[:, None])
   mask = jnp.broadcast_to(jnp.concatenate([past_TxT, own_TxT], axis=1), (b, t, 2 * t))
+  if segment_ids_BxT is not None:
+    same_BxTxT = segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]
+    mask = mask & jnp.concatenate([same_BxTxT, same_BxTxT], axis=-1)
   return _softmax_attend(q_BxTxNxH, k, v, mask, sm_scale)
 
 

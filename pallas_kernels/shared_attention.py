@@ -31,6 +31,11 @@ The past may arrive packed in a KV format (`kv_formats.PackedKV`, per-token layo
 `looped.kv_quant`): the forward and dq kernels then dequantize each past tile as they load it
 (`ops.past_tile`), and the past, a constant, gets zero cotangents (no dkv kernel).
 
+Document masking (`segment_ids`, one id per position; the past holds the same positions): every
+past and own tile's mask also requires the query's and key's ids to be equal (the diagonal is
+always the token's own document). The ids enter as a [Tp, 1] column (query side) and a [1, Tp]
+row (key side), so no kernel transposes; without them the kernels take neither.
+
 These are the generic kernels (interpret, Triton, Mosaic), each looping over a whole-T block.
 On TPU the default is `shared_attention_tpu`: the same three kernels with that loop as a grid
 axis, so Mosaic pipelines the blocks through VMEM.
@@ -57,8 +62,17 @@ _dot = ops.dot_f32
 # Kernels. Refs are [rows, D] blocks of one (batch, head); softmax statistics [rows, 1].
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, *refs, sm_scale, block_k, past_fmt, n_leaves, prefill_block):
+def _seg_refs(refs, n_leaves: int, prefill_block: int, segmented: bool):
+  """The segment-id refs (query column, key row), after the past leaves and own K/V, or None."""
+  start = 2 * n_leaves + 2 * (prefill_block > 1)
+  return tuple(refs[start : start + 2]) if segmented else None
+
+
+def _fwd_kernel(
+  q_ref, k_ref, v_ref, *refs, sm_scale, block_k, past_fmt, n_leaves, prefill_block, segmented
+):
   kp_refs, vp_refs = refs[:n_leaves], refs[n_leaves : 2 * n_leaves]
+  seg_refs = _seg_refs(refs, n_leaves, prefill_block, segmented)
   o_ref, lse_ref = refs[-2:]
   block_q = q_ref.shape[0]
   q_start = pl.program_id(2) * block_q
@@ -83,6 +97,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, sm_scale, block_k, past_fmt, n_leave
     kp_SxH = ops.past_tile(kp_refs, k_start, block_k, past_fmt, q_QxH.dtype)
     vp_SxH = ops.past_tile(vp_refs, k_start, block_k, past_fmt, q_QxH.dtype)
     mask = ops.past_mask(q_start, k_start, block_q, block_k, prefill_block)
+    mask = ops.same_segment(mask, seg_refs, ..., pl.ds(k_start, block_k))
     return update(carry, kp_SxH, vp_SxH, mask)
 
   # Past tiles holding some s < block_start(t) for t in this query tile.
@@ -94,6 +109,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, sm_scale, block_k, past_fmt, n_leave
     def own_body(j, carry):
       rows = pl.ds(j * block_k, block_k)
       mask = ops.own_mask(q_start, j * block_k, block_q, block_k, prefill_block)
+      mask = ops.same_segment(mask, seg_refs, ..., rows)
       return update(carry, k_all_ref[rows, :], v_all_ref[rows, :], mask)
 
     carry = lax.fori_loop(*ops.own_tiles(q_start, block_q, block_k, prefill_block), own_body, carry)
@@ -103,9 +119,10 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, sm_scale, block_k, past_fmt, n_leave
 
 
 def _bwd_dq_kernel(
-  q_ref, k_ref, v_ref, *refs, sm_scale, block_k, past_fmt, n_leaves, prefill_block
+  q_ref, k_ref, v_ref, *refs, sm_scale, block_k, past_fmt, n_leaves, prefill_block, segmented
 ):
   kp_refs, vp_refs = refs[:n_leaves], refs[n_leaves : 2 * n_leaves]
+  seg_refs = _seg_refs(refs, n_leaves, prefill_block, segmented)
   do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref = refs[-6:]
   block_q = q_ref.shape[0]
   q_start = pl.program_id(2) * block_q
@@ -132,6 +149,7 @@ def _bwd_dq_kernel(
     kp_SxH = ops.past_tile(kp_refs, k_start, block_k, past_fmt, q_QxH.dtype)
     vp_SxH = ops.past_tile(vp_refs, k_start, block_k, past_fmt, q_QxH.dtype)
     mask = ops.past_mask(q_start, k_start, block_q, block_k, prefill_block)
+    mask = ops.same_segment(mask, seg_refs, ..., pl.ds(k_start, block_k))
     return update(dq_QxH, kp_SxH, vp_SxH, mask)
 
   num_blocks = pl.cdiv(ops.past_end(q_start, block_q, prefill_block), block_k)
@@ -142,6 +160,7 @@ def _bwd_dq_kernel(
     def own_body(j, dq_QxH):
       rows = pl.ds(j * block_k, block_k)
       mask = ops.own_mask(q_start, j * block_k, block_q, block_k, prefill_block)
+      mask = ops.same_segment(mask, seg_refs, ..., rows)
       return update(dq_QxH, k_all_ref[rows, :], v_all_ref[rows, :], mask)
 
     lo, hi = ops.own_tiles(q_start, block_q, block_k, prefill_block)
@@ -150,12 +169,14 @@ def _bwd_dq_kernel(
 
 
 def _bwd_dkv_kernel(
-  q_ref, do_ref, lse_ref, delta_ref, *refs, sm_scale, block_q, prefill_block, has_past
+  q_ref, do_ref, lse_ref, delta_ref, *refs, sm_scale, block_q, prefill_block, has_past, segmented
 ):
   """Gradients of one key tile: of the past K/V (has_past) over the query tiles reading it as
   past, and of the own K/V (prefill_block > 1) over those reading it inside their block."""
-  n_in = 2 * has_past + 2 * (prefill_block > 1)
-  ins, outs = refs[:n_in], refs[n_in:]
+  n_keys = 2 * has_past + 2 * (prefill_block > 1)
+  n_in = n_keys + 2 * segmented
+  ins, outs = refs[:n_keys], refs[n_in:]
+  seg_refs = tuple(refs[n_keys:n_in]) if segmented else None
   block_k, d = ins[0].shape
   k_start = pl.program_id(2) * block_k
   num_q_tiles = q_ref.shape[0] // block_q
@@ -171,6 +192,7 @@ def _bwd_dkv_kernel(
       lse_Qx1, delta_Qx1 = lse_ref[rows, :], delta_ref[rows, :]
       s_QxS = _dot(q_QxH, k_SxH, 1, 1) * sm_scale
       mask = mask_fn(q_start, k_start, block_q, block_k, prefill_block)
+      mask = ops.same_segment(mask, seg_refs, rows, ...)
       p_QxS = jnp.where(mask, jnp.exp(s_QxS - lse_Qx1), 0.0)
       dv_SxH = dv_SxH + _dot(p_QxS.astype(do_QxH.dtype), do_QxH, 0, 0)
       ds_QxS = p_QxS * (_dot(do_QxH, v_SxH, 1, 1) - delta_Qx1)
@@ -229,11 +251,29 @@ def _past_specs(past, t: int, kv_head):
   return leaves, specs
 
 
-def _fwd(q, k, v, kp, vp, sm_scale, block_q, block_k, interpret, variant, prefill_block):
+def _seg_inputs(seg, t: int, block_q: int | None = None, block_k: int | None = None):
+  """Segment ids ([B, Tp] or None) as kernel inputs with their specs: a [B, 1, Tp, 1] column
+  (query rows; block_q rows per program, or whole-T) and a [B, 1, 1, Tp] row (key side;
+  block_k per program, or whole-T). Both are shared by the heads."""
+  if seg is None:
+    return (), ()
+  col, row = seg[:, None, :, None], seg[:, None, None, :]
+  if block_q is None:
+    col_spec = pl.BlockSpec((None, None, t, 1), lambda b, h, i: (b, 0, 0, 0))
+  else:
+    col_spec = pl.BlockSpec((None, None, block_q, 1), lambda b, h, i: (b, 0, i, 0))
+  if block_k is None:
+    row_spec = pl.BlockSpec((None, None, 1, t), lambda b, h, i: (b, 0, 0, 0))
+  else:
+    row_spec = pl.BlockSpec((None, None, 1, block_k), lambda b, h, i: (b, 0, 0, i))
+  return (col, row), (col_spec, row_spec)
+
+
+def _fwd(q, k, v, kp, vp, seg, sm_scale, block_q, block_k, interpret, variant, prefill_block):
   if variant == "tpu":
     leaves = _past_leaves(kp), _past_leaves(vp)
     return shared_attention_tpu.fwd(
-      q, k, v, *leaves, _past_fmt(kp), sm_scale, block_q, block_k, interpret, prefill_block
+      q, k, v, *leaves, _past_fmt(kp), sm_scale, block_q, block_k, interpret, prefill_block, seg
     )
   b, hq, t, d = q.shape
   group = hq // k.shape[1]
@@ -241,6 +281,7 @@ def _fwd(q, k, v, kp, vp, sm_scale, block_q, block_k, interpret, variant, prefil
   kp_leaves, kp_specs = _past_specs(kp, t, kv_head)
   vp_leaves, vp_specs = _past_specs(vp, t, kv_head)
   own, own_specs = _own_whole(k, v, prefill_block, kv_head)
+  segs, seg_specs = _seg_inputs(seg, t, block_q=block_q)
   kernel = functools.partial(
     _fwd_kernel,
     sm_scale=sm_scale,
@@ -248,6 +289,7 @@ def _fwd(q, k, v, kp, vp, sm_scale, block_q, block_k, interpret, variant, prefil
     past_fmt=_past_fmt(kp),
     n_leaves=len(kp_leaves),
     prefill_block=prefill_block,
+    segmented=seg is not None,
   )
   return pl.pallas_call(
     kernel,
@@ -259,6 +301,7 @@ def _fwd(q, k, v, kp, vp, sm_scale, block_q, block_k, interpret, variant, prefil
       *kp_specs,
       *vp_specs,
       *own_specs,
+      *seg_specs,
     ],
     out_specs=[_row_spec(block_q, d), _stat_spec(block_q)],
     out_shape=[
@@ -268,7 +311,7 @@ def _fwd(q, k, v, kp, vp, sm_scale, block_q, block_k, interpret, variant, prefil
     interpret=interpret,
     compiler_params=platform.compiler_params(interpret),
     name="shared_attention_fwd",
-  )(q, k, v, *kp_leaves, *vp_leaves, *own)
+  )(q, k, v, *kp_leaves, *vp_leaves, *own, *segs)
 
 
 def _own_whole(k, v, prefill_block: int, kv_head):
@@ -280,7 +323,7 @@ def _own_whole(k, v, prefill_block: int, kv_head):
 
 
 def _bwd(
-  q, k, v, kp, vp, o, lse, do, sm_scale, block_q, block_k, interpret, variant, prefill_block
+  q, k, v, kp, vp, seg, o, lse, do, sm_scale, block_q, block_k, interpret, variant, prefill_block
 ):
   b, hq, t, d = q.shape
   hkv = k.shape[1]
@@ -296,15 +339,15 @@ def _bwd(
   if variant == "tpu":
     leaves = _past_leaves(kp), _past_leaves(vp)
     dq, dk_h, dv_h = shared_attention_tpu.dq(
-      q, k, v, *leaves, _past_fmt(kp), do, lse, delta, *blocks
+      q, k, v, *leaves, _past_fmt(kp), do, lse, delta, *blocks, seg
     )
     dkv = shared_attention_tpu.dkv
   else:
-    dq, dk_h, dv_h = _bwd_dq(q, k, v, kp, vp, do, lse, delta, *blocks)
+    dq, dk_h, dv_h = _bwd_dq(q, k, v, kp, vp, do, lse, delta, *blocks, seg)
     dkv = _bwd_dkv
   dpast, down = (None, None), (None, None)
   if past is not None or own is not None:
-    dpast, down = dkv(q, do, lse, delta, past, own, *blocks)
+    dpast, down = dkv(q, do, lse, delta, past, own, *blocks, seg)
   if own is not None:  # In-block reads plus the diagonal, per query head (float32 sum).
     dk_h = dk_h.astype(jnp.float32) + down[0].astype(jnp.float32)
     dv_h = dv_h.astype(jnp.float32) + down[1].astype(jnp.float32)
@@ -315,7 +358,9 @@ def _bwd(
   return dq, dk, dv, group_sum(dpast[0], kp), group_sum(dpast[1], vp)
 
 
-def _bwd_dq(q, k, v, kp, vp, do, lse, delta, sm_scale, block_q, block_k, interpret, prefill_block):
+def _bwd_dq(
+  q, k, v, kp, vp, do, lse, delta, sm_scale, block_q, block_k, interpret, prefill_block, seg
+):
   """The generic dq kernel: (dq, dk_h, dv_h) per query head (dk_h, dv_h: the diagonal's)."""
   b, hq, t, d = q.shape
   group = hq // k.shape[1]
@@ -325,6 +370,7 @@ def _bwd_dq(q, k, v, kp, vp, do, lse, delta, sm_scale, block_q, block_k, interpr
   kp_leaves, kp_specs = _past_specs(kp, t, kv_head)
   vp_leaves, vp_specs = _past_specs(vp, t, kv_head)
   own, own_specs = _own_whole(k, v, prefill_block, kv_head)
+  segs, seg_specs = _seg_inputs(seg, t, block_q=block_q)
   dq_kernel = functools.partial(
     _bwd_dq_kernel,
     sm_scale=sm_scale,
@@ -332,6 +378,7 @@ def _bwd_dq(q, k, v, kp, vp, do, lse, delta, sm_scale, block_q, block_k, interpr
     past_fmt=_past_fmt(kp),
     n_leaves=len(kp_leaves),
     prefill_block=prefill_block,
+    segmented=seg is not None,
   )
   return pl.pallas_call(
     dq_kernel,
@@ -343,6 +390,7 @@ def _bwd_dq(q, k, v, kp, vp, do, lse, delta, sm_scale, block_q, block_k, interpr
       *kp_specs,
       *vp_specs,
       *own_specs,
+      *seg_specs,
       _row_spec(block_q, d),
       _stat_spec(block_q),
       _stat_spec(block_q),
@@ -351,10 +399,12 @@ def _bwd_dq(q, k, v, kp, vp, do, lse, delta, sm_scale, block_q, block_k, interpr
     out_shape=[per_head(q), per_head(k), per_head(v)],
     name="shared_attention_bwd_dq",
     **common,
-  )(q, k, v, *kp_leaves, *vp_leaves, *own, do, lse, delta)
+  )(q, k, v, *kp_leaves, *vp_leaves, *own, *segs, do, lse, delta)
 
 
-def _bwd_dkv(q, do, lse, delta, past, own, sm_scale, block_q, block_k, interpret, prefill_block):
+def _bwd_dkv(
+  q, do, lse, delta, past, own, sm_scale, block_q, block_k, interpret, prefill_block, seg
+):
   """The generic key-tile kernel: ((dk_past_h, dv_past_h) or Nones, (dk_own_h, dv_own_h) or
   Nones), per query head; `past` / `own` are (k, v) pairs or None."""
   b, hq, t, d = q.shape
@@ -369,8 +419,10 @@ def _bwd_dkv(q, do, lse, delta, past, own, sm_scale, block_q, block_k, interpret
     block_q=block_q,
     prefill_block=prefill_block,
     has_past=past is not None,
+    segmented=seg is not None,
   )
   keys = [x for pair in pairs for x in pair]
+  segs, seg_specs = _seg_inputs(seg, t, block_k=block_k)
   grads = pl.pallas_call(
     kernel,
     grid=(b, hq, t // block_k),
@@ -380,12 +432,13 @@ def _bwd_dkv(q, do, lse, delta, past, own, sm_scale, block_q, block_k, interpret
       _full_stat_spec(t),
       _full_stat_spec(t),
       *[_row_spec(block_k, d, kv_head)] * len(keys),
+      *seg_specs,
     ],
     out_specs=[_row_spec(block_k, d)] * len(keys),
     out_shape=[per_head(x) for x in keys],
     name="shared_attention_bwd_dkv",
     **common,
-  )(q, do, lse, delta, *keys)
+  )(q, do, lse, delta, *keys, *segs)
   return _split_pairs(grads, past, own)
 
 
@@ -434,16 +487,22 @@ def _from_bhtd(x, t):
   return jnp.swapaxes(x[:, :, :t], 1, 2)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
-def _attention(q, k, v, kp, vp, sm_scale, block_q, block_k, interpret, variant, prefill_block):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
+def _attention(q, k, v, kp, vp, seg, sm_scale, block_q, block_k, interpret, variant, prefill_block):
   statics = (sm_scale, block_q, block_k, interpret, variant, prefill_block)
-  return _attention_fwd(q, k, v, kp, vp, *statics)[0]
+  return _attention_fwd(q, k, v, kp, vp, seg, *statics)[0]
 
 
-def _attention_fwd(q, k, v, kp, vp, sm_scale, block_q, block_k, interpret, variant, prefill_block):
+def _attention_fwd(
+  q, k, v, kp, vp, seg, sm_scale, block_q, block_k, interpret, variant, prefill_block
+):
   t = q.shape[1]
   t_pad = math.lcm(block_q, block_k) * pl.cdiv(t, math.lcm(block_q, block_k))
   padded = [_to_bhtd(x, t_pad) for x in (q, k, v)] + [_past_to_kernel(x, t_pad) for x in (kp, vp)]
+  if seg is not None:  # Padded positions: their own id (-1), masked causally anyway.
+    padded.append(jnp.pad(seg.astype(jnp.int32), ((0, 0), (0, t_pad - t)), constant_values=-1))
+  else:
+    padded.append(None)
   statics = (sm_scale, block_q, block_k, interpret, variant, prefill_block)
   o, lse = _fwd(*padded, *statics)
   packed = (kp, vp) if isinstance(kp, kv_formats.PackedKV) else None
@@ -456,10 +515,12 @@ def _attention_bwd(sm_scale, block_q, block_k, interpret, variant, prefill_block
   do = _to_bhtd(do, o.shape[2])
   statics = (sm_scale, block_q, block_k, interpret, variant, prefill_block)
   grads = _bwd(*padded, o, lse, do, *statics)
+  seg = padded[-1]  # Integer ids: no cotangent.
+  dseg = None if seg is None else np.zeros(seg[:, :t].shape, jax.dtypes.float0)
   if packed is None:
-    return tuple(_from_bhtd(g, t) for g in grads)
+    return (*(_from_bhtd(g, t) for g in grads), dseg)
   # A packed past is a constant: its bytes and scales get zero cotangents.
-  return (*(_from_bhtd(g, t) for g in grads[:3]), *(_zero_cotangent(p) for p in packed))
+  return (*(_from_bhtd(g, t) for g in grads[:3]), *(_zero_cotangent(p) for p in packed), dseg)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -485,6 +546,7 @@ def shared_attention(
   variant: str | None = None,
   interpret: bool | None = None,
   prefill_block: int | None = None,
+  segment_ids_BxT: jax.Array | None = None,
 ) -> jax.Array:
   """Shared-cache attention: t sees the past K/V at s < t and its own K/V at s = t.
 
@@ -506,6 +568,8 @@ def shared_attention(
     prefill_block: block prefill with blocks of this many positions aligned at 0: t sees the
       past K/V at s < b(t) = (t // prefill_block) * prefill_block and its own K/V causally at
       b(t) <= s <= t. None (or 1): the past at s < t and the own K/V at s = t.
+    segment_ids_BxT: document masking: t also reads only the positions s (past or own) with
+      the same id (int; the past holds the same positions). None: no masking.
     interpret: run in Pallas interpret mode (default: exactly when there is no GPU/TPU). With
       the 'tpu' variant, True means Pallas' TPU interpreter (`pltpu.InterpretParams()`).
 
@@ -521,6 +585,8 @@ def shared_attention(
     shape = x.shape if not isinstance(x, kv_formats.PackedKV) else (*x.data.shape[:3], x.head_dim)
     if shape != kv_shape:
       raise ValueError(f"{name} has shape {shape}, expected k's {kv_shape}.")
+  if segment_ids_BxT is not None and segment_ids_BxT.shape != (b, t):
+    raise ValueError(f"segment_ids has shape {segment_ids_BxT.shape}, expected {(b, t)}.")
   if _past_fmt(k_past_BxTxKxH) != _past_fmt(v_past_BxTxKxH):
     raise ValueError("k_past and v_past must both be arrays or both packed in one format.")
   prefill_block = 1 if prefill_block is None else operator.index(prefill_block)
@@ -537,6 +603,7 @@ def shared_attention(
     v_BxTxKxH,
     k_past_BxTxKxH,
     v_past_BxTxKxH,
+    segment_ids_BxT,
     sm_scale,
     block_q,
     block_k,

@@ -20,6 +20,10 @@ parts run at the same inner step j (each under its own `pl.when`). The dkv kerne
 blocks' in-block gradients as a second pair of outputs; its query blocks are fetched from the
 first that reads the key block in either way (the first own reader never comes after the first
 past reader).
+
+Segment ids (document masking) come in as the query block's [block_q, 1] column and key block
+j's [1, block_k] row (fetched at every step j: four bytes per key, unclamped, as past and own
+blocks are clamped differently), and narrow each mask to equal ids.
 """
 
 from __future__ import annotations
@@ -81,8 +85,15 @@ def _params(interpret):
 # j, past block j (if needed) and own block j (if needed) both update the accumulators.
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, *refs, sm_scale, past_fmt, n_leaves, prefill_block):
+def _seg_refs(refs, n_leaves: int, prefill_block: int, segmented: bool):
+  """The segment-id refs (query column, key row), after the past leaves and own K/V, or None."""
+  start = 2 * n_leaves + 2 * (prefill_block > 1)
+  return tuple(refs[start : start + 2]) if segmented else None
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, *refs, sm_scale, past_fmt, n_leaves, prefill_block, segmented):
   kp_refs, vp_refs = refs[:n_leaves], refs[n_leaves : 2 * n_leaves]
+  seg_refs = _seg_refs(refs, n_leaves, prefill_block, segmented)
   o_ref, lse_ref, m_ref, l_ref, acc_ref = refs[-5:]
   block_q, block_k = q_ref.shape[0], kp_refs[0].shape[0]
   i, j = pl.program_id(2), pl.program_id(3)
@@ -96,6 +107,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, sm_scale, past_fmt, n_leaves, prefil
     acc_ref[...] = v_ref[...].astype(jnp.float32)
 
   def update(k_SxH, v_SxH, mask_QxS):
+    mask_QxS = ops.same_segment(mask_QxS, seg_refs, ..., ...)
     q_QxH = q_ref[...]
     s_QxS = jnp.where(mask_QxS, _dot(q_QxH, k_SxH, 1, 1) * sm_scale, -jnp.inf)
     m_Qx1 = m_ref[...]
@@ -127,8 +139,11 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, sm_scale, past_fmt, n_leaves, prefil
     lse_ref[...] = m_ref[...] + jnp.log(l_ref[...])
 
 
-def _bwd_dq_kernel(q_ref, k_ref, v_ref, *refs, sm_scale, past_fmt, n_leaves, prefill_block):
+def _bwd_dq_kernel(
+  q_ref, k_ref, v_ref, *refs, sm_scale, past_fmt, n_leaves, prefill_block, segmented
+):
   kp_refs, vp_refs = refs[:n_leaves], refs[n_leaves : 2 * n_leaves]
+  seg_refs = _seg_refs(refs, n_leaves, prefill_block, segmented)
   do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref, dq_acc_ref = refs[-7:]
   block_q, block_k = q_ref.shape[0], kp_refs[0].shape[0]
   i, j = pl.program_id(2), pl.program_id(3)
@@ -139,6 +154,7 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, *refs, sm_scale, past_fmt, n_leaves, pre
     dq_acc_ref[...] = jnp.zeros_like(dq_acc_ref)
 
   def update(k_SxH, v_SxH, mask_QxS):
+    mask_QxS = ops.same_segment(mask_QxS, seg_refs, ..., ...)
     q_QxH, do_QxH = q_ref[...], do_ref[...]
     s_QxS = _dot(q_QxH, k_SxH, 1, 1) * sm_scale
     p_QxS = jnp.where(mask_QxS, jnp.exp(s_QxS - lse_ref[...]), 0.0)
@@ -171,11 +187,16 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, *refs, sm_scale, past_fmt, n_leaves, pre
     dq_ref[...] = (dq_acc_ref[...] + ds_Qx1 * k32 * sm_scale).astype(dq_ref.dtype)
 
 
-def _bwd_dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, *refs, sm_scale, prefill_block, has_past):
+def _bwd_dkv_kernel(
+  q_ref, do_ref, lse_ref, delta_ref, *refs, sm_scale, prefill_block, has_past, segmented
+):
   """Key block j's gradients: of the past K/V (has_past), and in block prefill of the own K/V
-  read inside the block; refs are the key blocks, their outputs, then one accumulator each."""
+  read inside the block; refs are the key blocks, the segment ids (segmented), their outputs,
+  then one accumulator each."""
   n = 2 * has_past + 2 * (prefill_block > 1)
-  keys, outs, accs = refs[:n], refs[n : 2 * n], refs[2 * n :]
+  keys, seg_refs = refs[:n], (tuple(refs[n : n + 2]) if segmented else None)
+  refs = refs[n + 2 * segmented :]
+  outs, accs = refs[:n], refs[n:]
   block_q, block_k = q_ref.shape[0], keys[0].shape[0]
   i, j = pl.program_id(3), pl.program_id(2)
   q_start, k_start = i * block_q, j * block_k
@@ -186,6 +207,7 @@ def _bwd_dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, *refs, sm_scale, prefill_
       acc[...] = jnp.zeros_like(acc)
 
   def update(key_ref, value_ref, mask_QxS, dk_acc, dv_acc):
+    mask_QxS = ops.same_segment(mask_QxS, seg_refs, ..., ...)
     q_QxH, do_QxH = q_ref[...], do_ref[...]
     s_QxS = _dot(q_QxH, key_ref[...], 1, 1) * sm_scale
     p_QxS = jnp.where(mask_QxS, jnp.exp(s_QxS - lse_ref[...]), 0.0)
@@ -246,6 +268,17 @@ def _own_specs(d: int, group: int, block_q: int, block_k: int, prefill_block: in
   return [_spec(block_k, d, own_map)] * 2
 
 
+def _seg_inputs(seg, block_q: int, block_k: int, q_block_of, k_block_of):
+  """Segment ids [B, Tp] (or None) as a [B, 1, Tp, 1] column in query blocks and a
+  [B, 1, 1, Tp] row in key blocks, with their specs; q_block_of / k_block_of map the grid
+  index (b, h, x, y) to the block index."""
+  if seg is None:
+    return (), []
+  col_spec = pl.BlockSpec((None, None, block_q, 1), lambda *g: (g[0], 0, q_block_of(*g), 0))
+  row_spec = pl.BlockSpec((None, None, 1, block_k), lambda *g: (g[0], 0, 0, k_block_of(*g)))
+  return (seg[:, None, :, None], seg[:, None, None, :]), [col_spec, row_spec]
+
+
 def _query_side_specs(d: int, group: int, block_q: int):
   """q, own k, own v (block i of query head h / its KV head) for grid (b, h, i, j)."""
   q_map = lambda b, h, i, j: (b, h, i, 0)
@@ -254,19 +287,32 @@ def _query_side_specs(d: int, group: int, block_q: int):
 
 
 def fwd(
-  q, k, v, kp_leaves, vp_leaves, past_fmt, sm_scale, block_q, block_k, interpret, prefill_block=1
+  q,
+  k,
+  v,
+  kp_leaves,
+  vp_leaves,
+  past_fmt,
+  sm_scale,
+  block_q,
+  block_k,
+  interpret,
+  prefill_block=1,
+  seg=None,
 ):
-  """Forward: (o [B, N, Tp, H], lse [B, N, Tp, 1])."""
+  """Forward: (o [B, N, Tp, H], lse [B, N, Tp, 1]). seg: segment ids [B, Tp] or None."""
   b, hq, t, d = q.shape
   group = hq // k.shape[1]
   row_specs, q_map = _query_side_specs(d, group, block_q)
   own_specs = _own_specs(d, group, block_q, block_k, prefill_block)
+  segs, seg_specs = _seg_inputs(seg, block_q, block_k, lambda b, h, i, j: i, lambda b, h, i, j: j)
   kernel = functools.partial(
     _fwd_kernel,
     sm_scale=sm_scale,
     past_fmt=past_fmt,
     n_leaves=len(kp_leaves),
     prefill_block=prefill_block,
+    segmented=seg is not None,
   )
   return pl.pallas_call(
     kernel,
@@ -276,6 +322,7 @@ def fwd(
       *_past_specs(kp_leaves, past_fmt, group, block_q, block_k, prefill_block),
       *_past_specs(vp_leaves, past_fmt, group, block_q, block_k, prefill_block),
       *own_specs,
+      *seg_specs,
     ],
     out_specs=[_spec(block_q, d, q_map), _spec(block_q, 1, q_map)],
     out_shape=[
@@ -289,7 +336,7 @@ def fwd(
     ],
     name="shared_attention_tpu_fwd",
     **_params(interpret),
-  )(q, k, v, *kp_leaves, *vp_leaves, *((k, v) if own_specs else ()))
+  )(q, k, v, *kp_leaves, *vp_leaves, *((k, v) if own_specs else ()), *segs)
 
 
 def dq(
@@ -307,6 +354,7 @@ def dq(
   block_k,
   interpret,
   prefill_block=1,
+  seg=None,
 ):
   """dq and the diagonal's own-K/V gradients per query head: (dq, dk_h, dv_h), each
   [B, N, Tp, H]."""
@@ -314,12 +362,14 @@ def dq(
   group = hq // k.shape[1]
   row_specs, q_map = _query_side_specs(d, group, block_q)
   own_specs = _own_specs(d, group, block_q, block_k, prefill_block)
+  segs, seg_specs = _seg_inputs(seg, block_q, block_k, lambda b, h, i, j: i, lambda b, h, i, j: j)
   kernel = functools.partial(
     _bwd_dq_kernel,
     sm_scale=sm_scale,
     past_fmt=past_fmt,
     n_leaves=len(kp_leaves),
     prefill_block=prefill_block,
+    segmented=seg is not None,
   )
   per_head = lambda x: jax.ShapeDtypeStruct((b, hq, t, d), x.dtype)
   return pl.pallas_call(
@@ -330,6 +380,7 @@ def dq(
       *_past_specs(kp_leaves, past_fmt, group, block_q, block_k, prefill_block),
       *_past_specs(vp_leaves, past_fmt, group, block_q, block_k, prefill_block),
       *own_specs,
+      *seg_specs,
       _spec(block_q, d, q_map),
       _spec(block_q, 1, q_map),
       _spec(block_q, 1, q_map),
@@ -339,13 +390,15 @@ def dq(
     scratch_shapes=[pltpu.VMEM((block_q, d), jnp.float32)],
     name="shared_attention_tpu_bwd_dq",
     **_params(interpret),
-  )(q, k, v, *kp_leaves, *vp_leaves, *((k, v) if own_specs else ()), do, lse, delta)
+  )(q, k, v, *kp_leaves, *vp_leaves, *((k, v) if own_specs else ()), *segs, do, lse, delta)
 
 
-def dkv(q, do, lse, delta, past, own, sm_scale, block_q, block_k, interpret, prefill_block=1):
+def dkv(
+  q, do, lse, delta, past, own, sm_scale, block_q, block_k, interpret, prefill_block=1, seg=None
+):
   """Key-block gradients per query head, each [B, N, Tp, H]: ((dk_past_h, dv_past_h) or Nones,
   (dk_own_h, dv_own_h) or Nones) for `past` / `own`, (k, v) pairs or None (own: block
-  prefill's in-block reads; the diagonal's share is the dq kernel's)."""
+  prefill's in-block reads; the diagonal's share is the dq kernel's). seg: segment ids."""
   b, hq, t, d = q.shape
   keys = [x for pair in (past, own) if pair is not None for x in pair]
   group = hq // keys[0].shape[1]
@@ -358,8 +411,14 @@ def dkv(q, do, lse, delta, past, own, sm_scale, block_q, block_k, interpret, pre
   out_map = lambda b, h, j, i: (b, h, j, 0)
   per_head = lambda x: jax.ShapeDtypeStruct((b, hq, t, d), x.dtype)
   kernel = functools.partial(
-    _bwd_dkv_kernel, sm_scale=sm_scale, prefill_block=prefill_block, has_past=past is not None
+    _bwd_dkv_kernel,
+    sm_scale=sm_scale,
+    prefill_block=prefill_block,
+    has_past=past is not None,
+    segmented=seg is not None,
   )
+  q_block = lambda b, h, j, i: _dkv_query_block(j, i, block_q, block_k, num_q_blocks)
+  segs, seg_specs = _seg_inputs(seg, block_q, block_k, q_block, lambda b, h, j, i: j)
   grads = pl.pallas_call(
     kernel,
     grid=(b, hq, t // block_k, num_q_blocks),
@@ -369,13 +428,14 @@ def dkv(q, do, lse, delta, past, own, sm_scale, block_q, block_k, interpret, pre
       _spec(block_q, 1, q_map),
       _spec(block_q, 1, q_map),
       *[_spec(block_k, d, kv_map)] * len(keys),
+      *seg_specs,
     ],
     out_specs=[_spec(block_k, d, out_map)] * len(keys),
     out_shape=[per_head(x) for x in keys],
     scratch_shapes=[pltpu.VMEM((block_k, d), jnp.float32)] * len(keys),
     name="shared_attention_tpu_bwd_dkv",
     **_params(interpret),
-  )(q, do, lse, delta, *keys)
+  )(q, do, lse, delta, *keys, *segs)
   grads = list(grads)
   dpast = (grads.pop(0), grads.pop(0)) if past is not None else (None, None)
   down = (grads.pop(0), grads.pop(0)) if own is not None else (None, None)

@@ -139,7 +139,7 @@ class EvaluateTest(absltest.TestCase):
     model = LoopedLM(cfg)
     inputs_BxT = jax.random.randint(jax.random.PRNGKey(3), (2, 7), 0, cfg.vocab_size)
     params = init_params(model, jax.random.PRNGKey(0), inputs_BxT)
-    dk, dv, k, v = evaluation.make_stats_fns(cfg).drift(params, inputs_BxT)
+    dk, dv, k, v = evaluation.make_stats_fns(cfg).drift(params, inputs_BxT, None)
     # Independently: an unshared decode of all 7 tokens leaves each recurrence's entries.
     cache = init_cache(cfg, 2, 7, share_kv=False)
     _, aux = model.apply(params, inputs_BxT, cache=cache)

@@ -125,7 +125,8 @@ class ConvertEndToEndTest(testing.TempDirTestCase):
     (batch,) = data_lib.make_eval_batches(stage, process_index=0, process_count=1)
     model = LoopedLM(from_config(stage.model))
     params = testing.saved_params(stage.model, converted)
-    logits, _ = jax.jit(model.apply)(params, jnp.asarray(batch["inputs"]))
+    segments = batch.get("segment_ids")  # The evaluation's document masking (data config).
+    logits, _ = jax.jit(model.apply)(params, jnp.asarray(batch["inputs"]), segment_ids_BxT=segments)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.asarray(batch["targets"]))
     ppl = float(np.exp(np.mean(np.asarray(ce, np.float64))))
     self.assertAlmostEqual(report["models"]["zero_shot"]["ppl_unshared_eval"] / ppl, 1.0, 5)

@@ -103,7 +103,7 @@ def text_config(root, **fields):
 def assert_batches_equal(test, got, want):
   test.assertEqual(len(got), len(want))
   for g, w in zip(got, want):
-    test.assertEqual(set(g), {"inputs", "targets"})
+    test.assertEqual(set(g), {"inputs", "targets", "segment_ids"})  # data.document_mask on.
     for key in g:
       np.testing.assert_array_equal(g[key], w[key])
 
@@ -286,6 +286,30 @@ class TextCorpusTest(absltest.TestCase):
     self.assertLen(batches, 3)
     rows = np.concatenate([np.concatenate([b["inputs"], b["targets"][:, -1:]], 1) for b in batches])
     np.testing.assert_array_equal(rows, windows(self.val_stream, 12))
+
+  def test_segment_ids_number_the_documents_of_each_row(self):
+    """Hand-derived: a token right after an EOS starts the next segment; the EOS ends its own."""
+    inputs = np.array([[5, EOS, 7, 8, EOS, EOS, 2], [EOS, 1, 2, 3, 4, 5, 6]])
+    want = np.array([[0, 0, 1, 1, 1, 2, 3], [0, 1, 1, 1, 1, 1, 1]])
+    np.testing.assert_array_equal(packing.segment_ids(inputs, EOS), want)
+
+  def test_examples_carry_segment_ids_unless_document_mask_is_off(self):
+    """Train and eval examples: segment ids counted from the stream's EOS markers independently
+    (the stream built here, not the pipeline's); data.document_mask=False leaves them out."""
+    c = text_config(self.root)
+    batches = data.make_eval_batches(c, process_index=0, process_count=1)
+    segments = np.concatenate([b["segment_ids"] for b in batches])
+    for row, got in zip(windows(self.val_stream, 12), segments):
+      want = [sum(int(x) == EOS for x in row[:t]) for t in range(SEQ)]
+      np.testing.assert_array_equal(got, want)
+    self.assertGreater(int(segments.max()), 0)  # Some row spans two documents.
+    train = next(self.train_iter(c))
+    np.testing.assert_array_equal(train["segment_ids"], packing.segment_ids(train["inputs"], EOS))
+    off = text_config(self.root, document_mask=False)
+    self.assertEqual(set(next(self.train_iter(off))), {"inputs", "targets"})
+    eval_off = data.make_eval_batches(off, process_index=0, process_count=1)[0]
+    self.assertEqual(set(eval_off), {"inputs", "targets"})
+    np.testing.assert_array_equal(eval_off["inputs"], batches[0]["inputs"])
 
   def test_eval_process_slices_tile_the_global_batches(self):
     c = text_config(self.root)

@@ -82,6 +82,17 @@ class _LoweringCases(parameterized.TestCase):
     self.assertEqual(type(self).calls(attention, q, kv, kv, kv, kv), 1)
     self.assertEqual(type(self).calls(grads, q, kv, kv, kv, kv), 3)  # fwd, dq, dk/dv (both).
 
+  @parameterized.parameters(None, 96)  # Document masking, plain and block form.
+  def test_shared_attention_segment_ids(self, c):
+    q, kv = S((1, 256, 8, 128), jnp.bfloat16), S((1, 256, 4, 128), jnp.bfloat16)
+    seg = S((1, 256), jnp.int32)
+    attention = lambda q, k, v, kp, vp, seg: pallas_kernels.shared_attention(
+      q, k, v, kp, vp, interpret=False, prefill_block=c, segment_ids_BxT=seg
+    )
+    grads = jax.grad(lambda *a: jnp.sum(attention(*a).astype(jnp.float32)), argnums=(0, 1, 2, 3, 4))
+    self.assertEqual(type(self).calls(attention, q, kv, kv, kv, kv, seg), 1)
+    self.assertEqual(type(self).calls(grads, q, kv, kv, kv, kv, seg), 3)  # fwd, dq, dk/dv.
+
   def test_shared_attention_block_prefill_packed_past(self):
     q, kv = S((1, 256, 8, 128), jnp.bfloat16), S((1, 256, 4, 128), jnp.bfloat16)
     past = _pages("fp8", pages=1, page_size=256)

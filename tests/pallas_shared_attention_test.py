@@ -277,5 +277,52 @@ class BlockPrefillTest(parameterized.TestCase):
       shared_attention(q, k, v, kp, vp, interpret=True, prefill_block=0)
 
 
+class SegmentIdsTest(parameterized.TestCase):
+  """Document masking: t reads only positions s (past and own) with t's segment id."""
+
+  @parameterized.named_parameters(
+    # name, B, T, Hq, Hkv, block_q, block_k, C (None: plain form), variant
+    ("plain", 2, 13, 4, 2, 8, 4, None, "generic"),
+    ("block_c3_q4_k8", 2, 13, 4, 2, 4, 8, 3, "generic"),
+    ("tpu_plain_q16_k8", 1, 21, 4, 2, 16, 8, None, "tpu"),
+    ("tpu_c5_q8_k16", 2, 21, 2, 2, 8, 16, 5, "tpu"),
+  )
+  def test_forward_and_gradients_match_reference(self, b, t, hq, hkv, bq, bk, c, variant):
+    q, k, v, kp, vp, do = _inputs(b, t, hq, hkv, 16, seed=7)
+    rng = np.random.default_rng(t)
+    seg = jnp.asarray(np.sort(rng.integers(0, 4, (b, t)), axis=1), jnp.int32)
+    kernel = lambda *a: shared_attention(
+      *a,
+      block_q=bq,
+      block_k=bk,
+      variant=variant,
+      interpret=True,
+      prefill_block=c,
+      segment_ids_BxT=seg,
+    )
+    ref = lambda *a: reference.shared_attention(*a, prefill_block=c, segment_ids_BxT=seg)
+    out, grads = _value_and_grads(kernel, (q, k, v, kp, vp), do)
+    ref_out, ref_grads = _value_and_grads(ref, (q, k, v, kp, vp), do)
+    np.testing.assert_allclose(out, ref_out, atol=2e-6, rtol=0)
+    for name, g, r in zip(("q", "k", "v", "k_past", "v_past"), grads, ref_grads):
+      self.assertGreater(float(jnp.abs(r).max()), 0.1, name)  # Not vacuous.
+      np.testing.assert_allclose(g, r, atol=1e-5, rtol=0, err_msg=name)
+    unmasked = reference.shared_attention(q, k, v, kp, vp, prefill_block=c)
+    self.assertGreater(float(jnp.abs(unmasked - out).max()), 0.1)  # The ids matter.
+    if c is None:  # Independently: each document attended alone, at its own positions.
+      seg_np = np.asarray(seg)
+      for row in range(b):
+        for doc in np.unique(seg_np[row]):
+          cols = np.flatnonzero(seg_np[row] == doc)
+          part = lambda x, cols=cols, row=row: x[row : row + 1, cols[0] : cols[-1] + 1]
+          alone = reference.shared_attention(*map(part, (q, k, v, kp, vp)))
+          np.testing.assert_allclose(part(out), alone, atol=2e-6, rtol=0)
+
+  def test_rejects_segment_ids_of_another_shape(self):
+    q, k, v, kp, vp, _ = _inputs(1, 5, 2, 1, 8)
+    with self.assertRaisesRegex(ValueError, r"segment_ids has shape \(1, 4\), expected \(1, 5\)"):
+      shared_attention(q, k, v, kp, vp, segment_ids_BxT=jnp.zeros((1, 4), jnp.int32))
+
+
 if __name__ == "__main__":
   absltest.main()

@@ -75,10 +75,12 @@ METRICS_VERSION = 3  # Bumped when the metrics change, so cached evaluations are
 
 
 class StatsFns(NamedTuple):
-  jacobi: Callable  # (params, inputs, targets, max_passes) -> (ce_IxB, residual_R, relative_R)
-  decode: Callable  # (params, inputs, targets) -> ce_B of exact shared decode
-  drift: Callable  # (params, inputs) -> squared norms (dk, dv [layer, R]; k, v [layer])
-  block: Callable  # (params, inputs, targets, C) -> ce_B of block prefill (C static)
+  """`segments` is the rows' segment ids (document masking) or None."""
+
+  jacobi: Callable  # (params, inputs, targets, segments, max_passes) -> (ce_IxB, res_R, rel_R)
+  decode: Callable  # (params, inputs, targets, segments) -> ce_B of exact shared decode
+  drift: Callable  # (params, inputs, segments) -> squared norms (dk, dv [layer, R]; k, v [layer])
+  block: Callable  # (params, inputs, targets, segments, C) -> ce_B of block prefill (C static)
 
 
 @functools.lru_cache(maxsize=16)
@@ -87,35 +89,47 @@ def make_stats_fns(cfg: ModelConfig, kv_format: str | None = None) -> StatsFns:
   evaluations in one process (several models, several pipeline runs) compile once."""
   model = LoopedLM(cfg)
 
-  def jacobi(params, inputs_BxT, targets_BxT, max_passes):
+  def jacobi(params, inputs_BxT, targets_BxT, segments_BxT, max_passes):
     """Row CE after 0, 1, ..., max_passes shared passes (I = max_passes + 1 rows)."""
     ce = lambda logits: jnp.sum(token_cross_entropy(logits, targets_BxT), axis=1)
-    logits, aux = jacobi_forward(model, params, inputs_BxT, 0, kv_format=kv_format)
+    kw = dict(kv_format=kv_format, segment_ids_BxT=segments_BxT)
+    logits, aux = jacobi_forward(model, params, inputs_BxT, 0, **kw)
 
     def next_pass(final_kv, _):
-      logits, aux = shared_pass(model, params, inputs_BxT, final_kv, kv_format=kv_format)
+      logits, aux = shared_pass(model, params, inputs_BxT, final_kv, **kw)
       return aux["final_kv"], ce(logits)
 
     _, shared_ce_IxB = jax.lax.scan(next_pass, aux["final_kv"], None, length=max_passes)
     ce_IxB = jnp.concatenate([ce(logits)[None], shared_ce_IxB])
     return ce_IxB, aux["residual_norm_R"], aux["relative_residual_R"]
 
-  def decode(params, inputs_BxT, targets_BxT):
-    logits, _ = decode_forward(model, params, inputs_BxT, share_kv=True, kv_format=kv_format)
-    return jnp.sum(token_cross_entropy(logits, targets_BxT), axis=1)
-
-  def block(params, inputs_BxT, targets_BxT, size):
-    """Row CE of block prefill with blocks of `size` tokens (1: exact shared decode)."""
+  def decode(params, inputs_BxT, targets_BxT, segments_BxT):
     logits, _ = decode_forward(
-      model, params, inputs_BxT, share_kv=True, block=size, kv_format=kv_format
+      model, params, inputs_BxT, share_kv=True, kv_format=kv_format, segment_ids_BxT=segments_BxT
     )
     return jnp.sum(token_cross_entropy(logits, targets_BxT), axis=1)
 
-  def drift(params, inputs_BxT):
+  def block(params, inputs_BxT, targets_BxT, segments_BxT, size):
+    """Row CE of block prefill with blocks of `size` tokens (1: exact shared decode)."""
+    logits, _ = decode_forward(
+      model,
+      params,
+      inputs_BxT,
+      share_kv=True,
+      block=size,
+      kv_format=kv_format,
+      segment_ids_BxT=segments_BxT,
+    )
+    return jnp.sum(token_cross_entropy(logits, targets_BxT), axis=1)
+
+  def drift(params, inputs_BxT, segments_BxT):
     """Squared norms of K_r - K_R and of K_R per core layer, from an unshared prefill."""
     b, t = inputs_BxT.shape
     cache = init_cache(cfg, b, t, share_kv=False)
-    _, aux = model.apply(params, inputs_BxT, cache=cache)
+    segments = {}
+    if segments_BxT is not None:
+      segments = dict(segment_ids_BxT=segments_BxT, cache_segment_ids_BxS=segments_BxT)
+    _, aux = model.apply(params, inputs_BxT, cache=cache, **segments)
     out = []
     # GQA: (K, V), each [R, B, S, K, H]; MLA: (latent, RoPE key); KDA: (state, conv tail).
     entries = [
@@ -131,10 +145,10 @@ def make_stats_fns(cfg: ModelConfig, kv_format: str | None = None) -> StatsFns:
     return dk, dv, k, v
 
   return StatsFns(
-    jax.jit(jacobi, static_argnums=3),
+    jax.jit(jacobi, static_argnums=4),
     jax.jit(decode),
     jax.jit(drift),
-    jax.jit(block, static_argnums=3),
+    jax.jit(block, static_argnums=4),
   )
 
 
@@ -194,9 +208,11 @@ def evaluate(
   passes = sorted({0, *(int(n) for n in jacobi_passes)})
   ce_rows = {n: [] for n in passes}
   residual_R, relative_R = 0.0, 0.0
+  masked = "segment_ids" in eval_batches[0]  # Document masking (data.document_mask).
   for batch in eval_batches:
     inputs, targets = place(batch["inputs"]), place(batch["targets"])
-    ce_IxB, res_R, rel_R = fns.jacobi(params, inputs, targets, passes[-1])
+    segments = place(batch["segment_ids"]) if masked else None
+    ce_IxB, res_R, rel_R = fns.jacobi(params, inputs, targets, segments, passes[-1])
     ce_IxB = np.asarray(ce_IxB, np.float64)
     for n in passes:
       ce_rows[n].append(ce_IxB[n])
@@ -208,6 +224,7 @@ def evaluate(
   subset = eval_batches[: decode_batches or len(eval_batches)]
   sub_inputs = np.concatenate([b["inputs"] for b in subset])
   sub_targets = np.concatenate([b["targets"] for b in subset])
+  sub_segments = np.concatenate([b["segment_ids"] for b in subset]) if masked else None
   rows = len(sub_inputs)
   group = decode_rows or rows
   blocks = sorted({int(c) for c in prefill_blocks})
@@ -216,11 +233,13 @@ def evaluate(
   for start in range(0, rows, group):
     inputs = place(sub_inputs[start : start + group])
     targets = place(sub_targets[start : start + group])
-    decode_ce.append(np.asarray(fns.decode(params, inputs, targets), np.float64))
+    segments = place(sub_segments[start : start + group]) if masked else None
+    decode_ce.append(np.asarray(fns.decode(params, inputs, targets, segments), np.float64))
     for c in blocks:
-      block_ce[c].append(np.asarray(fns.block(params, inputs, targets, c), np.float64))
+      ce_B = fns.block(params, inputs, targets, segments, c)
+      block_ce[c].append(np.asarray(ce_B, np.float64))
     if drift:
-      part = [np.asarray(x, np.float64) for x in fns.drift(params, inputs)]
+      part = [np.asarray(x, np.float64) for x in fns.drift(params, inputs, segments)]
       drift_sums = part if drift_sums is None else [a + b for a, b in zip(drift_sums, part)]
   decode_ce = np.concatenate(decode_ce)
   block_ce = {c: np.concatenate(v) for c, v in block_ce.items()}

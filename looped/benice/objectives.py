@@ -145,6 +145,7 @@ def benice(model: LoopedLM, depth_cfg, benice_cfg, frozen_params=None) -> Object
       depth_mask_BxR=mask_BxR,
       backprop_recurrences=depth_cfg.backprop_recurrences,
       rngs={"state": state_key},
+      segment_ids_BxT=batch.get("segment_ids"),  # Document masking, in every pass.
     )
     logits_u, aux_u = model.apply(params, inputs_BxT, collect_states=need_states, **kw)
     ce_u = jnp.mean(token_cross_entropy(logits_u, targets_BxT))

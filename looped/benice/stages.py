@@ -145,6 +145,7 @@ _ADDED_RECIPE_AND_DATA_DEFAULTS = {
   "benice.kv_passes_ramp_steps": 0,
   "benice.prefill_block": 0,
   "data.tokenizer_json": "",
+  "data.document_mask": False,
 }
 _ADDED_FIELD_DEFAULTS = {**_MODEL_FIELD_DEFAULTS, **_ADDED_RECIPE_AND_DATA_DEFAULTS}
 

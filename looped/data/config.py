@@ -55,4 +55,7 @@ class DataConfig:
     8, "Validation batches per evaluation (fixed, deterministic set).", min=1
   )
   shuffle: bool = field(True, "Shuffle training rows (seeded by config.seed).")
+  document_mask: bool = field(
+    True, "Tokens attend only within their own document of a packed row (segment ids)."
+  )
   worker_count: int = field(0, "Grain worker processes (0 = in the main process).", min=0)

@@ -7,9 +7,15 @@ token (row i's last target is row i+1's first input), so every next-token pair (
 the stream is a target exactly once and the inputs of rows 0..n-1 followed by the last target of
 row n-1 reassemble s[:n*T + 1]. The tail that cannot fill a row is dropped.
 
-Rows ignore document boundaries (nanodo / GPT-2 style): attention within a row crosses from one
-document into the next, positions are row positions 0..T-1, and the EOS token is the only
-boundary marker. The model learns to treat EOS as "a new document starts here".
+Rows ignore document boundaries when they are cut; each example records them instead:
+`segment_ids` [B, T] (int32) numbers the documents of a row's inputs from 0, and a token right
+after an EOS starts a new segment (the EOS itself ends its document). They are derived from the
+inputs' EOS markers when a batch is built (`to_example`), so the iterator state, which counts
+tokens, keeps its format. With `data.document_mask` (the default) the model lets a token attend
+to, and a KDA layer carry state from, its own segment only; positions stay row positions
+0..T-1 (RoPE scores depend on relative positions only, so a document scores the same wherever
+it starts in a row). Without it attention crosses from one document into the next and EOS is
+the only boundary marker (nanodo / GPT-2 style).
 """
 
 from __future__ import annotations
@@ -31,11 +37,34 @@ def gather_rows(stream: np.ndarray, row_ids, seq_len: int) -> np.ndarray:
   return stream[starts + np.arange(seq_len + 1)].astype(np.int32)
 
 
-def to_example(rows: np.ndarray) -> dict[str, np.ndarray]:
-  """Splits packed rows [B, T + 1] into the model's {'inputs', 'targets'} (each [B, T]; targets
-  = inputs shifted by 1)."""
+def segment_ids(inputs: np.ndarray, eos_id: int) -> np.ndarray:
+  """int32[B, T]: each input token's document within its row, from 0; a token right after an
+  EOS starts the next one."""
+  after_eos = np.zeros(inputs.shape, np.int32)
+  after_eos[:, 1:] = inputs[:, :-1] == eos_id
+  return np.cumsum(after_eos, axis=1, dtype=np.int32)
+
+
+def to_example(rows: np.ndarray, eos_id: int | None) -> dict[str, np.ndarray]:
+  """Splits packed rows [B, T + 1] into the model's {'inputs', 'targets', 'segment_ids'} (each
+  [B, T]; targets = inputs shifted by 1; segment_ids from the inputs' EOS markers, left out
+  when eos_id is None: no document masking)."""
   rows = np.asarray(rows, np.int32)
-  return {"inputs": rows[:, :-1], "targets": rows[:, 1:]}
+  inputs = rows[:, :-1]
+  example = {"inputs": inputs, "targets": rows[:, 1:]}
+  if eos_id is not None:
+    example["segment_ids"] = segment_ids(inputs, eos_id)
+  return example
+
+
+class ToExample:
+  """Picklable `to_example` with the tokenizer's EOS id, for Grain map."""
+
+  def __init__(self, eos_id: int | None):
+    self.eos_id = eos_id
+
+  def __call__(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+    return to_example(rows, self.eos_id)
 
 
 class PackedRowsIterDataset(grain.IterDataset):

@@ -61,8 +61,18 @@ def split_stream(data_cfg, split: str) -> np.ndarray:
   return _STREAM_CACHE[key]
 
 
+def _segment_eos(data_cfg) -> int | None:
+  """The EOS id examples derive their segment ids from, or None when data.document_mask is off
+  (then examples carry no segment ids). A stage config recorded before the field existed was
+  trained without document masking."""
+  if not data_cfg.get("document_mask", False):
+    return None
+  return tokenizers.get(data_cfg).eos_id
+
+
 def make_train_iterator(config, *, process_index: int, process_count: int):
-  """This process's infinite training iterator of {'inputs', 'targets'}: int32[b, seq_len].
+  """This process's infinite training iterator of {'inputs', 'targets'} and, with
+  data.document_mask, 'segment_ids': int32[b, seq_len] each (packing.to_example).
 
   b = data.batch_size // process_count. Supports get_state()/set_state() and
   grain.checkpoint.CheckpointSave / CheckpointRestore.
@@ -82,7 +92,7 @@ def make_train_iterator(config, *, process_index: int, process_count: int):
     tokens = docs.repeat().map(EncodeDocument(tokenizers.get(data)))
     tokens = _with_workers(tokens.to_iter_dataset(_TFDS_READ), data.worker_count)
     rows = packing.PackedRowsIterDataset(tokens, seq_len).batch(local_batch, drop_remainder=True)
-    return rows.map(packing.to_example).__iter__()
+    return rows.map(packing.ToExample(_segment_eos(data))).__iter__()
 
   stream = split_stream(data, "train")
   total_rows = packing.num_rows(len(stream), seq_len)
@@ -97,7 +107,8 @@ def make_train_iterator(config, *, process_index: int, process_count: int):
     row_ids = row_ids.shuffle(seed=seed)
   batches = row_ids.repeat().batch(data.batch_size, drop_remainder=True)
   mine = slice(process_index * local_batch, (process_index + 1) * local_batch)
-  batches = batches.map(GatherRows(stream, seq_len, mine)).to_iter_dataset(_MEMORY_READ)
+  gather = GatherRows(stream, seq_len, _segment_eos(data), mine)
+  batches = batches.map(gather).to_iter_dataset(_MEMORY_READ)
   return _with_workers(batches, data.worker_count).__iter__()
 
 
@@ -132,10 +143,11 @@ def make_eval_batches(config, *, process_index: int, process_count: int) -> list
   rows = eval_rows(config)
   global_batch = config.data.eval_batch_size
   local_batch = global_batch // process_count
+  eos_id = _segment_eos(config.data)
   batches = []
   for j in range(config.data.num_eval_batches):
     start = j * global_batch + process_index * local_batch
-    batches.append(packing.to_example(rows[start : start + local_batch]))
+    batches.append(packing.to_example(rows[start : start + local_batch], eos_id))
   return batches
 
 
@@ -163,17 +175,20 @@ class EncodeDocument:
 
 
 class GatherRows:
-  """Picklable batch of row ids -> {'inputs', 'targets'} of the rows `rows` selects (this
-  process's slice of a global batch), gathered from an in-memory stream."""
+  """Picklable batch of row ids -> {'inputs', 'targets'(, 'segment_ids')} of the rows `rows`
+  selects (this process's slice of a global batch), gathered from an in-memory stream."""
 
-  def __init__(self, stream: np.ndarray, seq_len: int, rows: slice = slice(None)):
+  def __init__(
+    self, stream: np.ndarray, seq_len: int, eos_id: int | None, rows: slice = slice(None)
+  ):
     self.stream = stream
     self.seq_len = seq_len
+    self.eos_id = eos_id
     self.rows = rows
 
   def __call__(self, row_ids) -> dict[str, np.ndarray]:
     rows = np.asarray(row_ids)[self.rows]
-    return packing.to_example(packing.gather_rows(self.stream, rows, self.seq_len))
+    return packing.to_example(packing.gather_rows(self.stream, rows, self.seq_len), self.eos_id)
 
 
 def _with_workers(ds: grain.IterDataset, worker_count: int) -> grain.IterDataset:

@@ -90,7 +90,7 @@ class Attention(nn.Module):
     k_BxTxKxH = rope(k_BxTxKxH, positions_BxT, cfg.rope_base)
     own = (k_BxTxKxH, v_BxTxKxH)
 
-    if cfg.attention_impl == "pallas":  # Same math through pallas_kernels (flash / paged).
+    if cfg.attention_impl == "pallas" and pallas_attention.handles(ctx):  # Flash / paged.
       out_BxTxNxH = pallas_attention.attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, ctx)
     else:
       past = ctx.past(own) if callable(ctx.past) else ctx.past

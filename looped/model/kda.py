@@ -23,6 +23,11 @@ shared state S_{t-1} and applies its own update, so
 and its conv window is [shared pre-conv projections of t-W+1..t-1 ; its own of t].
 The KDA state and conv tail are not quantized by the KV formats (they are per sequence and
 rewritten every token; quantizing them would make the chunkwise form sequential).
+
+Document masking (segment ids): a token that starts a document starts from a zero state (its
+decay Diag(exp(g_t)) is replaced by 0) and its conv window sees only inputs of its document. The
+chunkwise form masks every pair (t, s) of different documents and the start state's share of
+tokens of another document than the chunk's previous token, which is exactly that reset.
 """
 
 from __future__ import annotations
@@ -64,9 +69,19 @@ def l2_normalize(x, eps: float = 1e-6):
 
 
 def kda_recurrent(
-  q_BxTxNxH, k_BxTxNxH, v_BxTxNxE, g_BxTxNxH, beta_BxTxN, state_BxNxHxE=None, *, scale=None
+  q_BxTxNxH,
+  k_BxTxNxH,
+  v_BxTxNxE,
+  g_BxTxNxH,
+  beta_BxTxN,
+  state_BxNxHxE=None,
+  *,
+  scale=None,
+  reset_BxT=None,
 ):
-  """The delta rule one token at a time (decode form). Returns (o_BxTxNxE, final state), f32."""
+  """The delta rule one token at a time (decode form). Returns (o_BxTxNxE, final state), f32.
+
+  reset_BxT: tokens that start a document: the state before them is dropped (zero)."""
   b, _, h, kd = q_BxTxNxH.shape
   vd = v_BxTxNxE.shape[-1]
   scale = kd**-0.5 if scale is None else scale
@@ -75,13 +90,16 @@ def kda_recurrent(
     state_BxNxHxE = jnp.zeros((b, h, kd, vd), jnp.float32)
 
   def step(s_BxNxHxE, xs):
-    q, k, v, g, beta = xs
-    s_BxNxHxE = s_BxNxHxE * jnp.exp(g)[..., None]
+    q, k, v, g, beta, keep = xs
+    s_BxNxHxE = s_BxNxHxE * (jnp.exp(g) * keep[:, None, None])[..., None]
     delta_BxNxE = v - jnp.einsum("bhk,bhkv->bhv", k, s_BxNxHxE)
     s_BxNxHxE = s_BxNxHxE + jnp.einsum("bhk,bhv->bhkv", beta[..., None] * k, delta_BxNxE)
     return s_BxNxHxE, jnp.einsum("bhk,bhkv->bhv", q * scale, s_BxNxHxE)
 
-  xs = tuple(map(f32, (q_BxTxNxH, k_BxTxNxH, v_BxTxNxE, g_BxTxNxH, beta_BxTxN)))
+  if reset_BxT is None:
+    reset_BxT = jnp.zeros(q_BxTxNxH.shape[:2], bool)
+  keep_BxT = ~reset_BxT
+  xs = tuple(map(f32, (q_BxTxNxH, k_BxTxNxH, v_BxTxNxE, g_BxTxNxH, beta_BxTxN, keep_BxT)))
   state, o_TxBxNxE = jax.lax.scan(step, state_BxNxHxE.astype(jnp.float32), xs)
   return jnp.moveaxis(o_TxBxNxE, 0, 1), state
 
@@ -120,6 +138,7 @@ def kda_chunkwise(
   scale=None,
   chunk_size: int = 64,
   read_previous: bool = False,
+  segment_ids_BxT=None,
 ):
   """The delta rule in chunkwise-parallel (WY) form (training form). Returns (o, final state).
 
@@ -130,6 +149,10 @@ def kda_chunkwise(
   read_previous: o_t = S_{t-1}^T q_t (the state *before* token t) instead of S_t^T q_t; the
   shared read queries the final recurrence's states that way.
   Padded tail tokens have k = v = g = b = 0, which leaves the state unchanged.
+  segment_ids_BxT: documents (module docstring): a token starting a document drops the state
+  before it, so pairs of different documents and the start state's share of a document other
+  than the previous token's are masked (state_BxNxHxE belongs to the first token's document).
+  With read_previous a document's first token reads a zero state.
   """
   b, t, h, kd = q_BxTxNxH.shape
   vd = v_BxTxNxE.shape[-1]
@@ -154,18 +177,29 @@ def kda_chunkwise(
     return jnp.where(mask, jnp.exp(jnp.where(mask, diff, 0.0)), 0.0)
 
   strict_CxC = jnp.tril(jnp.ones((c, c), bool), -1)
+  qk_mask_CxC = strict_CxC if read_previous else jnp.tril(jnp.ones((c, c), bool))
+  from_start, to_end, end_keeps = 1.0, 1.0, 1.0
+  if segment_ids_BxT is not None:
+    seg_BxJxC = jnp.pad(segment_ids_BxT, [(0, 0), (0, n * c - t)], mode="edge").reshape(b, n, c)
+    prev_BxJ = jnp.concatenate([seg_BxJxC[:, :1, 0], seg_BxJxC[:, :-1, -1]], axis=1)
+    same_Bx1xJxCxC = (seg_BxJxC[..., :, None] == seg_BxJxC[..., None, :])[:, None]
+    strict_CxC = strict_CxC & same_Bx1xJxCxC
+    qk_mask_CxC = qk_mask_CxC & same_Bx1xJxCxC
+    as_f32 = lambda x: x.astype(jnp.float32)[:, None, ..., None]  # [B, 1, J, (C,) 1]
+    from_start = as_f32(seg_BxJxC == prev_BxJ[..., None])  # No document starts since S0.
+    to_end = as_f32(seg_BxJxC == seg_BxJxC[..., -1:])  # Same document as the chunk's last.
+    end_keeps = as_f32(seg_BxJxC[..., -1:] == prev_BxJ[..., None])
   m_CxC = _decayed_dot(k, k, pair_decay(cum_g, strict_CxC))
   eye_CxC = jnp.eye(c, dtype=jnp.float32)
   lhs = eye_CxC + beta_BxNxJxC[..., :, None] * m_CxC
   rhs = jnp.broadcast_to(eye_CxC * beta_BxNxJxC[..., None, :], lhs.shape)
   t_CxC = _unit_lower_solve(lhs, rhs)
-  w_CxH = t_CxC @ (k * jnp.exp(cum_g))
+  w_CxH = t_CxC @ (k * jnp.exp(cum_g) * from_start)
   u_CxE = t_CxC @ v
-  qk_mask_CxC = strict_CxC if read_previous else jnp.tril(jnp.ones((c, c), bool))
   a_qk_CxC = _decayed_dot(q, k, pair_decay(q_g, qk_mask_CxC))
-  q_decayed = q * jnp.exp(q_g)
+  q_decayed = q * jnp.exp(q_g) * from_start
   last_g = cum_g[..., -1:, :]
-  k_to_end = k * jnp.exp(last_g - cum_g)
+  k_to_end = k * jnp.exp(last_g - cum_g) * to_end
 
   def step(s_BxNxHxE, xs):
     w, u, a_qk, q_dec, k_end, decay_end = xs
@@ -175,7 +209,8 @@ def kda_chunkwise(
     return s_BxNxHxE, o_BxNxCxE
 
   per_chunk = lambda x: jnp.moveaxis(x, 2, 0)
-  xs = tuple(map(per_chunk, (w_CxH, u_CxE, a_qk_CxC, q_decayed, k_to_end, jnp.exp(last_g))))
+  decay_end = jnp.exp(last_g) * end_keeps
+  xs = tuple(map(per_chunk, (w_CxH, u_CxE, a_qk_CxC, q_decayed, k_to_end, decay_end)))
   if state_BxNxHxE is None:
     state_BxNxHxE = jnp.zeros((b, h, kd, vd), jnp.float32)
   state, o_JxBxNxCxE = jax.lax.scan(step, state_BxNxHxE.astype(jnp.float32), xs)
@@ -194,13 +229,15 @@ def shared_read(
   scale=None,
   chunk_size: int = 64,
   state_BxNxHxE=None,
+  segment_ids_BxT=None,
 ):
   """Outputs of tokens that each start from the state S_{t-1} of a *past* sequence.
 
   past: (k, v, g, beta) of the sequence whose states are read (the final recurrence's); token
   t's own (q, k, v, g, beta) apply one delta-rule step to S_{t-1}, never stored:
   o_t = S_{t-1}^T Diag(e^(g_t)) (q_t - b_t (k_t.q_t) k_t) + b_t (k_t.q_t) v_t. With
-  past = own this is the ordinary causal output.
+  past = own this is the ordinary causal output. With segment_ids_BxT (the past holds the same
+  positions) a document's first token starts from a zero state: o_t = b_t (k_t.q_t) v_t.
   """
   kd = q_BxTxNxH.shape[-1]
   scale = kd**-0.5 if scale is None else scale
@@ -210,20 +247,33 @@ def shared_read(
   kq_BxTxNx1 = jnp.sum(k * q, axis=-1, keepdims=True)
   q_tilde = jnp.exp(g_BxTxNxH.astype(jnp.float32)) * (q - beta_BxTxNx1 * kq_BxTxNx1 * k)
   o_past, _ = kda_chunkwise(
-    q_tilde, *past, state_BxNxHxE, scale=1.0, chunk_size=chunk_size, read_previous=True
+    q_tilde,
+    *past,
+    state_BxNxHxE,
+    scale=1.0,
+    chunk_size=chunk_size,
+    read_previous=True,
+    segment_ids_BxT=segment_ids_BxT,
   )
   return o_past + beta_BxTxNx1 * kq_BxTxNx1 * v_BxTxNxE.astype(jnp.float32)
 
 
-def causal_conv(x_BxTxM, w_WxM, tail_BxWxM=None):
+def causal_conv(x_BxTxM, w_WxM, tail_BxWxM=None, segment_ids_BxT=None, tail_segment_ids_BxW=None):
   """Depthwise causal conv: out_t = sum_i w_i x_{t - W + 1 + i}, with `tail` (W - 1 earlier
-  inputs, zeros if None) before x."""
+  inputs, zeros if None) before x. With segment ids (and the tail's, when a tail is given)
+  an input of another document than t's contributes nothing."""
   width = w_WxM.shape[0]
+  b, t, _ = x_BxTxM.shape
   if tail_BxWxM is None:
-    tail_BxWxM = jnp.zeros((x_BxTxM.shape[0], width - 1, x_BxTxM.shape[2]), x_BxTxM.dtype)
+    tail_BxWxM = jnp.zeros((b, width - 1, x_BxTxM.shape[2]), x_BxTxM.dtype)
   xp = jnp.concatenate([tail_BxWxM.astype(x_BxTxM.dtype), x_BxTxM], axis=1)
-  t = x_BxTxM.shape[1]
-  return sum(xp[:, i : i + t] * w_WxM[i] for i in range(width))
+  if segment_ids_BxT is None:
+    return sum(xp[:, i : i + t] * w_WxM[i] for i in range(width))
+  if tail_segment_ids_BxW is None:  # Zero tail: its ids do not matter.
+    tail_segment_ids_BxW = jnp.broadcast_to(segment_ids_BxT[:, :1], (b, width - 1))
+  seg_p = jnp.concatenate([tail_segment_ids_BxW, segment_ids_BxT], axis=1)
+  same = lambda i: (seg_p[:, i : i + t] == segment_ids_BxT)[..., None].astype(x_BxTxM.dtype)
+  return sum(xp[:, i : i + t] * same(i) * w_WxM[i] for i in range(width))
 
 
 def conv_tail(window_BxSxM, width: int, num_new_B=None):
@@ -259,8 +309,10 @@ class KDA(nn.Module):
   forward; a `KDAState`: recurrent decode from it (returns the new state); a function of the
   own `KDARecord` (parallel shared / quantized-read passes): the shared read of the returned
   records' states (the own records give the ordinary causal output). ctx.read_past and the
-  masks are not used: KDA's cache is not quantized and has no slots. In decode, ctx.num_new_B
-  marks each row's padding tokens, which leave its state and conv tail unchanged.
+  masks are not used: KDA's cache is not quantized and has no slots; ctx.segment_ids_BxT (and
+  in decode ctx.tail_segment_ids_BxW) reset the state and conv window where a document starts.
+  In decode, ctx.num_new_B marks each row's padding tokens, which leave its state and conv tail
+  unchanged.
   """
 
   cfg: ModelConfig
@@ -298,27 +350,42 @@ class KDA(nn.Module):
 
     past = ctx.past(own) if callable(ctx.past) else ctx.past
     conv_in32 = conv_in_BxTxM.astype(jnp.float32)
+    seg_BxT = ctx.segment_ids_BxT
     if past is None:
-      q, k, v = split(causal_conv(conv_in32, conv_w))
-      o_BxTxNxE, _ = kda_chunkwise(q, k, v, g_BxTxNxH, beta_BxTxN, chunk_size=chunk)
+      q, k, v = split(causal_conv(conv_in32, conv_w, segment_ids_BxT=seg_BxT))
+      o_BxTxNxE, _ = kda_chunkwise(
+        q, k, v, g_BxTxNxH, beta_BxTxN, chunk_size=chunk, segment_ids_BxT=seg_BxT
+      )
       entry = own
     elif isinstance(past, KDAState):
-      q, k, v = split(causal_conv(conv_in32, conv_w, past.conv_BxWxM))
+      tail_seg, reset_BxT = None, None
+      if seg_BxT is not None:  # The tail's documents, and which tokens start one.
+        before_BxW = ctx.tail_segment_ids_BxW
+        tail_seg = before_BxW[:, before_BxW.shape[1] - (cfg.kda_conv_size - 1) :]
+        previous_BxT = jnp.concatenate([before_BxW[:, -1:], seg_BxT[:, :-1]], axis=1)
+        reset_BxT = seg_BxT != previous_BxT
+      q, k, v = split(causal_conv(conv_in32, conv_w, past.conv_BxWxM, seg_BxT, tail_seg))
       g_step, beta_step = g_BxTxNxH, beta_BxTxN
       if ctx.num_new_B is not None:  # Padding: g = b = 0 leaves the state exactly as it is.
         real_BxT = jnp.arange(t)[None, :] < ctx.num_new_B[:, None]
         g_step = jnp.where(real_BxT[:, :, None, None], g_BxTxNxH, 0.0)
         beta_step = jnp.where(real_BxT[:, :, None], beta_BxTxN, 0.0)
-      o_BxTxNxE, state = kda_recurrent(q, k, v, g_step, beta_step, past.state_BxNxHxE)
+        if reset_BxT is not None:  # Nor does a padding token start a document.
+          reset_BxT = reset_BxT & real_BxT
+      o_BxTxNxE, state = kda_recurrent(
+        q, k, v, g_step, beta_step, past.state_BxNxHxE, reset_BxT=reset_BxT
+      )
       window = jnp.concatenate([past.conv_BxWxM, conv_in32], axis=1)
       entry = KDAState(state, conv_tail(window, cfg.kda_conv_size - 1, ctx.num_new_B))
     else:  # Shared read of past records (s < t); the diagonal is the token's own.
       past_in32 = past.conv_in_BxTxM.astype(jnp.float32)
-      past_conv = causal_conv(past_in32, conv_w)
+      past_conv = causal_conv(past_in32, conv_w, segment_ids_BxT=seg_BxT)
       _, k_p, v_p = split(past_conv)
       q, k, v = split(past_conv + conv_w[-1] * (conv_in32 - past_in32))
       past_seq = (k_p, v_p, past.g_BxTxNxH, past.beta_BxTxN)
-      o_BxTxNxE = shared_read(q, k, v, g_BxTxNxH, beta_BxTxN, past_seq, chunk_size=chunk)
+      o_BxTxNxE = shared_read(
+        q, k, v, g_BxTxNxH, beta_BxTxN, past_seq, chunk_size=chunk, segment_ids_BxT=seg_BxT
+      )
       entry = own
 
     gate_BxTxA = projection(cfg, kd, cfg.init_std, "gate_down", axes=("embed", None))(x_BxTxD)

@@ -39,6 +39,19 @@ def diagonal_mask(t: int, batch: int) -> jax.Array:
   return jnp.broadcast_to(jnp.eye(t, dtype=bool), (batch, t, t))
 
 
+def same_segment(segment_ids_BxT: jax.Array, segment_ids_BxS: jax.Array) -> jax.Array:
+  """[B, T, S] bool: query t and key s belong to the same document (document masking)."""
+  return segment_ids_BxT[:, :, None] == segment_ids_BxS[:, None, :]
+
+
+def tail_segment_ids(cache_segment_ids_BxS, length_B, width: int) -> jax.Array:
+  """[B, width] documents of the `width` positions before each row's length (clamped at 0:
+  a tail slot before position 0 holds zeros, whatever its id)."""
+  slots_BxW = length_B[:, None] - width + jnp.arange(width)[None, :]
+  slots_BxW = jnp.clip(slots_BxW, 0, cache_segment_ids_BxS.shape[1] - 1)
+  return jnp.take_along_axis(cache_segment_ids_BxS, slots_BxW, axis=1)
+
+
 class Block(nn.Module):
   """Transformer layer: x + mixer(norm(x)), then x + mlp(norm(x)) (cfg.block_norm 'pre');
   'sandwich' also normalizes each branch's output, 'post' each sum.
@@ -87,7 +100,8 @@ class Recurrence(nn.Module):
   carry: {'h': h_BxTxD, 'final_kv': per-layer KV of the last active recurrence (parallel)}.
   xs (per recurrence): {'active_B', 'stop_B', 'read_shared' (scalar), 'past' (unshared decode)}.
   bcast: {'e', 'positions', 'self_mask', 'past_mask', 'shared_kv' (per layer or None),
-    'read_past' (optional: KV-format read of earlier positions' K/V)}.
+    'read_past' (optional: KV-format read of earlier positions' K/V), 'segment_ids' and
+    'tail_segment_ids' (optional: document masking, MixerContext's)}.
   """
 
   cfg: ModelConfig
@@ -139,6 +153,9 @@ class Recurrence(nn.Module):
     return new_carry, ys
 
   def _context(self, layer: int, xs, bcast) -> MixerContext:
+    segments = dict(
+      segment_ids_BxT=bcast.get("segment_ids"), tail_segment_ids_BxW=bcast.get("tail_segment_ids")
+    )
     if self.decode:
       past = xs["past"][layer] if "past" in xs else bcast["shared_kv"][layer]
       if "quantize_own" in bcast:
@@ -149,13 +166,14 @@ class Recurrence(nn.Module):
         bcast["past_mask"],
         bcast.get("read_past"),
         num_new_B=bcast.get("num_new_B"),
+        **segments,
       )
     if bcast["shared_kv"] is None:
       if "read_past" in bcast:  # Unshared, quantized reads of the own past.
         return MixerContext(
-          bcast["self_mask"], lambda own: own, bcast["past_mask"], bcast["read_past"]
+          bcast["self_mask"], lambda own: own, bcast["past_mask"], bcast["read_past"], **segments
         )
-      return MixerContext(bcast["self_mask"])
+      return MixerContext(bcast["self_mask"], **segments)
     shared = bcast["shared_kv"][layer]
     flag = xs["read_shared"]
     block = self.prefill_block is not None
@@ -168,7 +186,12 @@ class Recurrence(nn.Module):
       return _concat_slots(read, own) if block else read
 
     return MixerContext(
-      bcast["self_mask"], past, bcast["past_mask"], bcast.get("read_past"), self.prefill_block
+      bcast["self_mask"],
+      past,
+      bcast["past_mask"],
+      bcast.get("read_past"),
+      self.prefill_block,
+      **segments,
     )
 
 
@@ -226,6 +249,8 @@ class LoopedLM(nn.Module):
     initial_state_BxTxD: jax.Array | None = None,
     prefill_block: int | None = None,
     num_new_B: jax.Array | None = None,
+    segment_ids_BxT: jax.Array | None = None,
+    cache_segment_ids_BxS: jax.Array | None = None,
   ):
     """Returns (logits_BxTxV float32, aux).
 
@@ -252,6 +277,12 @@ class LoopedLM(nn.Module):
       num_new_B: decode mode: per row, how many of the chunk's tokens are real (None: all T);
         the rest are padding of a batched call. The row's length advances by its real tokens
         and padding never advances a recurrent state (KDA) or its conv tail.
+      segment_ids_BxT: document masking (data.document_mask): int ids of the tokens' documents
+        (in decode mode: of the new tokens). A token attends only to positions of its own
+        document (in every layer, shared reads included), and a KDA layer starts a document from
+        a zero state and conv window. Positions stay row positions. None: no masking.
+      cache_segment_ids_BxS: decode mode with segment_ids_BxT: the documents of the cache's
+        positions 0..S-1 (S >= the cache's slots, covering every filled one).
     aux: 'final_kv' (parallel) or 'cache' (decode), 'residual_norm_R',
       'relative_residual_R' (means over active sequences), optionally 'states_RxBxTxD', and
       with cfg.exit_gate 'exit_logits_RxBxT' (each recurrence's exit-gate logit per token).
@@ -259,6 +290,8 @@ class LoopedLM(nn.Module):
     if cache is None:
       if num_new_B is not None:
         raise ValueError("num_new_B is a decode-mode option (it marks a chunk's padding).")
+      if cache_segment_ids_BxS is not None:
+        raise ValueError("cache_segment_ids_BxS is a decode-mode option (it needs a cache).")
       return self._parallel(
         tokens_BxT,
         depth_mask_BxR,
@@ -269,9 +302,12 @@ class LoopedLM(nn.Module):
         kv_format,
         initial_state_BxTxD,
         prefill_block,
+        segment_ids_BxT,
       )
     if prefill_block is not None:
       raise ValueError("prefill_block is a parallel-mode option; a decode call is one block.")
+    if (segment_ids_BxT is None) != (cache_segment_ids_BxS is None):
+      raise ValueError("Decode with document masking needs segment_ids_BxT and the cache's ids.")
     return self._decode(
       tokens_BxT,
       cache,
@@ -280,6 +316,8 @@ class LoopedLM(nn.Module):
       collect_states,
       initial_state_BxTxD,
       num_new_B,
+      segment_ids_BxT,
+      cache_segment_ids_BxS,
     )
 
   def _parallel(
@@ -293,6 +331,7 @@ class LoopedLM(nn.Module):
     kv_format,
     initial_state_BxTxD,
     prefill_block,
+    segment_ids_BxT,
   ):
     """All T positions at once (training, evaluation, Jacobi shared passes); aux['final_kv'] is
     each core layer's K/V of the last active recurrence, what the next Jacobi pass reads."""
@@ -305,13 +344,19 @@ class LoopedLM(nn.Module):
     # shared or quantized; the diagonal is always the token's own fresh K/V.
     past_path = shared_kv is not None or read_past is not None
     positions_BxT = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
-    past_mask_BxTxS = causal_mask(t, b) & ~diagonal_mask(t, b)
-    self_mask_BxTxT = diagonal_mask(t, b) if past_path else causal_mask(t, b)
+    causal_BxTxT = causal_mask(t, b)
+    if segment_ids_BxT is not None:  # Document masking: every mask below keeps its document.
+      causal_BxTxT = causal_BxTxT & same_segment(segment_ids_BxT, segment_ids_BxT)
+    past_mask_BxTxS = causal_BxTxT & ~diagonal_mask(t, b)
+    self_mask_BxTxT = diagonal_mask(t, b) if past_path else causal_BxTxT
+    segments = dict(segment_ids_BxT=segment_ids_BxT)
 
     def plain_context(prefix: str, i: int) -> MixerContext:
       if read_past is not None:  # Quantized reads of the own past.
-        return MixerContext(self_mask_BxTxT, lambda own: own, past_mask_BxTxS, read_past)
-      return MixerContext(causal_mask(t, b))
+        return MixerContext(
+          self_mask_BxTxT, lambda own: own, past_mask_BxTxS, read_past, **segments
+        )
+      return MixerContext(causal_BxTxT, **segments)
 
     embed, x_BxTxD = self._embed(tokens_BxT)
     x_BxTxD, _ = self._plain_layers(x_BxTxD, "prelude", positions_BxT, plain_context)
@@ -329,9 +374,14 @@ class LoopedLM(nn.Module):
       if "kda" in cfg.mixers("core"):
         raise ValueError("prefill_block in a parallel forward needs no KDA core layers.")
       core_past_mask, core_self_mask = block_masks(t, b, prefill_block)
+      if segment_ids_BxT is not None:  # Both halves of the block past are positions 0..T-1.
+        same_BxTxT = same_segment(segment_ids_BxT, segment_ids_BxT)
+        core_past_mask = core_past_mask & jnp.concatenate([same_BxTxT, same_BxTxT], axis=-1)
     bcast = self._broadcasts(
       e_BxTxD, positions_BxT, core_self_mask, core_past_mask, shared_kv, read_past
     )
+    if segment_ids_BxT is not None:
+      bcast["segment_ids"] = segment_ids_BxT
     carry = {
       "h": h0_BxTxD,
       "final_kv": [mixers_lib.parallel_entry_zeros(cfg, kind, b, t) for kind in cfg.mixers("core")],
@@ -351,6 +401,8 @@ class LoopedLM(nn.Module):
     collect_states,
     initial_state_BxTxD,
     num_new_B,
+    segment_ids_BxT,
+    cache_segment_ids_BxS,
   ):
     """New tokens (a prefill chunk or one decode step per row) against a KVCache: they attend
     to the cache's slots below each row's length and causally to each other; aux['cache'] is the
@@ -365,13 +417,26 @@ class LoopedLM(nn.Module):
       (jnp.arange(s)[None, :] < cache.length_B[:, None])[:, None, :], (b, t, s)
     )
     self_mask_BxTxT = causal_mask(t, b)
+    segments = {}
+    if segment_ids_BxT is not None:  # Document masking: cache slots and chunk of its document.
+      if cache_segment_ids_BxS.shape[1] < max(s, 1):
+        raise ValueError(
+          f"cache_segment_ids_BxS has {cache_segment_ids_BxS.shape[1]} positions; the cache "
+          f"has {s} slots (at least 1 position is needed)."
+        )
+      slots_BxS = cache_segment_ids_BxS[:, :s]
+      past_mask_BxTxS = past_mask_BxTxS & same_segment(segment_ids_BxT, slots_BxS)
+      self_mask_BxTxT = self_mask_BxTxT & same_segment(segment_ids_BxT, segment_ids_BxT)
+      width = max(cfg.kda_conv_size - 1, 1)  # The conv tail's, and at least the state's.
+      tail_BxW = tail_segment_ids(cache_segment_ids_BxS, cache.length_B, width)
+      segments = dict(segment_ids_BxT=segment_ids_BxT, tail_segment_ids_BxW=tail_BxW)
     quantize_own = None
     if cache.kv_format is not None:
       # The chunk's earlier tokens are read through the format too (past = [cache ; own chunk]),
       # so a chunk computes what its tokens one at a time would: a cache never returns raw K/V.
       fmt = cache.kv_format
       quantize_own = lambda own: tuple(kv_cache_lib.quantize_tokens(x, fmt) for x in own)
-      own_mask_BxTxT = causal_mask(t, b) & ~diagonal_mask(t, b)
+      own_mask_BxTxT = self_mask_BxTxT & ~diagonal_mask(t, b)
       past_mask_BxTxS = jnp.concatenate([past_mask_BxTxS, own_mask_BxTxT], axis=-1)
       self_mask_BxTxT = diagonal_mask(t, b)
 
@@ -379,7 +444,9 @@ class LoopedLM(nn.Module):
       past = cache.layers[prefix][i]
       if quantize_own is not None:
         past = _with_own_chunk(past, quantize_own)
-      return MixerContext(self_mask_BxTxT, past, past_mask_BxTxS, read_past, num_new_B=num_new_B)
+      return MixerContext(
+        self_mask_BxTxT, past, past_mask_BxTxS, read_past, num_new_B=num_new_B, **segments
+      )
 
     embed, x_BxTxD = self._embed(tokens_BxT)
     x_BxTxD, prelude_kvs = self._plain_layers(x_BxTxD, "prelude", positions_BxT, plain_context)
@@ -395,6 +462,9 @@ class LoopedLM(nn.Module):
       bcast["quantize_own"] = quantize_own
     if num_new_B is not None:
       bcast["num_new_B"] = num_new_B
+    if segments:
+      bcast["segment_ids"] = segments["segment_ids_BxT"]
+      bcast["tail_segment_ids"] = segments["tail_segment_ids_BxW"]
     carry, ys = self._recurrences(True, collect_states)({"h": h0_BxTxD}, xs, bcast)
     logits_BxTxV, coda_kvs = self._coda_and_head(carry["h"], embed, positions_BxT, plain_context)
     aux = self._diagnostics(ys, depth_mask_BxR, collect_states)

@@ -54,6 +54,12 @@ class MixerContext:
   num_new_B: decode only: how many of each row's T tokens are real (None: all). The rest are
     padding of a batched call; a recurrent state (KDA) must not advance over them. Attention
     needs no such count: a padding token's K/V is never read by a real one (causal order).
+  segment_ids_BxT: the new tokens' documents (int32; None: one document). The masks already
+    hide other documents' slots; layers that read no masks (pallas_attention) or keep a state
+    (KDA: reset where a document starts) read the ids. A parallel past holds the same positions,
+    so it has the same ids.
+  tail_segment_ids_BxW: decode with segment ids: the documents of the W = max(kda_conv_size - 1,
+    1) positions before the chunk (the last one is the position whose state a KDA cache holds).
   """
 
   self_mask_BxTxT: jax.Array
@@ -62,6 +68,8 @@ class MixerContext:
   read_past: Callable[[Any], KV] | None = None
   prefill_block: int | None = None
   num_new_B: jax.Array | None = None
+  segment_ids_BxT: jax.Array | None = None
+  tail_segment_ids_BxW: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)

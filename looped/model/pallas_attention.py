@@ -13,6 +13,9 @@ LoopedLM (looped_lm.py) builds three kinds of MixerContext; each maps onto one k
                       format (dequantized inside the kernel; read_past is not applied)
 The boolean masks are therefore not read, except for the decode lengths (the first row of the
 past mask, a prefix of the cache); a context with other masks needs attention_impl='xla'.
+Document masking: parallel contexts pass ctx.segment_ids_BxT to shared_attention (past and own
+K/V hold the same positions); a decode context with segment ids is not one paged_decode handles
+(its slots are a prefix, not a document), so `handles` says no and the layer uses its XLA math.
 """
 
 from __future__ import annotations
@@ -61,6 +64,15 @@ def _decode(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, ctx: MixerContext) -> jax.Array:
   )
 
 
+def _is_decode(ctx: MixerContext) -> bool:
+  return ctx.past is not None and (not callable(ctx.past) or isinstance(ctx.past, CacheAndOwnChunk))
+
+
+def handles(ctx: MixerContext) -> bool:
+  """Whether `attend` computes ctx on the kernels (not: decode with document masking)."""
+  return not (_is_decode(ctx) and ctx.segment_ids_BxT is not None)
+
+
 def attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, ctx: MixerContext) -> jax.Array:
   """The attention output for ctx, as `attention.attend` computes it with ctx's masks."""
   if ctx.past is None:
@@ -87,4 +99,5 @@ def attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, ctx: MixerContext) -> jax.Array:
     past_k.astype(dtype),
     past_v.astype(dtype),
     prefill_block=ctx.prefill_block,
+    segment_ids_BxT=ctx.segment_ids_BxT,
   )

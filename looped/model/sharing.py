@@ -83,13 +83,16 @@ def decode_forward(
   block: int = 1,
   kv_format: str | None = None,
   cache_dtype=None,
+  segment_ids_BxT: jax.Array | None = None,
 ):
   """Logits of every position by prefilling `prefill` tokens in one call, then the rest in
   calls of `block` tokens (the last one may be shorter).
 
   With share_kv the cache keeps only final-recurrence K/V: block = 1 (and prefill 0 or 1) is
   exact shared decode, the shared perplexity's forward; block = C > 1 is block prefill
-  (docs/design.md §3). Returns (logits_BxTxV, final KVCache).
+  (docs/design.md §3). segment_ids_BxT: document masking (LoopedLM's), the row's ids; every
+  call reads them for its tokens and for the cache's slots (slot s holds position s).
+  Returns (logits_BxTxV, final KVCache).
   """
   if block < 1 or prefill < 0:
     raise ValueError(f"block must be >= 1 and prefill >= 0, got {block} and {prefill}.")
@@ -97,19 +100,25 @@ def decode_forward(
   cache = init_cache(model.cfg, b, t, share_kv, cache_dtype, kv_format)
   chunks = []
 
-  def call(cache, tokens):
-    logits, aux = model.apply(params, tokens, cache=cache)
+  masked = segment_ids_BxT is not None
+  ids_BxT = segment_ids_BxT if masked else jnp.zeros((b, t), jnp.int32)
+
+  def call(cache, chunk):
+    tokens, ids = chunk
+    segments = dict(segment_ids_BxT=ids, cache_segment_ids_BxS=ids_BxT) if masked else {}
+    logits, aux = model.apply(params, tokens, cache=cache, **segments)
     return aux["cache"], logits
 
   if prefill:
-    cache, logits = call(cache, tokens_BxT[:, :prefill])
+    cache, logits = call(cache, (tokens_BxT[:, :prefill], ids_BxT[:, :prefill]))
     chunks.append(logits)
   whole = (t - prefill) // block * block
   if whole:
-    blocks_NxBxC = tokens_BxT[:, prefill : prefill + whole].reshape(b, -1, block).swapaxes(0, 1)
-    cache, logits_NxBxCxV = jax.lax.scan(call, cache, blocks_NxBxC)
+    as_blocks = lambda x: x[:, prefill : prefill + whole].reshape(b, -1, block).swapaxes(0, 1)
+    cache, logits_NxBxCxV = jax.lax.scan(call, cache, (as_blocks(tokens_BxT), as_blocks(ids_BxT)))
     chunks.append(jnp.moveaxis(logits_NxBxCxV, 0, 1).reshape(b, whole, -1))
   if prefill + whole < t:
-    cache, logits = call(cache, tokens_BxT[:, prefill + whole :])
+    rest = slice(prefill + whole, None)
+    cache, logits = call(cache, (tokens_BxT[:, rest], ids_BxT[:, rest]))
     chunks.append(logits)
   return jnp.concatenate(chunks, axis=1), cache

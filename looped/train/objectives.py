@@ -59,6 +59,7 @@ def language_modeling(model: LoopedLM, depth_cfg) -> Objective:
       depth_mask_BxR=mask_BxR,
       backprop_recurrences=depth_cfg.backprop_recurrences,
       rngs={"state": state_key},
+      segment_ids_BxT=batch.get("segment_ids"),  # Document masking (data.document_mask).
     )
     loss = jnp.mean(token_cross_entropy(logits, batch["targets"]))
     metrics = {

@@ -108,7 +108,7 @@ def make_eval_fn(model: LoopedLM):
   """Summed next-token CE (nats) and token count of one batch, full depth, unshared."""
 
   def eval_fn(params, batch):
-    logits, _ = model.apply(params, batch["inputs"])
+    logits, _ = model.apply(params, batch["inputs"], segment_ids_BxT=batch.get("segment_ids"))
     ce = objectives.token_cross_entropy(logits, batch["targets"])
     return jnp.sum(ce), ce.size
 
