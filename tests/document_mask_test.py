@@ -3,8 +3,8 @@
 Two documents are packed into one row, A (positions 0..4) then B (5..9), with segment ids
 [0, ..., 0, 1, ..., 1]. The reference is B run on its own, a separate, unmasked call at positions
 0..4: with masking, B's logits in the packed row equal it (RoPE scores depend on relative
-positions only; h_0 is `state_init='embed'`, a function of the token, where the default's noise
-is keyed by row position) in the parallel forward, in exact shared decode (`decode_forward`,
+positions only, and the default h_0's noise, state_init='like_init', is keyed by the position
+within the document) in the parallel forward, in exact shared decode (`decode_forward`,
 sharing.py) and in the Jacobi form (T - 1 shared passes), for every mixer: a GQA model and a
 hybrid (KDA prelude, KDA:MLA core, MLA coda: KDA and MLA each both looped and plain). The same
 packed row as one document (segment ids all 0, which the row without segment ids equals) must
@@ -30,7 +30,7 @@ from looped.model.sharing import decode_forward, jacobi_forward
 A, B = 5, 5  # Document lengths; B starts at position 5.
 # Small programs (CI time): R = 3 in a scan of one recurrence per step. Two models hold every
 # mixer (one model per mixer would double this file's compile time).
-_DIMS = dict(mla_kv_rank=16, mla_rope_dim=4, state_init="embed", scan_unroll=1)
+_DIMS = dict(mla_kv_rank=16, mla_rope_dim=4, state_init="like_init", scan_unroll=1)
 MODELS = {
   "gqa": dict(num_core_layers=1),
   # KDA chunks of 4: B starts inside the second chunk, whose start state holds A.

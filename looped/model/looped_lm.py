@@ -44,6 +44,23 @@ def same_segment(segment_ids_BxT: jax.Array, segment_ids_BxS: jax.Array) -> jax.
   return segment_ids_BxT[:, :, None] == segment_ids_BxS[:, None, :]
 
 
+def document_positions(positions_BxT, segment_ids_BxT, cache_segment_ids_BxS=None, length_B=None):
+  """Each token's position counted from its document's first token: where state_init's
+  noise is keyed under document masking, so h_0 does not depend on what is packed before the
+  document. Decode: the document may start in the cache (its first `length_B` positions, ids
+  cache_segment_ids_BxS) or in the chunk (which starts at position length_B)."""
+  big = jnp.iinfo(jnp.int32).max
+  same_BxTxT = same_segment(segment_ids_BxT, segment_ids_BxT)
+  start_BxT = jnp.where(same_BxTxT, positions_BxT[:, None, :], big).min(-1)
+  if cache_segment_ids_BxS is not None:
+    s = cache_segment_ids_BxS.shape[1]
+    filled_BxS = jnp.arange(s)[None, :] < length_B[:, None]
+    in_cache_BxTxS = same_segment(segment_ids_BxT, cache_segment_ids_BxS) & filled_BxS[:, None, :]
+    cache_start_BxT = jnp.where(in_cache_BxTxS, jnp.arange(s)[None, None, :], big).min(-1)
+    start_BxT = jnp.minimum(start_BxT, cache_start_BxT)
+  return positions_BxT - start_BxT
+
+
 def tail_segment_ids(cache_segment_ids_BxS, length_B, width: int) -> jax.Array:
   """[B, width] documents of the `width` positions before each row's length (clamped at 0:
   a tail slot before position 0 holds zeros, whatever its id)."""
@@ -360,7 +377,10 @@ class LoopedLM(nn.Module):
 
     embed, x_BxTxD = self._embed(tokens_BxT)
     x_BxTxD, _ = self._plain_layers(x_BxTxD, "prelude", positions_BxT, plain_context)
-    e_BxTxD, h0_BxTxD = self._prelude_out(x_BxTxD, positions_BxT, initial_state_BxTxD)
+    noise_BxT = positions_BxT
+    if segment_ids_BxT is not None:
+      noise_BxT = document_positions(positions_BxT, segment_ids_BxT)
+    e_BxTxD, h0_BxTxD = self._prelude_out(x_BxTxD, noise_BxT, initial_state_BxTxD)
     depth_mask_BxR, xs = self._recurrence_inputs(b, depth_mask_BxR, backprop_recurrences)
     if read_shared_R is None:
       read_shared_R = jnp.ones((cfg.num_recurrences,), bool)
@@ -450,7 +470,12 @@ class LoopedLM(nn.Module):
 
     embed, x_BxTxD = self._embed(tokens_BxT)
     x_BxTxD, prelude_kvs = self._plain_layers(x_BxTxD, "prelude", positions_BxT, plain_context)
-    e_BxTxD, h0_BxTxD = self._prelude_out(x_BxTxD, positions_BxT, initial_state_BxTxD)
+    noise_BxT = positions_BxT
+    if segment_ids_BxT is not None:
+      noise_BxT = document_positions(
+        positions_BxT, segment_ids_BxT, cache_segment_ids_BxS, cache.length_B
+      )
+    e_BxTxD, h0_BxTxD = self._prelude_out(x_BxTxD, noise_BxT, initial_state_BxTxD)
     depth_mask_BxR, xs = self._recurrence_inputs(b, depth_mask_BxR, backprop_recurrences)
     shared_kv = cache.layers["core"] if cache.share_kv else None
     if not cache.share_kv:
@@ -506,7 +531,8 @@ class LoopedLM(nn.Module):
 
   def _prelude_out(self, x_BxTxD, positions_BxT, initial_state_BxTxD):
     """e (the prelude's output, optionally normalized, injected into every recurrence) and
-    h_0."""
+    h_0 (state_init's noise keyed by positions_BxT: counted from the document's start under
+    document masking)."""
     cfg = self.cfg
     e_BxTxD = (
       RMSNorm(cfg.weight_dtype, name="prelude_norm")(x_BxTxD) if cfg.prelude_norm else x_BxTxD
