@@ -380,7 +380,7 @@ class LoopedLM(nn.Module):
     noise_BxT = positions_BxT
     if segment_ids_BxT is not None:
       noise_BxT = document_positions(positions_BxT, segment_ids_BxT)
-    e_BxTxD, h0_BxTxD = self._prelude_out(x_BxTxD, noise_BxT, initial_state_BxTxD)
+    e_BxTxD, h0_BxTxD = self._prelude_out(x_BxTxD, noise_BxT, initial_state_BxTxD, t)
     depth_mask_BxR, xs = self._recurrence_inputs(b, depth_mask_BxR, backprop_recurrences)
     if read_shared_R is None:
       read_shared_R = jnp.ones((cfg.num_recurrences,), bool)
@@ -475,7 +475,7 @@ class LoopedLM(nn.Module):
       noise_BxT = document_positions(
         positions_BxT, segment_ids_BxT, cache_segment_ids_BxS, cache.length_B
       )
-    e_BxTxD, h0_BxTxD = self._prelude_out(x_BxTxD, noise_BxT, initial_state_BxTxD)
+    e_BxTxD, h0_BxTxD = self._prelude_out(x_BxTxD, noise_BxT, initial_state_BxTxD, s + t)
     depth_mask_BxR, xs = self._recurrence_inputs(b, depth_mask_BxR, backprop_recurrences)
     shared_kv = cache.layers["core"] if cache.share_kv else None
     if not cache.share_kv:
@@ -529,7 +529,7 @@ class LoopedLM(nn.Module):
       kvs.append(kv)
     return x_BxTxD, kvs
 
-  def _prelude_out(self, x_BxTxD, positions_BxT, initial_state_BxTxD):
+  def _prelude_out(self, x_BxTxD, positions_BxT, initial_state_BxTxD, num_positions: int):
     """e (the prelude's output, optionally normalized, injected into every recurrence) and
     h_0 (state_init's noise keyed by positions_BxT: counted from the document's start under
     document masking)."""
@@ -538,7 +538,7 @@ class LoopedLM(nn.Module):
       RMSNorm(cfg.weight_dtype, name="prelude_norm")(x_BxTxD) if cfg.prelude_norm else x_BxTxD
     )
     if initial_state_BxTxD is None:
-      return e_BxTxD, self._initial_state(e_BxTxD, positions_BxT)
+      return e_BxTxD, self._initial_state(e_BxTxD, positions_BxT, num_positions)
     return e_BxTxD, initial_state_BxTxD.astype(e_BxTxD.dtype)
 
   def _recurrence_inputs(self, b: int, depth_mask_BxR, backprop_recurrences: int):
@@ -596,7 +596,7 @@ class LoopedLM(nn.Module):
       aux["exit_logits_RxBxT"] = ys["exit_logit_BxT"]
     return aux
 
-  def _initial_state(self, e_BxTxD, positions_BxT):
+  def _initial_state(self, e_BxTxD, positions_BxT, num_positions: int):
     cfg = self.cfg
     if cfg.state_init == "zeros":
       return jnp.zeros_like(e_BxTxD)
@@ -604,11 +604,14 @@ class LoopedLM(nn.Module):
       return e_BxTxD
     # like_init: noise keyed by position, so a token gets the same h_0 whether it is processed
     # in a full sequence or alone in decode.
+    # The noise of positions 0..P-1 is one table, gathered by each token's position: the same
+    # values whatever the batch's sharding (the positions of document masking depend on the
+    # data, and a vmap of fold_in over a batch-sharded array did not reproduce one device's).
     key = self.make_rng("state") if self.has_rng("state") else jax.random.PRNGKey(0)
-    noise = jax.vmap(
-      jax.vmap(lambda p: jax.random.normal(jax.random.fold_in(key, p), (cfg.d_model,)))
+    table_PxD = jax.vmap(lambda p: jax.random.normal(jax.random.fold_in(key, p), (cfg.d_model,)))(
+      jnp.arange(num_positions)
     )
-    return (cfg.state_init_std * noise(positions_BxT)).astype(e_BxTxD.dtype)
+    return (cfg.state_init_std * table_PxD[positions_BxT]).astype(e_BxTxD.dtype)
 
   def _recurrences(self, decode: bool, collect_states: bool, prefill_block: int | None = None):
     """The core loop: lax.scan (one trace) or a Python loop (R traces), same parameters."""
