@@ -215,7 +215,7 @@ def bytes_per_device(tree) -> dict[int, int]:
 
 
 # Logical axes of model dimensions, with the config.model field that sizes each.
-_FIELDS = {
+MODEL_AXIS_FIELDS = _FIELDS = {
   "embed": "d_model",
   "heads": "num_heads",
   "kv_heads": "num_kv_heads",

@@ -28,14 +28,7 @@ from looped.model.kda import KDAState
 from looped.model.looped_lm import LoopedLM, init_params
 
 # Logical axis -> the ModelConfig field sizing it (the model's dimensions a rule may split).
-_FIELDS = {
-  "embed": "d_model",
-  "heads": "num_heads",
-  "kv_heads": "num_kv_heads",
-  "mlp": "mlp_dim",
-  "vocab": "vocab_size",
-  "head_dim": "head_dim",
-}
+_FIELDS = sharding.MODEL_AXIS_FIELDS
 # Split only where they divide, replicated otherwise (as looped.sharding.rules does).
 _OPTIONAL = ("kv_heads", "vocab")
 
