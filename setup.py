@@ -41,6 +41,7 @@ setuptools.setup(
       "openai>=1.0",  # tests/server_test.py drives the server with OpenAI's client.
       "schemathesis>=4.0",  # tests/server_fuzz_test.py fuzzes the server from its OpenAPI doc.
       "hypothesis>=6.100",  # Property tests of the request parser (and schemathesis' engine).
+      "filelock>=3.12",  # tests/conftest.py: jax's lock on the run's shared compilation cache.
     ],
     "tensorboard": ["tensorboard>=2.15"],  # The viewer for WORKDIR/tensorboard/ event files.
     # launch/xm_launch.py: XManager (~600 MB of cloud clients installed; pins protobuf<7).

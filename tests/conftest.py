@@ -25,6 +25,9 @@ import pytest
 _CACHE_ENV = {
   "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",  # Tiny test programs too.
   "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+  # A size limit turns on jax's file lock around every read and write of an entry; without it a
+  # process can read an executable another is still writing (a crashed xdist worker in CI).
+  "JAX_COMPILATION_CACHE_MAX_SIZE": str(64 << 30),
 }
 
 _CPU_S = {}  # nodeid -> CPU seconds of its setup, call and teardown (read where reports land).
@@ -52,6 +55,9 @@ def pytest_configure(config):
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    jax.config.update(
+      "jax_compilation_cache_max_size", int(_CACHE_ENV["JAX_COMPILATION_CACHE_MAX_SIZE"])
+    )
 
 
 def pytest_unconfigure(config):

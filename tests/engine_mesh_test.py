@@ -44,9 +44,7 @@ class EngineMeshTest(testing.TempDirTestCase):
 
   def test_mesh_engines_equal_one_device_and_are_split(self):
     out = os.path.join(self.tmp, "mesh.json")
-    env = dict(
-      os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu"
-    )
+    env = testing.fake_cpu_devices_env(8)
     paths = [REPO, os.path.join(REPO, "tests"), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(paths)
     proc = subprocess.run(

@@ -48,6 +48,21 @@ TINY_RUN_OVERRIDES = {
 }
 
 
+def fake_cpu_devices_env(count: int) -> dict:
+  """The environment of a subprocess whose CPU backend is `count` fake devices.
+
+  XLA:CPU runs each fake device's part of a collective on a thread and ends the process when a
+  participant is 40 s late (xla_cpu_collective_call_terminate_timeout_seconds): on two loaded
+  cores (CI runs two test workers beside the subprocess) 8 devices were that late, so the limit
+  is raised; a deadlock still ends the run, after 15 minutes.
+  """
+  flags = [
+    f"--xla_force_host_platform_device_count={count}",
+    "--xla_cpu_collective_call_terminate_timeout_seconds=900",
+  ]
+  return dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
+
+
 def smoke_config(overrides: dict):
   """configs/pretrain.py:smoke with TINY_RUN_OVERRIDES and then `overrides` applied."""
   from configs import pretrain  # Lazy: looped does not import configs at import time.

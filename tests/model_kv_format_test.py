@@ -42,14 +42,20 @@ class KvFormatModelTest(parameterized.TestCase):
 
     unshared, cache_un = decode(False)(params, tokens)
     shared, cache_sh = decode(True)(params, tokens)
-    # Decode and the parallel forward compute K/V with different fusions; a float32 difference
-    # of ~1e-7 can flip one bf16 rounding of a cached value (seen with jax 0.10: 1.6e-4 at one
-    # position), so bf16 gets a looser bound than one flip of the coarser formats ever caused.
-    atol = 5e-4 if fmt == "bf16" else 1e-4
-    np.testing.assert_allclose(unshared, jacobi(params, tokens, 0), atol=atol)
-    np.testing.assert_allclose(shared, jacobi(params, tokens, t), atol=atol)
-    # Quantized reads change the outputs (more for coarser formats) ...
+    # Decode and the parallel forward compute K/V with different fusions: a float32 difference
+    # of ~1e-7 can flip one rounding of a cached value, and every later position of that row
+    # reads it (seen with jax 0.10.2: one flip in row 1 at position 3, 2.4e-3 for fp8). So
+    # most outputs must agree to float noise (median), and none by more than a tenth of what
+    # the format itself changes: a path that skips or doubles the quantization, or reads
+    # another recurrence's entries, moves the median by the format's own error (>= 1e-3 here).
     exact = model.apply(params, tokens)[0]
+    for got, share in ((unshared, False), (shared, True)):
+      want = jacobi(params, tokens, t if share else 0)
+      diff = np.abs(np.asarray(got) - np.asarray(want))
+      own = float(jnp.abs(want - exact).max())
+      self.assertLess(float(np.median(diff)), 1e-5, (fmt, share))
+      self.assertLess(float(diff.max()), 0.1 * own, (fmt, share))
+    # Quantized reads change the outputs (more for coarser formats) ...
     self.assertGreater(float(jnp.abs(unshared - exact).max()), 1e-4)
     # ... and the caches hold packed bytes, not dequantized copies.
     stored_dtypes = {x.dtype for x in jax.tree.leaves(cache_sh.layers)}

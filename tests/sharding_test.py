@@ -28,7 +28,7 @@ import mesh_worker  # noqa: E402
 
 
 def _start_worker(mode: str, root: str) -> subprocess.Popen:
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  env = testing.fake_cpu_devices_env(8)
   env["PYTHONPATH"] = os.pathsep.join([REPO, env.get("PYTHONPATH", "")])
   return subprocess.Popen(
     [sys.executable, os.path.join(REPO, "tests", "mesh_worker.py"), mode, root],
