@@ -135,7 +135,8 @@ class ConvertEndToEndTest(testing.TempDirTestCase):
   def test_huginn(self):
     converted = self._convert("huginn")
     self._generate_is_greedy_shared_decode(converted, "<|end_text|>")
-    report = self._benice(converted, ("zero_shot", "finetune", "benice"))
+    # The finetune arm runs the same stage code as BeNice! (benice_pipeline_test runs both).
+    report = self._benice(converted, ("zero_shot", "benice"))
     tuned = report["models"]["benice"]["ppl_unshared_eval"]
     self.assertNotAlmostEqual(tuned, report["models"]["zero_shot"]["ppl_unshared_eval"], 3)
 

@@ -57,6 +57,7 @@ def fake_cpu_devices_env(count: int) -> dict:
   is raised; a deadlock still ends the run, after 15 minutes.
   """
   flags = [
+    *os.environ.get("XLA_FLAGS", "").split(),  # The test run's own (tests/conftest.py).
     f"--xla_force_host_platform_device_count={count}",
     "--xla_cpu_collective_call_terminate_timeout_seconds=900",
   ]

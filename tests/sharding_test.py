@@ -216,13 +216,13 @@ class MeshTrainingTest(testing.TempDirTestCase):
 
 
 class BeNiceOnMeshTest(absltest.TestCase):
-  """Acceptance 4: configs/benice.py:smoke on data=2 x fsdp=2 x tensor=2 reports the 1-device
-  perplexities to 1e-4."""
+  """configs/benice.py:smoke (without its KV-format and block columns) on data=2 x fsdp=2 x
+  tensor=2 reports the 1-device perplexities to 1e-4."""
 
   def test_report_matches_the_one_device_report(self):
     with tempfile.TemporaryDirectory() as root:
       proc = _start_worker("benice", root)
-      one = programs.run(benice.get_config("smoke"), os.path.join(root, "one_device"))
+      one = programs.run(mesh_worker.benice_config(), os.path.join(root, "one_device"))
       mesh = _finish(proc, root, "benice")
     self.assertEqual(mesh["device_count"], 8)
     ref = json.loads(json.dumps(one))
