@@ -110,9 +110,9 @@ class ValueEmbeddingAttentionTest(absltest.TestCase):
 
 class ModelPartsTest(absltest.TestCase):
   def test_identity_core_out_proj_equals_none(self):
-    cfg = dataclasses.replace(testing.TINY_MODEL, core_out_proj=True)
+    cfg = dataclasses.replace(testing.TINY_MODEL, core_out_proj=True, num_recurrences=1)
     tokens_BxT = jax.random.randint(jax.random.PRNGKey(3), (1, 6), 0, cfg.vocab_size)
-    params = init_params(LoopedLM(cfg), jax.random.PRNGKey(0), tokens_BxT)
+    params = jax.jit(lambda: init_params(LoopedLM(cfg), jax.random.PRNGKey(0), tokens_BxT))()
     forward = jax.jit(lambda p, c: LoopedLM(c).apply(p, tokens_BxT)[0], static_argnums=1)
     proj = forward(params, cfg)
     params["params"]["core_out"]["kernel"] = jnp.eye(cfg.d_model)
