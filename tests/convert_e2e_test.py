@@ -1,4 +1,4 @@
-"""Converted tiny Huginn and Ouro models end to end (tests/testdata/{huginn,ouro}_tiny, saved by
+"""Converted tiny Huginn, Ouro and Parcae models end to end (tests/testdata/*_tiny, saved by
 each family's own PyTorch code): convert -> configs/generate.py samples with the model's own
 tokenizer, the tokens of exact shared greedy decoding -> the BeNice! pipeline
 (configs/benice.py:smoke with pipeline.pretrain_workdir) post-trains the converted model and
@@ -147,6 +147,13 @@ class ConvertEndToEndTest(testing.TempDirTestCase):
     report = self._benice(converted, ("zero_shot", "benice"), recurrences=2)
     kv = report["models"]["zero_shot"]["kv_bytes_per_token"]
     self.assertEqual(kv["unshared"], 2 * kv["shared"])  # Every layer looped, R = 2.
+
+  def test_parcae(self):
+    # Value embeddings in the cached values, C before the coda: generation's pages and the
+    # pipeline's shared evaluation run on them (post-training is the other families' path).
+    converted = self._convert("parcae")
+    self._generate_is_greedy_shared_decode(converted, "<|end_text|>")
+    self._benice(converted, ("zero_shot",))
 
 
 if __name__ == "__main__":

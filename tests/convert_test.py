@@ -114,7 +114,7 @@ class ConvertErrorsTest(testing.TempDirTestCase):
     self._fails(
       src,
       r"architectures = \['LlamaForCausalLM'\] is not supported; supported: OuroForCausalLM, "
-      r"RavenForCausalLM\.$",
+      r"ParcaeConfig, RavenForCausalLM\.$",
     )
 
   def test_missing_shard_is_named(self):

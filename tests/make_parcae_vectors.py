@@ -10,6 +10,12 @@ Run outside CI, with torch installed and a checkout of Parcae's public repositor
 Parcae's config draws the initial recurrent state h_0 at random (state_init 'like-init'); the
 draw used is saved as `state0` so that a reimplementation can start from the same h_0. Goldens
 are the parallel forward's logits at R = 2 and 4 (`logits_r2`, `logits_r4`), evaluation mode.
+
+With --dtype=bfloat16 (into tests/testdata/parcae_tiny_bf16) the same weights are rounded to
+bfloat16 and saved as bfloat16 tensors (the RoPE buffer stays float32, as the public code keeps
+it); the goldens come from that file loaded back the way from_pretrained loads it
+(load_state_dict, strict=False) into the float32 model, so they are the float32 computation on
+exactly the stored bfloat16 values.
 """
 
 from __future__ import annotations
@@ -67,6 +73,7 @@ def main():
   p.add_argument("--parcae_repo", required=True, help="a checkout of Parcae's public repository")
   p.add_argument("--out", default=os.path.join(_HERE, "testdata", "parcae_tiny"))
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
   args = p.parse_args()
   torch = refs.need("torch")
   sys.path.insert(0, os.path.abspath(args.parcae_repo))
@@ -88,6 +95,8 @@ def main():
         w.copy_(0.5 * torch.randn(w.shape, generator=g))
       else:
         w.copy_(torch.randn(w.shape, generator=g) / w.shape[-1] ** 0.5)
+      if args.dtype == "bfloat16":
+        w.copy_(w.to(torch.bfloat16).float())
 
   # Saved as Parcae's save_pretrained does (config.json = asdict + _class_name), with the
   # weights under the name its publishers use and from_pretrained tries first.
@@ -97,7 +106,16 @@ def main():
   with open(os.path.join(args.out, "config.json"), "w") as f:
     json.dump(saved, f, indent=2, sort_keys=True)
     f.write("\n")
-  torch.save(model.state_dict(), os.path.join(args.out, "pytorch_model.bin"))
+  weights = os.path.join(args.out, "pytorch_model.bin")
+  if args.dtype == "bfloat16":
+    state = {
+      k: v if k == "freqs_cis" else v.to(torch.bfloat16) for k, v in model.state_dict().items()
+    }
+    torch.save(state, weights)
+    model = config.construct_model().eval()  # Loaded back from the file, as from_pretrained.
+    model.load_state_dict(torch.load(weights, weights_only=True), strict=False)
+  else:
+    torch.save(model.state_dict(), weights)
 
   state0 = {}
   draw = model.initialize_state
@@ -114,7 +132,8 @@ def main():
       out = model(ids, return_logits=True, num_steps_pair=torch.tensor([steps]))
       golden[f"logits_r{steps}"] = refs.np32(out["logits"])
   golden["state0"] = refs.np32(state0["x"])
-  golden["meta"] = np.array(json.dumps({"seed": args.seed, "torch": torch.__version__}))
+  meta = {"seed": args.seed, "torch": torch.__version__, "dtype": args.dtype}
+  golden["meta"] = np.array(json.dumps(meta))
   np.savez_compressed(os.path.join(args.out, "golden.npz"), **golden)
   print(f"wrote {args.out}: {sorted(golden)}")
 

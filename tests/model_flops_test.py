@@ -66,8 +66,9 @@ class FlopsTest(parameterized.TestCase):
       mla_rope_dim=6,
     ),
     dict(core_mixers=("mla",), injection="none", exit_gate=True, num_coda_layers=0),
+    dict(value_embed_layers=(0, 2), value_embed_gate_dim=5, core_out_proj=True),
   )  # fmt: skip
-  def test_mla_and_exit_gate_equal_the_dots_the_model_runs(self, **fields):
+  def test_mla_exit_gate_and_parcae_parts_equal_the_dots_the_model_runs(self, **fields):
     cfg = dataclasses.replace(testing.TINY_MODEL, scan_recurrences=False, **fields)
     self._assert_counts_the_dots(cfg)
 

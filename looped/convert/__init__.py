@@ -1,9 +1,8 @@
 """Importing public looped checkpoints (Hugging Face layout) as LoopedLM checkpoints.
 
 hf_folder.py reads the folder (torch_bin.py its pytorch_model.bin, safely); one module per
-family maps its config and weights (huginn.py, ouro.py; parcae.py recognises Parcae and says
-what LoopedLM lacks for it); program.py is the `convert` program (configs/convert.py,
-docs/convert.md).
+family maps its config and weights (huginn.py, ouro.py, parcae.py); program.py is the `convert`
+program (configs/convert.py, docs/convert.md).
 """
 
 from looped.convert import huginn, ouro, parcae

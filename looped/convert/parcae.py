@@ -1,5 +1,4 @@
-"""Parcae (`_class_name: ParcaeConfig` in config.json; weights in pytorch_model.bin) -> LoopedLM:
-recognised, checked, and refused for now in one line naming what LoopedLM lacks.
+"""Parcae (`_class_name: ParcaeConfig` in config.json; weights in pytorch_model.bin) -> LoopedLM.
 
 What Parcae's public code computes (prelude / recurrent core / coda, diagonal injection):
 
@@ -15,23 +14,34 @@ the attention values through a gate `2 sigmoid(ve_gate(x[..., :32]))` (on layers
 `from_pretrained` drops config.json's rope_settings, so the model runs at RoPE base 50000
 whatever the file says; it loads with strict=False.
 
-LoopedLM has the diagonal injection, prelude norm, QK-norm, relu2 MLP and tied head, but not
-value embeddings, the projection C of the core output, Parcae's RMSNorm epsilon (1e-5), nor a
-core narrower or wider than the embedding: `model_config` refuses those in one line, after
-refusing the variants no released model uses, each naming its config.json field.
-`expected_shapes` is the exact tensor list the public code saves (checked against a folder that
-code wrote, tests/testdata/parcae_tiny), ready for the mapping once LoopedLM has those parts.
+It maps onto LoopedLM with injection='diagonal' (A_log, dt = dt_bias, B), mlp_type='relu2' (the
+1/2 folded into `proj`), value_embed_layers (the layers that have both a table and a gate),
+core_out_proj (C), norm_eps = norm_eps, and qk_norm_eps = float32's machine epsilon (torch's
+rms_norm default). The query and key rows are permuted from interleaved RoPE pairs
+(2i, 2i+1) to LoopedLM's halves (i, i + H/2), which leaves every score unchanged; a weightless
+norm commutes with RoPE (a rotation keeps the norm), so LoopedLM's QK-norm before RoPE, with
+scale 1, is Parcae's after it. h_0: state_init 'like-init' is LoopedLM's like_init with Parcae's
+std sqrt(2 / 5D) (untruncated noise from LoopedLM's own generator, so runs that use it differ
+from the reference's draw), 'zero' is zeros. A core whose width, heads or MLP width differ from
+the outer layers' is refused in one line naming its config.json field, as are the variants no
+released model uses. `expected_shapes` is the exact tensor list the public code saves (checked
+against a folder that code wrote, tests/testdata/parcae_tiny).
 """
 
 from __future__ import annotations
 
-from looped import config_checks as cc
+import math
+
+import numpy as np
+
 from looped.convert import common
 
 ARCHITECTURES = ("ParcaeConfig",)
-CONVERTS = False  # Recognised, not yet convertible: not listed among the supported families.
 _IGNORED = ("freqs_cis",)  # The RoPE table buffer (recomputed).
 _VE_GATE_CHANNELS = 32  # The public code's ve_gate input width (x[..., :32]).
+_ROPE_BASE = 50_000.0  # from_pretrained drops rope_settings: RoPESettings' default base.
+_QK_NORM_EPS = float(np.finfo(np.float32).eps)  # torch rms_norm's eps=None on float32.
+_STATE_INITS = {"like-init": "like_init", "zero": "zeros"}
 
 
 def _has_ve(layer: int, n_layer: int) -> bool:
@@ -153,9 +163,23 @@ _REQUIRED = {
 _INIT_STRATEGIES = ("scaled", "scaled-zero")  # embed_scale = logit_scale = 1 in the public code.
 
 
+def value_embed_layers(hf: dict) -> tuple[int, ...]:
+  """LoopedLM layer numbers (prelude, core, coda from 0) where Parcae adds a value embedding:
+  those with both a table (`value_embeds.<layer>`, by distinct layer) and a gate (`ve_gate`, by
+  the public code's layer id over n_layer); a table or gate alone is never used."""
+  s = _sizes(hf)
+  distinct = s["P"] + s["B"] + s["C"]
+  n_layer = s["B"] * s["S"]
+  ids = list(range(s["P"] + s["B"]))  # Prelude and core layer ids are their numbers.
+  ids += [s["P"] + s["B"] * s["R"] + i for i in range(s["C"])]
+  return tuple(
+    g for g, layer_id in enumerate(ids) if _has_ve(g, distinct) and _has_ve(layer_id, n_layer)
+  )
+
+
 def model_config(hf: dict) -> dict:
-  """ConfigError: the first unsupported variant field, else what LoopedLM lacks for every
-  Parcae (value embeddings, the projection C, its norm epsilon), in one line."""
+  """LoopedLM fields of a Parcae config.json; ConfigError naming the first field it cannot
+  express."""
   for name, (value, what) in _REQUIRED.items():
     got = hf.get(name, value)
     if got != value:
@@ -167,6 +191,9 @@ def model_config(hf: dict) -> dict:
       strategy,
       f"it sets the embedding and logit scales; supported: {', '.join(_INIT_STRATEGIES)}",
     )
+  state_init = hf.get("state_init", "like-init")
+  if state_init not in _STATE_INITS:
+    common.unsupported("state_init", state_init, f"supported: {', '.join(_STATE_INITS)}")
   s = _sizes(hf)
   if s["Dr"] != s["D"]:
     common.unsupported(
@@ -185,9 +212,112 @@ def model_config(hf: dict) -> dict:
       s["Fr"],
       f"LoopedLM's layers share one MLP width (intermediate_size = {s['F']})",
     )
-  raise cc.ConfigError(
-    "config.json _class_name = 'ParcaeConfig' is recognised but not convertible yet: LoopedLM "
-    "lacks Parcae's value embeddings (value_embeds.*, gated into attention values by "
-    "attn.ve_gate), the projection of the core output before the coda (transformer.C) and its "
-    f"RMSNorm epsilon (norm_eps = {hf.get('norm_eps', 1e-5)!r}; LoopedLM's is 1e-06)."
+  if s["D"] % s["N"] or s["H"] % 2:
+    common.unsupported("n_embd", s["D"], f"needs an even head width n_embd / {s['N']} heads")
+  layers = value_embed_layers(hf)
+  if layers and s["D"] < _VE_GATE_CHANNELS:
+    common.unsupported("n_embd", s["D"], f"the value-embedding gate reads {_VE_GATE_CHANNELS}")
+  return {
+    "vocab_size": s["V"],
+    "d_model": s["D"],
+    "num_heads": s["N"],
+    "num_kv_heads": s["K"],
+    "head_dim": s["H"],
+    "mlp_dim": s["F"],
+    "mlp_type": "relu2",
+    "num_prelude_layers": s["P"],
+    "num_core_layers": s["B"],
+    "num_coda_layers": s["C"],
+    "num_recurrences": s["R"],
+    "injection": "diagonal",
+    "state_init": _STATE_INITS[state_init],
+    "state_init_std": math.sqrt(2 / (5 * s["D"])),
+    "prelude_norm": bool(hf.get("prelude_norm", False)),
+    "qk_norm": bool(hf.get("qk_norm", False)),
+    "qk_bias": False,
+    "rope_base": _ROPE_BASE,
+    "tie_embeddings": bool(hf.get("tie_embeddings", False)),
+    "max_seq_len": common.field(hf, "block_size", int, default=4096),
+    "block_norm": "pre",
+    "embed_scale": 1.0,
+    "core_out_norm": "none",
+    "exit_gate": False,
+    "norm_eps": common.field(hf, "norm_eps", float, default=1e-5),
+    "qk_norm_eps": _QK_NORM_EPS,
+    "value_embed_layers": layers,
+    "value_embed_gate_dim": _VE_GATE_CHANNELS,
+    "core_out_proj": True,
+    "prelude_mixers": ("gqa",),
+    "core_mixers": ("gqa",),
+    "coda_mixers": ("gqa",),
+  }
+
+
+def _half_rotation(h: int) -> np.ndarray:
+  """Permutation of a head's rows taking interleaved RoPE pairs (2i, 2i+1) to (i, i + h/2)."""
+  return np.concatenate([np.arange(0, h, 2), np.arange(1, h, 2)])
+
+
+def _block_params(t: dict, prefix: str, table: str | None, s: dict, qk_norm: bool) -> dict:
+  d, n, k, h = s["D"], s["N"], s["K"], s["H"]
+  perm = _half_rotation(h)
+  heads = lambda w, m: w.reshape(m, h, d)  # Rows of a torch Linear: [heads * h, D].
+  attn = {
+    "query": {"kernel": heads(t[f"{prefix}.attn.c_q.weight"], n)[:, perm].transpose(2, 0, 1)},
+    "key": {"kernel": heads(t[f"{prefix}.attn.c_k.weight"], k)[:, perm].transpose(2, 0, 1)},
+    "value": {"kernel": heads(t[f"{prefix}.attn.c_v.weight"], k).transpose(2, 0, 1)},
+    "out": {"kernel": t[f"{prefix}.attn.c_proj.weight"].T.reshape(n, h, d)},
+  }
+  if qk_norm:  # Weightless in Parcae.
+    attn["query_norm"] = {"scale": np.ones((h,), np.float32)}
+    attn["key_norm"] = {"scale": np.ones((h,), np.float32)}
+  if table is not None:
+    attn["value_embed"] = {
+      "table": t[table].reshape(-1, k, h),
+      "gate": {"kernel": t[f"{prefix}.attn.ve_gate.weight"].T},
+    }
+  return {
+    "attn_norm": {"scale": t[f"{prefix}.norm_1.weight"]},
+    "attn": attn,
+    "mlp_norm": {"scale": t[f"{prefix}.norm_2.weight"]},
+    "mlp": {  # relu(x)^2 / 2: the 1/2 (exact in binary) goes into the down projection.
+      "up": {"kernel": t[f"{prefix}.mlp.fc.weight"].T},
+      "down": {"kernel": 0.5 * t[f"{prefix}.mlp.proj.weight"].T},
+    },
+  }
+
+
+def to_params(tensors: dict, hf: dict) -> dict:
+  """LoopedLM params {'params': ...} (float32 numpy) from the checkpoint's tensors."""
+  s = _sizes(hf)
+  cfg = model_config(hf)
+  t = {name: np.asarray(x, np.float32) for name, x in tensors.items()}
+  p: dict = {
+    "embed": {"embedding": t["transformer.wte.weight"]},
+    "final_norm": {"scale": t["transformer.ln_f.weight"]},
+    "core_out": {"kernel": t["transformer.C.weight"].T},
+    "recurrence": {
+      "inject": {
+        "A_log": t["transformer.adapter.A_log"],
+        "dt": t["transformer.adapter.dt_bias"],
+        "B": {"kernel": t["transformer.adapter.B"].T},
+      }
+    },
+  }
+  if cfg["prelude_norm"]:
+    p["prelude_norm"] = {"scale": t["transformer.ln_prelude.weight"]}
+  stages = (
+    ("transformer.prelude", "prelude_{}", s["P"]),
+    ("transformer.core_block", "recurrence/layer_{}", s["B"]),
+    ("transformer.coda", "coda_{}", s["C"]),
   )
+  layer = 0
+  for module, scope, count in stages:
+    for i in range(count):
+      table = f"value_embeds.{layer}.weight" if layer in cfg["value_embed_layers"] else None
+      block = _block_params(t, f"{module}.{i}", table, s, cfg["qk_norm"])
+      common.put(p, scope.format(i), block)
+      layer += 1
+  if not cfg["tie_embeddings"]:
+    p["head"] = {"kernel": t["lm_head.weight"].T}
+  return {"params": p}

@@ -57,11 +57,36 @@ def attend(
   return out_BxTxKxGxH.reshape(b, t, n, h).astype(q_BxTxNxH.dtype)
 
 
+class ValueEmbedding(nn.Module):
+  """Parcae's value embedding: 2 sigmoid(x[..., :G] W) * table[token], per KV head, a [K, H]
+  vector per token added to a layer's values (so caches and shared reads hold it as any value).
+  G = value_embed_gate_dim; x is the layer's normalized input."""
+
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_BxTxD: jax.Array, tokens_BxT: jax.Array | None) -> jax.Array:
+    cfg = self.cfg
+    if tokens_BxT is None:
+      raise ValueError("A layer with a value embedding needs MixerContext.tokens_BxT.")
+    init = nn.with_logical_partitioning(
+      nn.initializers.normal(cfg.init_std), ("vocab", "kv_heads", "head_dim")
+    )
+    table_VxKxH = self.param(
+      "table", init, (cfg.vocab_size, cfg.num_kv_heads, cfg.head_dim), cfg.weight_dtype
+    )
+    gate = projection(cfg, cfg.num_kv_heads, cfg.init_std, "gate", axes=(None, "kv_heads"))
+    gate_BxTxK = 2 * nn.sigmoid(gate(x_BxTxD[..., : cfg.value_embed_gate_dim]))
+    ve_BxTxKxH = jnp.take(table_VxKxH, tokens_BxT, axis=0).astype(gate_BxTxK.dtype)
+    return gate_BxTxK[..., None] * ve_BxTxKxH
+
+
 class Attention(nn.Module):
   """Grouped-query attention: num_heads queries share num_kv_heads keys/values."""
 
   cfg: ModelConfig
   out_std: float
+  value_embed: bool = False  # Adds this layer's value embedding (model.value_embed_layers).
   mixer_cache: ClassVar = staticmethod(gqa_cache)
 
   @nn.compact
@@ -74,6 +99,9 @@ class Attention(nn.Module):
     k_BxTxKxH = proj(cfg.num_kv_heads, "key", "kv_heads")(x_BxTxD)
     v_BxTxKxH = proj(cfg.num_kv_heads, "value", "kv_heads")(x_BxTxD)
     q_BxTxNxH = nn.with_logical_constraint(q_BxTxNxH, ("batch", "length", "heads", "head_dim"))
+    if self.value_embed:
+      ve_BxTxKxH = ValueEmbedding(cfg, name="value_embed")(x_BxTxD, ctx.tokens_BxT)
+      v_BxTxKxH = v_BxTxKxH + ve_BxTxKxH.astype(v_BxTxKxH.dtype)
     if cfg.qk_bias:
       bias = lambda name, heads, axis: self.param(
         name,
@@ -84,8 +112,8 @@ class Attention(nn.Module):
       q_BxTxNxH = q_BxTxNxH + bias("query_bias", cfg.num_heads, "heads").astype(q_BxTxNxH.dtype)
       k_BxTxKxH = k_BxTxKxH + bias("key_bias", cfg.num_kv_heads, "kv_heads").astype(k_BxTxKxH.dtype)
     if cfg.qk_norm:
-      q_BxTxNxH = RMSNorm(cfg.weight_dtype, name="query_norm")(q_BxTxNxH)
-      k_BxTxKxH = RMSNorm(cfg.weight_dtype, name="key_norm")(k_BxTxKxH)
+      q_BxTxNxH = RMSNorm(cfg.weight_dtype, cfg.qk_norm_eps, name="query_norm")(q_BxTxNxH)
+      k_BxTxKxH = RMSNorm(cfg.weight_dtype, cfg.qk_norm_eps, name="key_norm")(k_BxTxKxH)
     q_BxTxNxH = rope(q_BxTxNxH, positions_BxT, cfg.rope_base)
     k_BxTxKxH = rope(k_BxTxKxH, positions_BxT, cfg.rope_base)
     own = (k_BxTxKxH, v_BxTxKxH)

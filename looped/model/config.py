@@ -144,12 +144,36 @@ class ModelConfig:
   exit_gate: bool = field(
     False, "A per-recurrence exit logit w.h_r + b (Ouro's early-exit gate), in aux."
   )
+  norm_eps: float = field(
+    1e-6, "Epsilon of the layer, prelude, final and MLA norms (Parcae: 1e-5).", gt=0.0, lt=1.0
+  )
+  qk_norm_eps: float = field(
+    1e-6, "Epsilon of the GQA QK-norm (Parcae: float32's machine epsilon).", gt=0.0, lt=1.0
+  )
+  value_embed_layers: tuple[int, ...] = field(
+    (),
+    "Layers (numbered prelude, core, coda from 0) whose values add a gated per-token table "
+    "(Parcae's value embeddings).",
+    by_hand="tuple of distinct layer numbers in [0, layers), each a GQA layer",
+  )
+  value_embed_gate_dim: int = field(
+    32, "Leading input channels of the value-embedding gate 2 sigmoid(x[:G] W).", min=1
+  )
+  core_out_proj: bool = field(False, "A linear map of h_R before the coda (Parcae's C).")
 
   def mixers(self, stage: str) -> tuple[str, ...]:
     """The mixer of each layer of a stage: its pattern repeated over the stage's layers."""
     pattern = getattr(self, f"{stage}_mixers")
     count = getattr(self, f"num_{stage}_layers")
     return tuple(pattern[i % len(pattern)] for i in range(count))
+
+  def has_value_embed(self, stage: str, index: int) -> bool:
+    """Whether layer `index` of `stage` adds a value embedding (value_embed_layers counts the
+    distinct layers: prelude, then core, then coda)."""
+    offset = {"prelude": 0, "core": self.num_prelude_layers}.get(
+      stage, self.num_prelude_layers + self.num_core_layers
+    )
+    return offset + index in self.value_embed_layers
 
   @property
   def compute_dtype(self):
@@ -206,5 +230,36 @@ def validate(config, prefix: str = "model") -> None:
           f"biases GQA queries and keys, so every layer must be GQA, but {p}{stage}_mixers has "
           f"{others[0]} layers",
         )
+  _check_value_embed_layers(get, p)
+  if get("core_out_proj") and get("core_out_norm") == "every":
+    cc.fail(
+      p + "core_out_proj",
+      True,
+      "needs core_out_norm other than 'every' (each h_r is then the head's input as it is)",
+    )
   if get("mla_rope_dim") % 2:
     cc.fail(p + "mla_rope_dim", get("mla_rope_dim"), "must be even (RoPE)")
+
+
+def _check_value_embed_layers(get, p: str) -> None:
+  """value_embed_layers: distinct numbers of GQA layers (prelude, core, coda counted from 0)."""
+  name, layers = p + "value_embed_layers", get("value_embed_layers")
+  if isinstance(layers, str) or not isinstance(layers, (tuple, list)):
+    cc.fail(name, layers, "must be a tuple of layer numbers")
+  kinds = []
+  for stage in STAGES:
+    pattern, count = tuple(get(f"{stage}_mixers")), get(f"num_{stage}_layers")
+    kinds += [pattern[i % len(pattern)] for i in range(count)]
+  for layer in layers:
+    if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < len(kinds):
+      cc.fail(name, layers, f"has {layer!r}; layers are numbered 0..{len(kinds) - 1}")
+    if kinds[layer] != "gqa":
+      cc.fail(name, layers, f"layer {layer} is {kinds[layer]}; value embeddings need GQA layers")
+  if len(set(layers)) != len(layers):
+    cc.fail(name, layers, "lists a layer twice")
+  if layers and get("value_embed_gate_dim") > get("d_model"):
+    cc.fail(
+      p + "value_embed_gate_dim",
+      get("value_embed_gate_dim"),
+      f"must be <= d_model = {get('d_model')} (the gate reads the first channels)",
+    )

@@ -40,12 +40,15 @@ def forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
   runs = {"prelude": 1, "core": cfg.num_recurrences, "coda": 1}  # Times each layer runs.
   weights = scores = 0
   for stage in STAGES:
-    for mixer in cfg.mixers(stage):
+    for i, mixer in enumerate(cfg.mixers(stage)):
       w, s = _mixer_macs(cfg, mixer, seq_len)
+      if cfg.has_value_embed(stage, i):  # The gate; the table is a lookup.
+        w += cfg.value_embed_gate_dim * cfg.num_kv_heads
       weights += runs[stage] * (w + mlp)
       scores += runs[stage] * s
   inject = {"diagonal": d * d, "linear": 2 * d * d, "additive": 0, "none": 0}[cfg.injection]
   weights += cfg.num_recurrences * (inject + d * cfg.exit_gate) + d * cfg.vocab_size
+  weights += d * d * cfg.core_out_proj
   return 2.0 * (weights + scores)
 
 

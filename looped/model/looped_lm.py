@@ -16,6 +16,8 @@ and `scan_recurrences` (lax.scan vs a Python loop) does not change it either.
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -79,17 +81,19 @@ class Block(nn.Module):
   cfg: ModelConfig
   out_std: float
   mixer: str = "gqa"
+  value_embed: bool = False  # GQA with a value embedding (reads ctx.tokens_BxT).
 
   @nn.compact
   def __call__(self, x_BxTxD, positions_BxT, ctx: MixerContext) -> tuple[jax.Array, KV]:
     cfg = self.cfg
     module, name = mixers_lib.MODULES[self.mixer]
-    y_BxTxD, kv = module(cfg, self.out_std, name=name)(
-      RMSNorm(cfg.weight_dtype, name="attn_norm")(x_BxTxD), positions_BxT, ctx
+    extra = {"value_embed": True} if self.value_embed else {}
+    y_BxTxD, kv = module(cfg, self.out_std, name=name, **extra)(
+      RMSNorm(cfg.weight_dtype, cfg.norm_eps, name="attn_norm")(x_BxTxD), positions_BxT, ctx
     )
     x_BxTxD = self._residual(x_BxTxD, y_BxTxD, "attn_out_norm")
     y_BxTxD = Mlp(cfg, self.out_std, name="mlp")(
-      RMSNorm(cfg.weight_dtype, name="mlp_norm")(x_BxTxD)
+      RMSNorm(cfg.weight_dtype, cfg.norm_eps, name="mlp_norm")(x_BxTxD)
     )
     x_BxTxD = self._residual(x_BxTxD, y_BxTxD, "mlp_out_norm")
     return nn.with_logical_constraint(x_BxTxD, ("batch", "length", "embed")), kv
@@ -98,8 +102,8 @@ class Block(nn.Module):
     if self.cfg.block_norm == "pre":
       return x_BxTxD + y_BxTxD
     if self.cfg.block_norm == "sandwich":
-      return x_BxTxD + RMSNorm(self.cfg.weight_dtype, name=norm)(y_BxTxD)
-    return RMSNorm(self.cfg.weight_dtype, name=norm)(x_BxTxD + y_BxTxD)
+      return x_BxTxD + RMSNorm(self.cfg.weight_dtype, self.cfg.norm_eps, name=norm)(y_BxTxD)
+    return RMSNorm(self.cfg.weight_dtype, self.cfg.norm_eps, name=norm)(x_BxTxD + y_BxTxD)
 
 
 def _out_std(cfg: ModelConfig) -> float:
@@ -139,12 +143,14 @@ class Recurrence(nn.Module):
     x = Injection(cfg, name="inject")(h_in, bcast["e"])
     kvs = []
     for layer, mixer in enumerate(cfg.mixers("core")):
-      x, kv = Block(cfg, _out_std(cfg), mixer, name=f"layer_{layer}")(
-        x, bcast["positions"], self._context(layer, xs, bcast)
+      ctx = dataclasses.replace(self._context(layer, xs, bcast), tokens_BxT=bcast["tokens"])
+      ve = cfg.has_value_embed("core", layer)
+      x, kv = Block(cfg, _out_std(cfg), mixer, ve, name=f"layer_{layer}")(
+        x, bcast["positions"], ctx
       )
       kvs.append(kv)
     if cfg.core_out_norm == "every":
-      x = RMSNorm(cfg.weight_dtype, name="out_norm")(x)
+      x = RMSNorm(cfg.weight_dtype, cfg.norm_eps, name="out_norm")(x)
     active_Bx1x1 = xs["active_B"][:, None, None]
     h_new = jnp.where(active_Bx1x1, x, h_in)
 
@@ -376,7 +382,7 @@ class LoopedLM(nn.Module):
       return MixerContext(causal_BxTxT, **segments)
 
     embed, x_BxTxD = self._embed(tokens_BxT)
-    x_BxTxD, _ = self._plain_layers(x_BxTxD, "prelude", positions_BxT, plain_context)
+    x_BxTxD, _ = self._plain_layers(x_BxTxD, "prelude", positions_BxT, plain_context, tokens_BxT)
     noise_BxT = positions_BxT
     if segment_ids_BxT is not None:
       noise_BxT = document_positions(positions_BxT, segment_ids_BxT)
@@ -398,7 +404,7 @@ class LoopedLM(nn.Module):
         same_BxTxT = same_segment(segment_ids_BxT, segment_ids_BxT)
         core_past_mask = core_past_mask & jnp.concatenate([same_BxTxT, same_BxTxT], axis=-1)
     bcast = self._broadcasts(
-      e_BxTxD, positions_BxT, core_self_mask, core_past_mask, shared_kv, read_past
+      tokens_BxT, e_BxTxD, positions_BxT, core_self_mask, core_past_mask, shared_kv, read_past
     )
     if segment_ids_BxT is not None:
       bcast["segment_ids"] = segment_ids_BxT
@@ -407,7 +413,9 @@ class LoopedLM(nn.Module):
       "final_kv": [mixers_lib.parallel_entry_zeros(cfg, kind, b, t) for kind in cfg.mixers("core")],
     }
     carry, ys = self._recurrences(False, collect_states, prefill_block)(carry, xs, bcast)
-    logits_BxTxV, _ = self._coda_and_head(carry["h"], embed, positions_BxT, plain_context)
+    logits_BxTxV, _ = self._coda_and_head(
+      carry["h"], embed, positions_BxT, plain_context, tokens_BxT
+    )
     aux = self._diagnostics(ys, depth_mask_BxR, collect_states)
     aux["final_kv"] = carry["final_kv"]
     return logits_BxTxV, aux
@@ -469,7 +477,9 @@ class LoopedLM(nn.Module):
       )
 
     embed, x_BxTxD = self._embed(tokens_BxT)
-    x_BxTxD, prelude_kvs = self._plain_layers(x_BxTxD, "prelude", positions_BxT, plain_context)
+    x_BxTxD, prelude_kvs = self._plain_layers(
+      x_BxTxD, "prelude", positions_BxT, plain_context, tokens_BxT
+    )
     noise_BxT = positions_BxT
     if segment_ids_BxT is not None:
       noise_BxT = document_positions(
@@ -481,7 +491,7 @@ class LoopedLM(nn.Module):
     if not cache.share_kv:
       xs["past"] = cache.layers["core"]  # Unshared: recurrence r reads its own cached K/V.
     bcast = self._broadcasts(
-      e_BxTxD, positions_BxT, self_mask_BxTxT, past_mask_BxTxS, shared_kv, read_past
+      tokens_BxT, e_BxTxD, positions_BxT, self_mask_BxTxT, past_mask_BxTxS, shared_kv, read_past
     )
     if quantize_own is not None:
       bcast["quantize_own"] = quantize_own
@@ -491,7 +501,9 @@ class LoopedLM(nn.Module):
       bcast["segment_ids"] = segments["segment_ids_BxT"]
       bcast["tail_segment_ids"] = segments["tail_segment_ids_BxW"]
     carry, ys = self._recurrences(True, collect_states)({"h": h0_BxTxD}, xs, bcast)
-    logits_BxTxV, coda_kvs = self._coda_and_head(carry["h"], embed, positions_BxT, plain_context)
+    logits_BxTxV, coda_kvs = self._coda_and_head(
+      carry["h"], embed, positions_BxT, plain_context, tokens_BxT
+    )
     aux = self._diagnostics(ys, depth_mask_BxR, collect_states)
     if cache.share_kv:
       core_new = [jax.tree.map(lambda a: a[-1], kv) for kv in ys["kv"]]
@@ -517,14 +529,16 @@ class LoopedLM(nn.Module):
       x_BxTxD = x_BxTxD * jnp.asarray(cfg.embed_scale, x_BxTxD.dtype)
     return embed, nn.with_logical_constraint(x_BxTxD, ("batch", "length", "embed"))
 
-  def _plain_layers(self, x_BxTxD, prefix: str, positions_BxT, context):
+  def _plain_layers(self, x_BxTxD, prefix: str, positions_BxT, context, tokens_BxT):
     """The prelude's or coda's layers (not looped); context(prefix, i) is layer i's
     MixerContext. Returns the output and each layer's cache entry."""
     cfg = self.cfg
     kvs = []
     for i, mixer in enumerate(cfg.mixers(prefix)):
-      x_BxTxD, kv = Block(cfg, _out_std(cfg), mixer, name=f"{prefix}_{i}")(
-        x_BxTxD, positions_BxT, context(prefix, i)
+      ctx = dataclasses.replace(context(prefix, i), tokens_BxT=tokens_BxT)
+      ve = cfg.has_value_embed(prefix, i)
+      x_BxTxD, kv = Block(cfg, _out_std(cfg), mixer, ve, name=f"{prefix}_{i}")(
+        x_BxTxD, positions_BxT, ctx
       )
       kvs.append(kv)
     return x_BxTxD, kvs
@@ -535,7 +549,9 @@ class LoopedLM(nn.Module):
     document masking)."""
     cfg = self.cfg
     e_BxTxD = (
-      RMSNorm(cfg.weight_dtype, name="prelude_norm")(x_BxTxD) if cfg.prelude_norm else x_BxTxD
+      RMSNorm(cfg.weight_dtype, cfg.norm_eps, name="prelude_norm")(x_BxTxD)
+      if cfg.prelude_norm
+      else x_BxTxD
     )
     if initial_state_BxTxD is None:
       return e_BxTxD, self._initial_state(e_BxTxD, positions_BxT, num_positions)
@@ -549,10 +565,11 @@ class LoopedLM(nn.Module):
     return depth_mask_BxR, {"active_B": depth_mask_BxR.T, "stop_B": stop_BxR.T}
 
   def _broadcasts(
-    self, e_BxTxD, positions_BxT, self_mask_BxTxT, past_mask_BxTxS, shared_kv, read_past
+    self, tokens_BxT, e_BxTxD, positions_BxT, self_mask_BxTxT, past_mask_BxTxS, shared_kv, read_past
   ) -> dict:
     """What every recurrence reads unchanged (Recurrence's `bcast`)."""
     bcast = {
+      "tokens": tokens_BxT,
       "e": e_BxTxD,
       "positions": positions_BxT,
       "self_mask": self_mask_BxTxT,
@@ -563,14 +580,19 @@ class LoopedLM(nn.Module):
       bcast["read_past"] = read_past
     return bcast
 
-  def _coda_and_head(self, h_BxTxD, embed, positions_BxT, context):
-    """h_R -> coda -> final norm -> LM head: float32 logits and the coda's cache entries."""
+  def _coda_and_head(self, h_BxTxD, embed, positions_BxT, context, tokens_BxT):
+    """h_R -> [core_out_proj] -> coda -> final norm -> LM head: float32 logits and the coda's
+    cache entries."""
     cfg = self.cfg
     x_BxTxD = h_BxTxD
-    final_norm = RMSNorm(cfg.weight_dtype, name="final_norm")
+    if cfg.core_out_proj:  # Parcae's C, after the recurrences and before the coda.
+      x_BxTxD = projection(cfg, cfg.d_model, cfg.init_std, "core_out", axes=("embed", None))(
+        x_BxTxD
+      )
+    final_norm = RMSNorm(cfg.weight_dtype, cfg.norm_eps, name="final_norm")
     if cfg.core_out_norm == "final":
       x_BxTxD = final_norm(x_BxTxD)
-    x_BxTxD, coda_kvs = self._plain_layers(x_BxTxD, "coda", positions_BxT, context)
+    x_BxTxD, coda_kvs = self._plain_layers(x_BxTxD, "coda", positions_BxT, context, tokens_BxT)
     if cfg.core_out_norm != "every":  # 'every': h_R is already normalized by its recurrence.
       x_BxTxD = final_norm(x_BxTxD)
     if cfg.tie_embeddings:

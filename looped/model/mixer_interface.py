@@ -60,6 +60,8 @@ class MixerContext:
     so it has the same ids.
   tail_segment_ids_BxW: decode with segment ids: the documents of the W = max(kda_conv_size - 1,
     1) positions before the chunk (the last one is the position whose state a KDA cache holds).
+  tokens_BxT: the new tokens' ids, read by a layer with a value embedding (a per-token table
+    added to its values, model.value_embed_layers).
   """
 
   self_mask_BxTxT: jax.Array
@@ -70,6 +72,7 @@ class MixerContext:
   num_new_B: jax.Array | None = None
   segment_ids_BxT: jax.Array | None = None
   tail_segment_ids_BxW: jax.Array | None = None
+  tokens_BxT: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)

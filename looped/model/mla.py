@@ -102,7 +102,7 @@ class MLA(nn.Module):
       c_q = projection(cfg, cfg.mla_q_rank, cfg.init_std, "query_down", axes=("embed", None))(
         x_BxTxD
       )
-      c_q = RMSNorm(cfg.weight_dtype, name="query_norm")(c_q)
+      c_q = RMSNorm(cfg.weight_dtype, cfg.norm_eps, name="query_norm")(c_q)
       q_BxTxNxE = projection(cfg, (n, h + r), cfg.init_std, "query_up", axes=(None, "heads", None))(
         c_q
       )
@@ -113,7 +113,9 @@ class MLA(nn.Module):
     q_nope_BxTxNxH = q_BxTxNxE[..., :h]
     q_rope_BxTxNxY = rope(q_BxTxNxE[..., h:], positions_BxT, cfg.rope_base)
     kv_BxTxE = projection(cfg, c + r, cfg.init_std, "kv_down", axes=("embed", None))(x_BxTxD)
-    c_BxTx1xL = RMSNorm(cfg.weight_dtype, name="kv_norm")(kv_BxTxE[..., :c])[:, :, None, :]
+    c_BxTx1xL = RMSNorm(cfg.weight_dtype, cfg.norm_eps, name="kv_norm")(kv_BxTxE[..., :c])[
+      :, :, None, :
+    ]
     k_rope_BxTx1xY = rope(kv_BxTxE[:, :, None, c:], positions_BxT, cfg.rope_base)
     own = (c_BxTx1xL, k_rope_BxTx1xY)
     up_init = nn.with_logical_partitioning(normal_init(cfg.init_std), (None, "heads", "head_dim"))
