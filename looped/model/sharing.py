@@ -93,8 +93,9 @@ def decode_forward(
 
   With share_kv the cache keeps only the recurrences kv_policy caches (kv_policy.py; 'final':
   the final one): block = 1 (and prefill 0 or 1) is exact shared decode, the shared
-  perplexity's forward; block = C > 1 is block prefill (docs/design.md §3). segment_ids_BxT: document masking (LoopedLM's), the row's ids; every
-  call reads them for its tokens and for the cache's slots (slot s holds position s).
+  perplexity's forward; block = C > 1 is block prefill (docs/design.md §3).
+  segment_ids_BxT: document masking (LoopedLM's), the row's ids; every call reads them for
+  its tokens and for the cache's slots (slot s holds position s).
   Returns (logits_BxTxV, final KVCache).
   """
   if block < 1 or prefill < 0:
