@@ -9,7 +9,7 @@ import numpy as np
 from absl.testing import absltest
 
 import looped_testing as testing
-from looped.benice import evaluation
+from looped.benice import evaluation, report
 from looped.model import LoopedLM, init_params
 from looped.model.kv_cache import init_cache
 from looped.model.sharing import jacobi_forward
@@ -237,6 +237,26 @@ class EvaluateTest(absltest.TestCase):
     )
     self.assertEqual(m["kv_bytes_per_token"]["shared"], (1 + 1 + 2) * layer)
     self.assertGreater(abs(m["kv_policies"]["stride2"]["gap_exact"] - m["gap_exact"]), 1e-5)
+
+  def test_report_lists_each_policy(self):
+    entry = lambda gap: {
+      "reads": [2, 2, 3],
+      "cached": [2, 3],
+      "kv_bytes_per_token": 384.0,
+      "ppl_shared_exact_subset": 10.5,
+      "gap_exact": gap,
+      "gap_exact_ci95": [gap - 0.01, gap + 0.02],
+    }
+    models = {"benice": {"kv_policies": {"stride2": entry(0.05), "first": entry(-0.002)}}}
+    table = report.kv_policies_markdown(models).splitlines()
+    self.assertEqual(
+      table[2], "| benice | stride2 | 2 2 3 | 2 3 | 384 | 10.500 | +5.0% [+4.0, +7.0] |"
+    )
+    self.assertEqual(
+      table[3], "| benice | first | 2 2 3 | 2 3 | 384 | 10.500 | -0.2% [-1.2, +1.8] |"
+    )
+    self.assertEqual(report.policy_note({}), "")
+    self.assertIn("first", report.policy_note({"kv_policy": "first"}))
 
   def test_kv_bytes_per_token(self):
     # Shared: prelude 1 + coda 1 + core 2 layers; unshared: core 2 x R=3. K and V, 2 KV heads

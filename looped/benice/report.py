@@ -89,6 +89,14 @@ def summary(m: dict) -> str:
   )
 
 
+def policy_note(m: dict) -> str:
+  """Names the KV-sharing policy the shared metrics read by, where it is not 'final'."""
+  policy = m.get("kv_policy", "final")  # Reports from before policies: 'final'.
+  if policy == "final":
+    return ""
+  return f" Shared metrics under KV-sharing policy {policy} (docs/design.md §3)."
+
+
 def markdown(report: dict) -> str:
   models = report["models"]
   first = next(iter(models.values()))
@@ -131,7 +139,7 @@ def markdown(report: dict) -> str:
       else ""
     )
     + "K drift: ||K_r - K_R|| / ||K_R|| of the unshared forward; contraction: ratio of "
-    "consecutive residual norms ||h_r - h_(r-1)||. KV bytes per token in bf16."
+    "consecutive residual norms ||h_r - h_(r-1)||. KV bytes per token in bf16." + policy_note(first)
   )
   if any(m.get("kv_policies") for m in models.values()):
     lines += ["", kv_policies_markdown(models)]
