@@ -83,8 +83,9 @@ class EvalConfig:
   )
   kv_policy: str = field(
     "final",
-    "KV-sharing policy of every shared metric (exact decode, Jacobi, block prefill, KV formats): "
-    "which cached recurrence c(r) recurrence r reads for earlier tokens (docs/design.md §3).",
+    "KV-sharing policy of every shared metric (exact decode, Jacobi, block prefill, KV formats, "
+    "samples): which cached recurrence c(r) recurrence r reads for earlier tokens "
+    "(docs/design.md §3).",
     by_hand="a policy of looped/model/kv_policy.py for model.num_recurrences, e.g. 'final', "
     "'first', 'full', 'keep_first2', 'keep_last2', 'stride2', 'boundaries:2-4', 'huginn_mod2', "
     "'huginn_anchor8'",

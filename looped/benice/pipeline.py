@@ -290,6 +290,7 @@ def _evaluate(config, workdir: str, model: LoopedLM, abstract, stage_dirs: dict,
         samples.prompts(eval_batches, config.eval.samples, config.eval.sample_prompt_tokens),
         config.eval.sample_new_tokens,
         tokenizers.get(config.data).decode,
+        config.eval.kv_policy,
       )
     seconds["samples"] = time.time() - start - sum(seconds.values())
     logging.info("Evaluation %s: %.1f s, %s", name, time.time() - start, report.summary(metrics))
