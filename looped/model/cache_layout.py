@@ -73,8 +73,9 @@ class CacheLayout:
     return tuple(c for c in self.layers if c.stage == stage)
 
   def entries(self) -> list[tuple[str, int, int | None, str]]:
-    """(stage, layer, recurrence slot, mixer) of every cached copy; the slot is None for a
-    layer cached once (prelude, coda, and the core's one cached recurrence under sharing)."""
+    """(stage, layer, copy slot, mixer) of every cached copy: the slot is the recurrence
+    unshared, the index among a KV policy's cached recurrences shared, and None for a layer
+    cached once (prelude, coda, and the core's one cached recurrence under sharing)."""
     return [
       (c.stage, c.layer, r if c.lead else None, c.mixer)
       for c in self.layers
