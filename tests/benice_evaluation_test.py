@@ -9,7 +9,7 @@ import numpy as np
 from absl.testing import absltest
 
 import looped_testing as testing
-from looped.benice import evaluation
+from looped.benice import evaluation, report
 from looped.model import LoopedLM, init_params
 from looped.model.kv_cache import init_cache
 from looped.model.sharing import jacobi_forward
@@ -196,6 +196,67 @@ class EvaluateTest(absltest.TestCase):
       fp8["kv_bytes_per_token"],
       {"shared": (1 + 1 + 2) * 2 * 2 * (8 + 4), "unshared": (1 + 1 + 2 * 3) * 2 * 2 * (8 + 4)},
     )
+
+  def test_kv_policy_gaps(self):
+    # Each extra policy's exact-decode perplexity against T - 1 Jacobi passes under the same
+    # policy (tests/kv_policy_test.py: equal to exact decode), its gap against the unshared
+    # forward, and its bytes counted by hand.
+    t = 6
+    model = LoopedLM(TINY)
+    rows = jax.random.randint(jax.random.PRNGKey(2), (1, 2, t + 1), 0, TINY.vocab_size)
+    batches = [{"inputs": np.asarray(r[:, :-1]), "targets": np.asarray(r[:, 1:])} for r in rows]
+    params = init_params(model, jax.random.PRNGKey(0), batches[0]["inputs"])
+    fns = evaluation.make_stats_fns(TINY, None, "first")
+    policies = ("stride2", "first")
+    m = evaluation.evaluate(
+      fns, TINY, params, batches, (1,), drift=False, kv_policy="first", kv_policies=policies
+    )
+    inputs, targets = batches[0]["inputs"], batches[0]["targets"]
+    ce = lambda logits: (
+      -jax.nn.log_softmax(logits)[np.arange(2)[:, None], np.arange(t)[None, :], targets].sum()
+    )
+    ppl_un = math.exp(ce(model.apply(params, inputs)[0]) / (2 * t))
+    layer = 2 * 2 * 8 * 2  # One GQA layer copy: K and V, 2 KV heads of 8 values, bf16.
+    copies = {"stride2": 2, "first": 1}  # R = 3: stride2 reads 2 2 3, first 1 1 1.
+    self.assertEqual(list(m["kv_policies"]), list(policies))
+    for name in policies:
+      f = m["kv_policies"][name]
+      logits = jacobi_forward(model, params, inputs, t - 1, kv_policy=name)[0]
+      want = math.exp(ce(logits) / (2 * t))
+      np.testing.assert_allclose(f["ppl_shared_exact_subset"], want, rtol=1e-5)
+      np.testing.assert_allclose(f["gap_exact"], want / ppl_un - 1, rtol=1e-4, atol=1e-6)
+      lo, hi = f["gap_exact_ci95"]
+      self.assertLessEqual(lo, f["gap_exact"])
+      self.assertLessEqual(f["gap_exact"], hi)
+      self.assertEqual(f["kv_bytes_per_token"], (1 + 1 + 2 * copies[name]) * layer)
+      self.assertEqual(len(f["reads"]), TINY.num_recurrences)
+    # The main shared metrics read under eval.kv_policy: the same decode as its entry.
+    self.assertEqual(m["kv_policy"], "first")
+    self.assertEqual(
+      m["ppl_shared_exact_subset"], m["kv_policies"]["first"]["ppl_shared_exact_subset"]
+    )
+    self.assertEqual(m["kv_bytes_per_token"]["shared"], (1 + 1 + 2) * layer)
+    self.assertGreater(abs(m["kv_policies"]["stride2"]["gap_exact"] - m["gap_exact"]), 1e-5)
+
+  def test_report_lists_each_policy(self):
+    entry = lambda gap: {
+      "reads": [2, 2, 3],
+      "cached": [2, 3],
+      "kv_bytes_per_token": 384.0,
+      "ppl_shared_exact_subset": 10.5,
+      "gap_exact": gap,
+      "gap_exact_ci95": [gap - 0.01, gap + 0.02],
+    }
+    models = {"benice": {"kv_policies": {"stride2": entry(0.05), "first": entry(-0.002)}}}
+    table = report.kv_policies_markdown(models).splitlines()
+    self.assertEqual(
+      table[2], "| benice | stride2 | 2 2 3 | 2 3 | 384 | 10.500 | +5.0% [+4.0, +7.0] |"
+    )
+    self.assertEqual(
+      table[3], "| benice | first | 2 2 3 | 2 3 | 384 | 10.500 | -0.2% [-1.2, +1.8] |"
+    )
+    self.assertEqual(report.policy_note({}), "")
+    self.assertIn("first", report.policy_note({"kv_policy": "first"}))
 
   def test_kv_bytes_per_token(self):
     # Shared: prelude 1 + coda 1 + core 2 layers; unshared: core 2 x R=3. K and V, 2 KV heads

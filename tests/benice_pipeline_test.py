@@ -29,6 +29,8 @@ BAD_VALUES = [
   ("benice.kv_passes", -1, ">= 0"),
   ("eval.jacobi_passes", (0, 4), "tuple of integers >= 1"),
   ("eval.prefill_blocks", (16, 0), "tuple of integers >= 1 (may be empty)"),
+  ("eval.kv_policy", "last", "config.eval.kv_policy = 'last' is invalid"),
+  ("eval.kv_policies", ("first", "stride0"), "config.eval.kv_policies = 'stride0' is invalid"),
   ("eval.decode_batches", 3, "<= 2"),
   ("eval.samples", -1, ">= 0"),
   ("eval.sample_new_tokens", 10_000, "must fit model.max_seq_len"),
@@ -45,6 +47,17 @@ class ConfigTest(parameterized.TestCase):
       pipeline.validate(config)
     self.assertEqual(benice_config.get_config("fixed").depth.sampler, "fixed")
     self.assertEqual(benice_config.get_config("").depth.sampler, "poisson")
+
+  def test_eval_key_names_kv_policies_only_when_set(self):
+    # Evaluations cached before the policy fields existed keep matching at their defaults.
+    config = benice_config.get_config("smoke")
+    key = pipeline._eval_key(config.eval)
+    self.assertNotIn("kv_policy", key)
+    self.assertNotIn("kv_policies", key)
+    config.eval.kv_policies = ("first",)
+    config.eval.kv_policy = "stride2"
+    key = pipeline._eval_key(config.eval)
+    self.assertEqual((key["kv_policy"], tuple(key["kv_policies"])), ("stride2", ("first",)))
 
   def test_unknown_arg(self):
     with self.assertRaisesRegex(ValueError, "unknown config variant"):

@@ -130,6 +130,10 @@ class GenerateProgramTest(absltest.TestCase):
     )
     self._fails(_gen_config(self.train_dir, **{"gen.prompts": "x", "gen.top_p": 0.0}), "gen.top_p")
     self._fails(
+      _gen_config(self.train_dir, **{"gen.prompts": "x", "gen.kv_policy": "stride9"}),
+      r"config.gen.kv_policy = 'stride9' is invalid: stride's number must be in \[1, R = ",
+    )
+    self._fails(
       _gen_config(self.train_dir, **{"gen.prompts": "x", "mesh.tensor": 3}),
       r"config.mesh.tensor = 3 does not divide the model's num_heads = 2",
     )

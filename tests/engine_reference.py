@@ -51,6 +51,7 @@ def block_reference(
   block: int,
   kv_format: str | None = None,
   slots: int | None = None,
+  kv_policy: str = "final",
 ) -> tuple[list[list[int]], list[dict[int, np.ndarray]]]:
   """Greedy tokens and per-position logits ({position: logits}) of every request.
 
@@ -67,7 +68,7 @@ def block_reference(
   if any("kda" in cfg.mixers(stage) for stage in ("prelude", "core", "coda")):
     return _unpadded(cfg, params, requests, schedules, share_kv, kv_format, length)
   b = len(requests)
-  cache = init_cache(cfg, b, length, share_kv, kv_format=kv_format)
+  cache = init_cache(cfg, b, length, share_kv, kv_format=kv_format, kv_policy=kv_policy)
   tokens = [list(r.prompt_tokens) for r in requests]
   generated = [[] for _ in requests]
   logits = [{} for _ in requests]

@@ -105,7 +105,12 @@ class EngineLogitsTest(parameterized.TestCase):
     """KDA states in slots, padded rows and chunks, preemption; prefix hits are off."""
     self._check(cfg, share_kv, kv_format)
 
-  def _check(self, cfg, share_kv, kv_format):
+  def test_kv_policy_logits_equal_reference(self):
+    """A KV-sharing policy's pages (R = 3: stride2 reads 2 2 3 and keeps two copies, in fp8)
+    against the same policy's dense decode."""
+    self._check(CFG, True, "fp8", "stride2")
+
+  def _check(self, cfg, share_kv, kv_format, kv_policy="final"):
     model, params = LoopedLM(cfg), _params(cfg)
     rng = np.random.default_rng(1)
     stateful = paged_cache.has_state(cfg)
@@ -122,6 +127,7 @@ class EngineLogitsTest(parameterized.TestCase):
       EngineConfig(
         share_kv=share_kv,
         kv_format=kv_format,
+        kv_policy=kv_policy,
         num_pages=7,
         page_size=4,
         max_num_batched_tokens=8,
@@ -143,7 +149,14 @@ class EngineLogitsTest(parameterized.TestCase):
     self.assertGreater(summary["preemptions"], 0)
     slots = engine.executor.padding.column_buckets[-1] * 4
     tokens, ref = engine_reference.block_reference(
-      cfg, params, requests, share_kv=share_kv, block=block, kv_format=kv_format, slots=slots
+      cfg,
+      params,
+      requests,
+      share_kv=share_kv,
+      block=block,
+      kv_format=kv_format,
+      slots=slots,
+      kv_policy=kv_policy,
     )
     compared = 0
     for i, (r, g) in enumerate(zip(requests, gens)):

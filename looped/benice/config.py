@@ -81,6 +81,21 @@ class EvalConfig:
     "forward; (): none).",
     by_hand="a tuple of integers >= 1 (may be empty)",
   )
+  kv_policy: str = field(
+    "final",
+    "KV-sharing policy of every shared metric (exact decode, Jacobi, block prefill, KV formats, "
+    "samples): which cached recurrence c(r) recurrence r reads for earlier tokens "
+    "(docs/design.md §3).",
+    by_hand="a policy of looped/model/kv_policy.py for model.num_recurrences, e.g. 'final', "
+    "'first', 'full', 'keep_first2', 'keep_last2', 'stride2', 'boundaries:2-4', 'huginn_mod2', "
+    "'huginn_anchor8'",
+  )
+  kv_policies: tuple[str, ...] = field(
+    (),
+    "Further KV-sharing policies each measured by exact decode on the exact-decode rows: gap vs "
+    "unshared with its 95% CI and KV bytes per token beside it (): none.",
+    by_hand="a tuple of policies (as eval.kv_policy; may be empty)",
+  )
   decode_batches: int = field(
     0,
     "First N eval batches also measured by exact decode (0: all); <= data.num_eval_batches.",

@@ -31,10 +31,19 @@ perplexities over the same tokens (all at full depth R; ppl = exp(mean next-toke
                              state), unshared forward; relative_residuals divide by ||h_r||.
   contraction_ratios         residual_norms[r] / residual_norms[r-1], r = 2..R: < 1 means the
                              recurrence contracts towards a common limit.
-  kv_bytes_per_token         KV-cache bytes one token takes, shared and unshared layouts, in the
-                             evaluated KV format (bf16 when none): GQA and MLA layers.
+  kv_bytes_per_token         KV-cache bytes one token takes, shared (under kv_policy) and
+                             unshared layouts, in the evaluated KV format (bf16 when none): GQA
+                             and MLA layers.
   cache_bytes                the same per mixer, plus KDA layers' state bytes per sequence
                              (looped.model.mixers.cache_bytes).
+  kv_policy                  the KV-sharing policy every shared metric above reads by
+                             (looped/model/kv_policy.py; 'final', the default: the final
+                             recurrence's K/V).
+  kv_policies                {policy: {reads, cached, kv_bytes_per_token, ppl_shared_exact_subset,
+                             gap_exact, gap_exact_ci95}} for each extra policy asked for: exact
+                             shared decode on the decode subset under that policy, its gap vs
+                             ppl_unshared_subset with its interval, c(r) for r = 1..R, the cached
+                             recurrences and the shared layout's bytes per token.
 With a `kv_format` (looped.kv_quant.FORMATS) every read of an earlier position's K/V, in every
 forward above (unshared included), goes through that format's per-token quantize/dequantize,
 and exact decode stores the packed bytes in its cache.
@@ -60,6 +69,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from looped.losses import token_cross_entropy
+from looped.model import kv_policy as kv_policy_lib
 from looped.model import mixers
 from looped.model.config import ModelConfig
 from looped.model.kda import KDAState
@@ -72,6 +82,8 @@ KV_FORMAT = "bf16"  # The cache format the byte counts assume when none is evalu
 
 BOOTSTRAP_SAMPLES = 2000  # Resamples for every gap's 95% interval.
 METRICS_VERSION = 3  # Bumped when the metrics change, so cached evaluations are recomputed.
+# Version 3's metrics gained 'kv_policy' and 'kv_policies' without a bump: the old ones are
+# unchanged, and a report reads a missing 'kv_policies' as none asked for.
 
 
 class StatsFns(NamedTuple):
@@ -83,16 +95,20 @@ class StatsFns(NamedTuple):
   block: Callable  # (params, inputs, targets, segments, C) -> ce_B of block prefill (C static)
 
 
-@functools.lru_cache(maxsize=16)
-def make_stats_fns(cfg: ModelConfig, kv_format: str | None = None) -> StatsFns:
+@functools.lru_cache(maxsize=32)
+def make_stats_fns(
+  cfg: ModelConfig, kv_format: str | None = None, kv_policy: str = kv_policy_lib.FINAL
+) -> StatsFns:
   """Jitted per-batch statistics (CE summed per row); cached per model config, so repeated
-  evaluations in one process (several models, several pipeline runs) compile once."""
+  evaluations in one process (several models, several pipeline runs) compile once. Every
+  shared read follows kv_policy (looped/model/kv_policy.py)."""
   model = LoopedLM(cfg)
+  policy = {} if kv_policy == kv_policy_lib.FINAL else {"kv_policy": kv_policy}
 
   def jacobi(params, inputs_BxT, targets_BxT, segments_BxT, max_passes):
     """Row CE after 0, 1, ..., max_passes shared passes (I = max_passes + 1 rows)."""
     ce = lambda logits: jnp.sum(token_cross_entropy(logits, targets_BxT), axis=1)
-    kw = dict(kv_format=kv_format, segment_ids_BxT=segments_BxT)
+    kw = dict(kv_format=kv_format, segment_ids_BxT=segments_BxT, **policy)
     logits, aux = jacobi_forward(model, params, inputs_BxT, 0, **kw)
 
     def next_pass(final_kv, _):
@@ -105,7 +121,13 @@ def make_stats_fns(cfg: ModelConfig, kv_format: str | None = None) -> StatsFns:
 
   def decode(params, inputs_BxT, targets_BxT, segments_BxT):
     logits, _ = decode_forward(
-      model, params, inputs_BxT, share_kv=True, kv_format=kv_format, segment_ids_BxT=segments_BxT
+      model,
+      params,
+      inputs_BxT,
+      share_kv=True,
+      kv_format=kv_format,
+      segment_ids_BxT=segments_BxT,
+      **policy,
     )
     return jnp.sum(token_cross_entropy(logits, targets_BxT), axis=1)
 
@@ -119,6 +141,7 @@ def make_stats_fns(cfg: ModelConfig, kv_format: str | None = None) -> StatsFns:
       block=size,
       kv_format=kv_format,
       segment_ids_BxT=segments_BxT,
+      **policy,
     )
     return jnp.sum(token_cross_entropy(logits, targets_BxT), axis=1)
 
@@ -152,12 +175,16 @@ def make_stats_fns(cfg: ModelConfig, kv_format: str | None = None) -> StatsFns:
   )
 
 
-def kv_bytes_per_token(cfg: ModelConfig, kv_format: str | None = None) -> dict:
-  return cache_bytes(cfg, kv_format)["per_token"]
+def kv_bytes_per_token(
+  cfg: ModelConfig, kv_format: str | None = None, kv_policy: str = kv_policy_lib.FINAL
+) -> dict:
+  return cache_bytes(cfg, kv_format, kv_policy)["per_token"]
 
 
-def cache_bytes(cfg: ModelConfig, kv_format: str | None = None) -> dict:
-  return mixers.cache_bytes(cfg, kv_format or KV_FORMAT)
+def cache_bytes(
+  cfg: ModelConfig, kv_format: str | None = None, kv_policy: str = kv_policy_lib.FINAL
+) -> dict:
+  return mixers.cache_bytes(cfg, kv_format or KV_FORMAT, kv_policy)
 
 
 def contraction_ratios(residual_norms_R) -> list[float]:
@@ -181,6 +208,20 @@ def gap_ci95(shared_ce_rows, unshared_ce_rows, tokens_per_row: int, seed: int = 
   return [float(lo), float(hi)]
 
 
+def _policy_metrics(cfg, kv_format, name, shared_ce, unshared_ce, tokens_per_row) -> dict:
+  """One extra policy's entry of metrics['kv_policies'] (module docstring)."""
+  policy = kv_policy_lib.parse(name, cfg.num_recurrences)
+  ppl, ppl_un = _ppl(shared_ce, tokens_per_row), _ppl(unshared_ce, tokens_per_row)
+  return {
+    "reads": list(policy.reads),
+    "cached": list(policy.cached),
+    "kv_bytes_per_token": kv_bytes_per_token(cfg, kv_format, name)["shared"],
+    "ppl_shared_exact_subset": ppl,
+    "gap_exact": ppl / ppl_un - 1.0,
+    "gap_exact_ci95": gap_ci95(shared_ce, unshared_ce, tokens_per_row),
+  }
+
+
 def evaluate(
   fns: StatsFns,
   model_cfg: ModelConfig,
@@ -193,6 +234,8 @@ def evaluate(
   drift: bool = True,
   place: Callable = jnp.asarray,
   prefill_blocks: tuple[int, ...] = (),
+  kv_policy: str = kv_policy_lib.FINAL,
+  kv_policies: tuple[str, ...] = (),
 ) -> dict:
   """Shareability metrics (module docstring) of `params`; JSON-ready (pass counts as str).
 
@@ -204,6 +247,9 @@ def evaluate(
     (sharding.batch_sharding), so each device computes its own rows, not all of them.
   prefill_blocks: block sizes C measured by block prefill on the decode subset (may be empty;
     the keys ppl_shared_block_subset, gap_block and gap_block_ci95 are then empty dicts).
+  kv_policy: the policy `fns` were made with (make_stats_fns), named in the metrics.
+  kv_policies: further policies each measured by exact decode on the decode subset
+    (metrics['kv_policies']; make_stats_fns(model_cfg, kv_format, policy) per policy).
   """
   passes = sorted({0, *(int(n) for n in jacobi_passes)})
   ce_rows = {n: [] for n in passes}
@@ -230,6 +276,8 @@ def evaluate(
   blocks = sorted({int(c) for c in prefill_blocks})
   decode_ce, drift_sums = [], None
   block_ce = {c: [] for c in blocks}
+  policies = list(dict.fromkeys(kv_policies))
+  policy_ce = {p: [] for p in policies}
   for start in range(0, rows, group):
     inputs = place(sub_inputs[start : start + group])
     targets = place(sub_targets[start : start + group])
@@ -238,6 +286,9 @@ def evaluate(
     for c in blocks:
       ce_B = fns.block(params, inputs, targets, segments, c)
       block_ce[c].append(np.asarray(ce_B, np.float64))
+    for p in policies:
+      ce_B = make_stats_fns(model_cfg, kv_format, p).decode(params, inputs, targets, segments)
+      policy_ce[p].append(np.asarray(ce_B, np.float64))
     if drift:
       part = [np.asarray(x, np.float64) for x in fns.drift(params, inputs, segments)]
       drift_sums = part if drift_sums is None else [a + b for a, b in zip(drift_sums, part)]
@@ -275,8 +326,13 @@ def evaluate(
     "residual_norms": residual_norms,
     "relative_residuals": (relative_R / num).tolist(),
     "contraction_ratios": contraction_ratios(residual_norms),
-    "kv_bytes_per_token": kv_bytes_per_token(model_cfg, kv_format),
-    "cache_bytes": cache_bytes(model_cfg, kv_format),
+    "kv_bytes_per_token": kv_bytes_per_token(model_cfg, kv_format, kv_policy),
+    "cache_bytes": cache_bytes(model_cfg, kv_format, kv_policy),
+    "kv_policy": kv_policy,
+    "kv_policies": {
+      p: _policy_metrics(model_cfg, kv_format, p, np.concatenate(ce), unshared_sub, tokens_per_row)
+      for p, ce in policy_ce.items()
+    },
   }
   if drift:
     dk, dv, k, v = drift_sums

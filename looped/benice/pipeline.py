@@ -33,6 +33,7 @@ from looped.benice import evaluation, objectives, report, samples, stages, timin
 from looped.benice.config import MODEL_NAMES, BeniceConfig, EvalConfig, PipelineConfig
 from looped.checkpoints import checkpointing, model_record
 from looped.data import tokenizers
+from looped.model import kv_policy as kv_policy_lib
 from looped.model.looped_lm import LoopedLM
 from looped.train import dry_run, trainer
 from looped.train import objectives as train_objectives
@@ -101,6 +102,16 @@ def validate(config, chosen: tuple[str, ...] = ()) -> None:
     isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in blocks
   ):
     cc.fail("eval.prefill_blocks", blocks, "must be a tuple of integers >= 1 (may be empty)")
+  num_recurrences = config.model.num_recurrences
+  kv_policy_lib.check(cc.get(config, "eval.kv_policy"), num_recurrences, "config.eval.kv_policy")
+  policies = cc.get(config, "eval.kv_policies")
+  if not isinstance(policies, (tuple, list)):
+    cc.fail("eval.kv_policies", policies, "must be a tuple of KV-sharing policies (may be empty)")
+  for name in policies:
+    kv_policy_lib.check(name, num_recurrences, "config.eval.kv_policies")
+  uses = [config.eval.kv_policy, *policies]
+  if "kda" in tuple(config.model.core_mixers) and any(p != kv_policy_lib.FINAL for p in uses):
+    cc.fail("eval.kv_policies", policies, "KDA core layers share only under 'final'")
   formats = cc.get(config, "eval.kv_formats")
   if not isinstance(formats, (tuple, list)) or any(f not in kv_quant.FORMATS for f in formats):
     cc.fail("eval.kv_formats", formats, f"must be a tuple of formats from {kv_quant.FORMATS}")
@@ -194,6 +205,17 @@ def _train_stage(
   return "resumed" if resumed else "trained"
 
 
+def _eval_key(eval_config) -> dict:
+  """The eval section as a cached evaluation's key; the KV-policy fields only where they differ
+  from their defaults, so evaluations cached before those fields existed are still found."""
+  key = eval_config.to_dict()
+  if key.get("kv_policy") == kv_policy_lib.FINAL:
+    del key["kv_policy"]
+  if "kv_policies" in key and not tuple(key["kv_policies"]):
+    del key["kv_policies"]
+  return key
+
+
 def _evaluate(config, workdir: str, model: LoopedLM, abstract, stage_dirs: dict, mesh):
   """Shareability metrics of each model, from cache where checkpoint and settings match;
   returns (metrics by model, their timing rows)."""
@@ -205,7 +227,7 @@ def _evaluate(config, workdir: str, model: LoopedLM, abstract, stage_dirs: dict,
     key = {
       "checkpoint": os.path.abspath(stage_dir),
       "step": stages.latest_step(stage_dir),
-      "eval": config.eval.to_dict(),
+      "eval": _eval_key(config.eval),
       "metrics_version": evaluation.METRICS_VERSION,
       "data": config.data.to_dict(),
     }
@@ -239,14 +261,19 @@ def _evaluate(config, workdir: str, model: LoopedLM, abstract, stage_dirs: dict,
       decode_rows=config.eval.decode_rows,
       prefill_blocks=tuple(config.eval.prefill_blocks),
       place=functools.partial(jax.device_put, device=sharding.batch_sharding(mesh)),
+      kv_policy=config.eval.kv_policy,
     )
-    metrics = evaluate(evaluation.make_stats_fns(model.cfg), model.cfg)
+    metrics = evaluate(
+      evaluation.make_stats_fns(model.cfg, None, config.eval.kv_policy),
+      model.cfg,
+      kv_policies=tuple(config.eval.kv_policies),
+    )
     seconds = {"fp32": time.time() - start}
     # Per format only what its table reports: unshared and exact shared perplexities (no
     # Jacobi passes, drift or block prefill).
     metrics["kv_formats"] = {
       fmt: evaluate(
-        evaluation.make_stats_fns(model.cfg, fmt),
+        evaluation.make_stats_fns(model.cfg, fmt, config.eval.kv_policy),
         model.cfg,
         kv_format=fmt,
         jacobi_passes=(),
@@ -263,6 +290,7 @@ def _evaluate(config, workdir: str, model: LoopedLM, abstract, stage_dirs: dict,
         samples.prompts(eval_batches, config.eval.samples, config.eval.sample_prompt_tokens),
         config.eval.sample_new_tokens,
         tokenizers.get(config.data).decode,
+        config.eval.kv_policy,
       )
     seconds["samples"] = time.time() - start - sum(seconds.values())
     logging.info("Evaluation %s: %.1f s, %s", name, time.time() - start, report.summary(metrics))

@@ -89,6 +89,14 @@ def summary(m: dict) -> str:
   )
 
 
+def policy_note(m: dict) -> str:
+  """Names the KV-sharing policy the shared metrics read by, where it is not 'final'."""
+  policy = m.get("kv_policy", "final")  # Reports from before policies: 'final'.
+  if policy == "final":
+    return ""
+  return f" Shared metrics under KV-sharing policy {policy} (docs/design.md §3)."
+
+
 def markdown(report: dict) -> str:
   models = report["models"]
   first = next(iter(models.values()))
@@ -131,12 +139,43 @@ def markdown(report: dict) -> str:
       else ""
     )
     + "K drift: ||K_r - K_R|| / ||K_R|| of the unshared forward; contraction: ratio of "
-    "consecutive residual norms ||h_r - h_(r-1)||. KV bytes per token in bf16."
+    "consecutive residual norms ||h_r - h_(r-1)||. KV bytes per token in bf16." + policy_note(first)
   )
+  if any(m.get("kv_policies") for m in models.values()):
+    lines += ["", kv_policies_markdown(models)]
   if any(m.get("kv_formats") for m in models.values()):
     lines += ["", kv_formats_markdown(models)]
   if any(m.get("samples") for m in models.values()):
     lines += ["", samples.markdown(models)]
+  return "\n".join(lines)
+
+
+def kv_policies_markdown(models: dict) -> str:
+  """Exact shared decode's gap under each extra KV-sharing policy, beside its bytes per token."""
+  header = [
+    "model",
+    "KV policy",
+    "c(r), r = 1..R",
+    "cached recurrences",
+    "KV B/token",
+    "ppl shared exact (subset)",
+    "gap exact [95% CI]",
+  ]
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  for name, m in models.items():
+    for policy, f in m.get("kv_policies", {}).items():
+      lines.append(
+        f"| {name} | {policy} | {' '.join(map(str, f['reads']))} | "
+        f"{' '.join(map(str, f['cached']))} | {f['kv_bytes_per_token']:.0f} | "
+        f"{f['ppl_shared_exact_subset']:.3f} | {gap_with_ci(f['gap_exact'], f['gap_exact_ci95'])} |"
+      )
+  lines.append("")
+  lines.append(
+    "KV-sharing policies (docs/design.md §3): recurrence r reads recurrence c(r)'s cached K/V "
+    "of earlier tokens; the cache keeps one copy per core layer for each cached recurrence. "
+    "Gap: exact shared decode under the policy vs unshared ppl on the decode subset, 95% "
+    "bootstrap interval over rows; KV bytes per token in bf16."
+  )
   return "\n".join(lines)
 
 

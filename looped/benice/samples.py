@@ -32,8 +32,11 @@ def prompts(eval_batches: list[dict], num: int, prompt_tokens: int) -> list[tupl
   return [tuple(int(t) for t in row[:prompt_tokens]) for row in rows]
 
 
-def generate(model: LoopedLM, params, prompt_ids, new_tokens: int, decode) -> list[dict]:
-  """Per prompt: its text and the greedy continuations (text and ids) of both layouts."""
+def generate(
+  model: LoopedLM, params, prompt_ids, new_tokens: int, decode, kv_policy: str = "final"
+) -> list[dict]:
+  """Per prompt: its text and the greedy continuations (text and ids) of both layouts (the
+  shared one under kv_policy, looped/model/kv_policy.py)."""
   out = [{"prompt": decode(p)} for p in prompt_ids]
   n, prompt = len(prompt_ids), max(len(p) for p in prompt_ids)
   length = prompt + new_tokens
@@ -47,6 +50,7 @@ def generate(model: LoopedLM, params, prompt_ids, new_tokens: int, decode) -> li
       params,
       EngineConfig(
         share_kv=layout == "shared",
+        kv_policy=kv_policy if layout == "shared" else "final",
         num_pages=n * pages,
         page_size=PAGE_SIZE,
         max_num_seqs=n,

@@ -7,7 +7,7 @@ from looped import config_checks as cc
 from looped import kv_quant
 from looped.engine import paged_cache
 from looped.model import config as model_lib
-from looped.model import mixers
+from looped.model import kv_policy, mixers
 
 
 def check_model_and_format(config, section: str, model_cfg):
@@ -26,6 +26,15 @@ def check_model_and_format(config, section: str, model_cfg):
     except ValueError as e:
       cc.fail(f"{section}.kv_format", fmt, str(e).rstrip("."))
   return cfg, fmt
+
+
+def check_kv_policy(config, section: str, cfg) -> str:
+  """`{section}.kv_policy` for the model (looped/model/kv_policy.py); 'final' when unshared."""
+  name = cc.get(config, f"{section}.kv_policy")
+  kv_policy.check(name, cfg.num_recurrences, f"config.{section}.kv_policy")
+  if name != kv_policy.FINAL and "kda" in cfg.mixers("core"):
+    cc.fail(f"{section}.kv_policy", name, "KDA core layers share as 'final' only")
+  return name if cc.get(config, f"{section}.share_kv") else kv_policy.FINAL
 
 
 def slots_note(cfg, share_kv: bool, max_num_seqs: int) -> str:

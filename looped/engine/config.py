@@ -33,6 +33,13 @@ class GenConfig:
     by_hand="a string, a tuple of strings or a prompts file",
   )
   share_kv: bool = field(True, "KV-sharing: cache only the final recurrence's K/V of core layers.")
+  kv_policy: str = field(
+    "final",
+    "With share_kv: which cached recurrence c(r) recurrence r reads for earlier tokens; the "
+    "pages keep the policy's cached recurrences (docs/design.md §3).",
+    by_hand="a policy of looped/model/kv_policy.py for model.num_recurrences, e.g. 'final', "
+    "'first', 'stride2', 'keep_last2', 'huginn_mod2'",
+  )
   kv_format: str = field(
     "", "Page storage: '' (raw, compute dtype) or a packed format.", choices=KV_FORMATS
   )

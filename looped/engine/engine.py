@@ -22,6 +22,7 @@ from looped.engine import paged_cache
 from looped.engine.executor import ModelExecutor, RequestState, powers_of_two
 from looped.engine.mesh import EngineMesh
 from looped.engine.requests import Generation, GenRequest
+from looped.model import kv_policy as kv_policy_lib
 from looped.model.looped_lm import LoopedLM
 from looped.scheduler import pages as pages_lib
 from looped.scheduler import replay
@@ -35,11 +36,12 @@ def pages_for_budget(
   share_kv: bool,
   kv_format: str | None,
   max_num_seqs: int,
+  kv_policy: str = "final",
 ) -> int:
-  """Pages a KV budget holds in the given layout and format once it holds the state slots of
-  max_num_seqs requests (models with KDA layers; 0 bytes otherwise)."""
-  per_page = page_size * paged_cache.bytes_per_token(model.cfg, share_kv, kv_format)
-  slots = max_num_seqs * paged_cache.bytes_per_sequence(model.cfg, share_kv)
+  """Pages a KV budget holds in the given layout (and KV policy) and format once it holds the
+  state slots of max_num_seqs requests (models with KDA layers; 0 bytes otherwise)."""
+  per_page = page_size * paged_cache.bytes_per_token(model.cfg, share_kv, kv_format, kv_policy)
+  slots = max_num_seqs * paged_cache.bytes_per_sequence(model.cfg, share_kv, kv_policy)
   return max(int((budget_bytes - slots) // per_page), 0)
 
 
@@ -59,6 +61,9 @@ class EngineConfig:
   num_pages: int
   # Format the cached K/V are stored in (looped.kv_quant; None: raw compute-dtype arrays).
   kv_format: str | None = None
+  # Under share_kv, which cached recurrence each recurrence reads for earlier tokens
+  # (looped/model/kv_policy.py; docs/design.md §3): the pages keep its cached recurrences.
+  kv_policy: str = "final"
   # Tokens per page: the unit of allocation and of prefix-cache hits.
   page_size: int = 16
   # Tokens one step computes over all rows; longer prompts are prefilled in chunks.
@@ -111,6 +116,9 @@ class Engine:
     model). decode: token ids -> text, for each request's generated text."""
     c = config
     paged_cache.check_model(model.cfg)
+    kv_policy_lib.parse(c.kv_policy, model.cfg.num_recurrences, "kv_policy")
+    if c.kv_policy != kv_policy_lib.FINAL and "kda" in model.cfg.mixers("core"):
+      raise ValueError(f"kv_policy {c.kv_policy!r}: KDA core layers share as 'final' only.")
     if c.num_pages < 1:
       raise ValueError(f"num_pages = {c.num_pages}: the KV budget holds no page.")
     self.model = model
@@ -173,9 +181,12 @@ class Engine:
       decode=decode,
       top_logprobs=c.top_logprobs,
       mesh=self.mesh,
+      kv_policy=c.kv_policy,
     )
-    self.page_bytes = c.page_size * paged_cache.bytes_per_token(model.cfg, c.share_kv, c.kv_format)
-    self.slot_bytes = paged_cache.bytes_per_sequence(model.cfg, c.share_kv)
+    self.page_bytes = c.page_size * paged_cache.bytes_per_token(
+      model.cfg, c.share_kv, c.kv_format, c.kv_policy
+    )
+    self.slot_bytes = paged_cache.bytes_per_sequence(model.cfg, c.share_kv, c.kv_policy)
     self.scheduler: scheduler_lib.Scheduler | None = None
 
   @property

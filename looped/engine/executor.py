@@ -65,6 +65,7 @@ def _call_fn(
   kv_format: str | None,
   return_logits: bool,
   top_logprobs: int,
+  kv_policy: str,
   params,
   pages,
   tokens_BxT,
@@ -80,13 +81,16 @@ def _call_fn(
   slot_B,
 ):
   b, t = tokens_BxT.shape
-  cache = paged_cache.gather(pages, page_table_BxP, context_B, share_kv, kv_format, slot_B)
+  slotted = paged_cache.slotted_core(model.cfg, share_kv, kv_policy)
+  cache = paged_cache.gather(
+    pages, page_table_BxP, context_B, share_kv, kv_format, slot_B, kv_policy, slotted
+  )
   logits_BxTxV, aux = model.apply(params, tokens_BxT, cache=cache, num_new_B=num_new_B)
   pages = paged_cache.scatter(
-    pages, aux["cache"], page_table_BxP, context_B, num_new_B, t, share_kv, slot_B
+    pages, aux["cache"], page_table_BxP, context_B, num_new_B, t, share_kv, slot_B, slotted
   )
   # The pool stays where it was placed (split over KV heads), so the next step reuses it.
-  pages = jax.lax.with_sharding_constraint(pages, mesh.pool_shardings(pages, share_kv))
+  pages = jax.lax.with_sharding_constraint(pages, mesh.pool_shardings(pages, share_kv, slotted))
   last_BxV = logits_BxTxV[jnp.arange(b), jnp.maximum(num_new_B - 1, 0)]
   token_B, logprob_B = sampling.sample(last_BxV, temperature_B, top_k_B, top_p_B, seed_B, index_B)
   positions = None
@@ -106,16 +110,19 @@ def compiled_call(
   logits: bool,
   top_logprobs: int = 0,
   mesh: EngineMesh | None = None,
+  kv_policy: str = "final",
 ) -> Callable:
-  """The jitted model call for a model, layout and mesh (None: one device); shared by engines
-  so each shape compiles once. Call it inside mesh.context()."""
+  """The jitted model call for a model, layout (sharing and its KV policy) and mesh (None: one
+  device); shared by engines so each shape compiles once. Call it inside mesh.context()."""
   mesh = mesh or EngineMesh.create(cfg)
-  return _compiled_call(cfg, share_kv, kv_format, logits, top_logprobs, mesh)
+  return _compiled_call(cfg, share_kv, kv_format, logits, top_logprobs, mesh, kv_policy)
 
 
 @functools.lru_cache(maxsize=32)
-def _compiled_call(cfg, share_kv, kv_format, logits, top_logprobs, mesh) -> Callable:
-  call = functools.partial(_call_fn, LoopedLM(cfg), mesh, share_kv, kv_format, logits, top_logprobs)
+def _compiled_call(cfg, share_kv, kv_format, logits, top_logprobs, mesh, kv_policy) -> Callable:
+  call = functools.partial(
+    _call_fn, LoopedLM(cfg), mesh, share_kv, kv_format, logits, top_logprobs, kv_policy
+  )
   return jax.jit(call, donate_argnums=(1,))
 
 
@@ -191,17 +198,20 @@ class ModelExecutor:
     on_token: Callable | None = None,
     top_logprobs: int = 0,
     mesh: EngineMesh | None = None,
+    kv_policy: str = "final",
   ):
     """padding: the padded call shapes (rows, tokens, page-table columns). top_logprobs: k > 0
     makes every call also compute, per position, the logprob of the next token and the k most
     likely ones, kept for requests with position_logprobs. mesh: where params and pages are
-    placed and the calls run (looped.engine.mesh; None: one device)."""
+    placed and the calls run (looped.engine.mesh; None: one device). kv_policy: the shared
+    core's KV-sharing policy (looped/model/kv_policy.py), its pages from the same layout."""
     self.model = model
     self.mesh = mesh or EngineMesh.create(model.cfg)
     self.params = self.mesh.place_params(model, params)
     self.page_size = page_size
     self.share_kv = share_kv
     self.kv_format = kv_format
+    self.kv_policy = kv_policy
     self.scratch_page = num_pages
     self.scratch_slot = num_slots
     self.reset_pages()
@@ -216,7 +226,7 @@ class ModelExecutor:
     self.step_log: list[dict] = []
     self.top_logprobs = top_logprobs
     self._call = compiled_call(
-      model.cfg, share_kv, kv_format, record_logits, top_logprobs, self.mesh
+      model.cfg, share_kv, kv_format, record_logits, top_logprobs, self.mesh, kv_policy
     )
 
   def add(self, request: GenRequest) -> None:
@@ -248,9 +258,11 @@ class ModelExecutor:
       self.share_kv,
       self.kv_format,
       self.scratch_slot,
+      self.kv_policy,
     )
     # Made in place, each device its shards only: the whole pool need not fit on one device.
-    shardings = self.mesh.pool_shardings(jax.eval_shape(init), self.share_kv)
+    slotted = paged_cache.slotted_core(cfg, self.share_kv, self.kv_policy)
+    shardings = self.mesh.pool_shardings(jax.eval_shape(init), self.share_kv, slotted)
     with self.mesh.context():  # Not a caller's mesh (e.g. training's, around the evaluation).
       self.pages = jax.jit(init, out_shardings=shardings)()
 

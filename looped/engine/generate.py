@@ -118,6 +118,7 @@ def validate(config, chosen: tuple[str, ...] = ()) -> None:
   restore.check_checkpoint(config, "gen")
   model_cfg, data_cfg = model_and_data(config, chosen=chosen)
   cfg, fmt = checks.check_model_and_format(config, "gen", model_cfg)
+  policy = checks.check_kv_policy(config, "gen", cfg)
   checks.check_prefill_block(config, "gen")
   mesh_lib.from_config(config, cfg)
   page_size, max_new = config.gen.page_size, config.gen.max_new_tokens
@@ -150,9 +151,9 @@ def validate(config, chosen: tuple[str, ...] = ()) -> None:
     need = -(-(longest - 1) // page_size)
     model = LoopedLM(cfg)
     share, seqs = config.gen.share_kv, config.gen.max_num_seqs
-    have = pages_for_budget(model, budget, page_size, share, fmt or None, seqs)
+    have = pages_for_budget(model, budget, page_size, share, fmt or None, seqs, policy)
     if have < need:
-      page_bytes = page_size * paged_cache.bytes_per_token(cfg, share, fmt or None)
+      page_bytes = page_size * paged_cache.bytes_per_token(cfg, share, fmt or None, policy)
       cc.fail(
         "gen.kv_budget_bytes",
         budget,
@@ -188,12 +189,13 @@ def run(config, workdir: str, chosen: tuple[str, ...] = ()) -> dict[str, Any]:
     for i, p in enumerate(prompts)
   ]
   fmt = kv_format(config)
+  policy = checks.check_kv_policy(config, "gen", cfg)
   mesh_shape, mesh_rules = mesh_lib.from_config(config, cfg)
   if g.kv_budget_bytes is None:
     num_pages = sum(-(-(r.prompt_len + r.output_len) // g.page_size) for r in requests)
   else:
     num_pages = pages_for_budget(
-      model, g.kv_budget_bytes, g.page_size, g.share_kv, fmt, g.max_num_seqs
+      model, g.kv_budget_bytes, g.page_size, g.share_kv, fmt, g.max_num_seqs, policy
     )
   engine = Engine(
     model,
@@ -201,6 +203,7 @@ def run(config, workdir: str, chosen: tuple[str, ...] = ()) -> dict[str, Any]:
     EngineConfig(
       share_kv=g.share_kv,
       kv_format=fmt,
+      kv_policy=policy,
       num_pages=num_pages,
       page_size=g.page_size,
       max_num_batched_tokens=g.max_num_batched_tokens,
@@ -221,6 +224,7 @@ def run(config, workdir: str, chosen: tuple[str, ...] = ()) -> dict[str, Any]:
   summary = {
     **engine.summary(generations),
     "share_kv": g.share_kv,
+    "kv_policy": policy,
     "kv_format": fmt or "raw",
     "checkpoint": g.checkpoint,
   }

@@ -150,16 +150,18 @@ class EngineMesh:
       raise ValueError("params do not have the model's structure ({'params': ...}).")
     return jax.device_put(params, self.param_shardings(model))
 
-  def pool_shardings(self, pages: dict, share_kv: bool):
+  def pool_shardings(self, pages: dict, share_kv: bool, slotted: bool = False):
     """NamedShardings of paged_cache's pages: each leaf split on its KV-head dimension (the one
     after [.., pages, page_size]) by the 'kv_heads' rule where that dimension divides evenly
     and is more than one head; replicated otherwise, and KDA state slots (per-sequence, not per
-    token) are replicated."""
+    token) are replicated. slotted: the shared core's pages lead with a KV policy's copies
+    (paged_cache.slotted_core)."""
     axes = mesh_axes(self.rules, "kv_heads")
     shards = math.prod(self.mesh.shape[a] for a in axes)
 
     def one(stage, leaf):
-      dim = (1 if cache_layout.per_recurrence(stage, share_kv) else 0) + 2
+      lead = cache_layout.per_recurrence(stage, share_kv) or (stage == "core" and slotted)
+      dim = (1 if lead else 0) + 2
       # A per-token scalar (nvfp4's tensor scale) has no such dimension; one head stays whole.
       if not axes or leaf.ndim <= dim or leaf.shape[dim] <= 1 or leaf.shape[dim] % shards:
         return self.replicated()

@@ -1,11 +1,13 @@
 """Paged KV storage for the engine: one page array per cached entry, in either sharing layout.
 
 Every per-token cache entry of the model (GQA's K and V, MLA's latent and RoPE key) is stored as
-pages [N + 1, page_size, ...], with the leading R axis looped.model.cache_layout gives a layer
-cached per recurrence ([R, N + 1, page_size, ...]: core layers in the unshared layout). Page N is a
-scratch page: writes of padding tokens and page-table slots past a request's pages point there,
-so every step has static shapes. With a KV format the pages hold the packed bytes and scales
-exactly as looped.model.kv_cache stores them per token, so a page is never dequantized in place.
+pages [N + 1, page_size, ...], with the leading axis looped.model.cache_layout gives a layer
+cached in several copies ([R, N + 1, page_size, ...]: core layers in the unshared layout;
+[copies, ...]: a shared core under a KV policy caching several recurrences, `slotted_core`).
+Page N is a scratch page: writes of padding tokens and page-table slots past a request's pages
+point there, so every step has static shapes. With a KV format the pages hold the packed bytes
+and scales exactly as looped.model.kv_cache stores them per token, so a page is never
+dequantized in place.
 
 A layer with a per-sequence state instead (KDA: delta-rule state and conv tail, float32) keeps a
 `KDAState` of state slots [M + 1, ...] (with the same leading R axis when cached per
@@ -55,6 +57,7 @@ def init_pages(
   share_kv: bool,
   kv_format: str | None,
   num_slots: int = 0,
+  kv_policy: str = "final",
 ) -> dict:
   """Zeroed pages (plus the scratch page) for every paged layer and state slots (plus the
   scratch slot) for every layer with a per-sequence state: {stage: [entry]}."""
@@ -75,27 +78,37 @@ def init_pages(
       return KDAState(state, conv)
     return tuple(zeros(lead + (num_pages + 1, page_size, *s)) for s in cache.token_shapes)
 
-  layout = cache_layout.cache_layout(cfg, share_kv)
+  layout = cache_layout.cache_layout(cfg, share_kv, kv_policy)
   return {stage: [entry(layer) for layer in layout.stage(stage)] for stage in STAGES}
 
 
-def bytes_per_token(cfg: ModelConfig, share_kv: bool, kv_format: str | None) -> float:
+def slotted_core(cfg: ModelConfig, share_kv: bool, kv_policy: str) -> bool:
+  """Whether the shared core's pages lead with a copies axis (a KV policy caching several
+  recurrences, looped/model/kv_policy.py); the unshared core's R axis is per_recurrence's."""
+  layout = cache_layout.cache_layout(cfg, share_kv, kv_policy)
+  return share_kv and any(layer.lead for layer in layout.stage("core"))
+
+
+def bytes_per_token(
+  cfg: ModelConfig, share_kv: bool, kv_format: str | None, kv_policy: str = "final"
+) -> float:
   """Stored bytes per token over all paged layers: raw pages at the compute dtype, or packed
   elements and scales with nvfp4's per-token tensor scale included, as init_pages stores them
   (KDA's per-sequence state is not paged: bytes_per_sequence)."""
-  return cache_layout.cache_layout(cfg, share_kv).bytes_per_token(
+  return cache_layout.cache_layout(cfg, share_kv, kv_policy).bytes_per_token(
     kv_format, raw_itemsize=cfg.compute_dtype.itemsize, tensor_scales=True
   )
 
 
-def bytes_per_sequence(cfg: ModelConfig, share_kv: bool) -> float:
+def bytes_per_sequence(cfg: ModelConfig, share_kv: bool, kv_policy: str = "final") -> float:
   """Bytes of one state slot over all layers with a per-sequence state (float32, never in a KV
   format), as init_pages stores them; 0 for a model without such layers."""
-  return cache_layout.cache_layout(cfg, share_kv).bytes_per_sequence()
+  return cache_layout.cache_layout(cfg, share_kv, kv_policy).bytes_per_sequence()
 
 
-def _batch_axis(stage: str, share_kv: bool) -> int:
-  return 1 if cache_layout.per_recurrence(stage, share_kv) else 0
+def _batch_axis(stage: str, share_kv: bool, slotted: bool = False) -> int:
+  lead = cache_layout.per_recurrence(stage, share_kv) or (stage == "core" and slotted)
+  return 1 if lead else 0
 
 
 def gather(
@@ -105,13 +118,16 @@ def gather(
   share_kv: bool,
   kv_format,
   slot_B: jax.Array | None = None,
+  kv_policy: str = "final",
+  slotted: bool = False,
 ) -> KVCache:
   """Dense cache of each row's pages (slots = P * page_size), with length_B = context_B, and of
-  each row's state slot (slot_B; a zero state for a row starting at position 0)."""
+  each row's state slot (slot_B; a zero state for a row starting at position 0). kv_policy and
+  slotted (slotted_core): the shared core's policy and whether its pages lead with copies."""
   b, p = page_table_BxP.shape
 
   def one(stage):
-    axis = _batch_axis(stage, share_kv)
+    axis = _batch_axis(stage, share_kv, slotted)
 
     def leaf(x):
       g = x[page_table_BxP] if axis == 0 else x[:, page_table_BxP]
@@ -128,7 +144,8 @@ def gather(
     ]
 
   layers = {stage: one(stage) for stage in STAGES}
-  return KVCache(context_B.astype(jnp.int32), layers, share_kv, kv_format)
+  policy = kv_policy if share_kv else "final"
+  return KVCache(context_B.astype(jnp.int32), layers, share_kv, kv_format, policy)
 
 
 def scatter(
@@ -140,6 +157,7 @@ def scatter(
   num_slots: int,
   share_kv: bool,
   slot_B: jax.Array | None = None,
+  slotted: bool = False,
 ) -> dict:
   """Writes slots [context_b, context_b + num_new_b) of the dense cache back into their pages,
   and each row's new state into its state slot slot_B[b].
@@ -147,12 +165,12 @@ def scatter(
   Slots j >= num_new_b of the num_slots-wide window (padding) go to the scratch page; padding
   rows' slot_B is the scratch slot.
   """
-  page_size = _page_size(pages, share_kv)
+  page_size = _page_size(pages, share_kv, slotted)
   j_T = jnp.arange(num_slots)
   pos_BxT = context_B[:, None] + j_T[None, :]
   col_BxT = jnp.clip(pos_BxT // page_size, 0, page_table_BxP.shape[1] - 1)
   page_BxT = jnp.take_along_axis(page_table_BxP, col_BxT, axis=1)
-  num_pages = _num_pages(pages, share_kv)
+  num_pages = _num_pages(pages, share_kv, slotted)
   page_BxT = jnp.where(j_T[None, :] < num_new_B[:, None], page_BxT, num_pages - 1)
   slot_BxT = pos_BxT % page_size
 
@@ -162,7 +180,7 @@ def scatter(
 
   out = {}
   for stage in STAGES:
-    axis = _batch_axis(stage, share_kv)
+    axis = _batch_axis(stage, share_kv, slotted)
 
     def write(page_leaf, dense_leaf, axis=axis):
       new = window(dense_leaf, axis)
@@ -188,12 +206,12 @@ def _first_leaf(pages: dict, share_kv: bool):
   raise ValueError("The model caches nothing per token.")
 
 
-def _num_pages(pages: dict, share_kv: bool) -> int:
+def _num_pages(pages: dict, share_kv: bool, slotted: bool = False) -> int:
   """Pages in the arrays, the scratch page included."""
   stage, leaf = _first_leaf(pages, share_kv)
-  return leaf.shape[_batch_axis(stage, share_kv)]
+  return leaf.shape[_batch_axis(stage, share_kv, slotted)]
 
 
-def _page_size(pages: dict, share_kv: bool) -> int:
+def _page_size(pages: dict, share_kv: bool, slotted: bool = False) -> int:
   stage, leaf = _first_leaf(pages, share_kv)
-  return leaf.shape[_batch_axis(stage, share_kv) + 1]
+  return leaf.shape[_batch_axis(stage, share_kv, slotted) + 1]

@@ -4,13 +4,14 @@ The layout rule of docs/design.md §3, stated once here and read by the model's 
 (kv_cache.py), the mixers' byte counts (mixers.py, and the evaluation through it), the engine's
 page pool (looped/engine/paged_cache.py) and the serving simulator (looped/sim/shape.py):
 
-  every prelude and coda layer is cached once; a core layer is cached once under sharing (the
-  final recurrence) and once per recurrence without it.
+  every prelude and coda layer is cached once; a core layer is cached once per recurrence
+  without sharing, and under sharing once per recurrence its KV policy caches (kv_policy.py:
+  one, the final recurrence, for the default 'final').
 
 What one copy of a layer holds is its mixer's `MixerCache` (mixer_interface.py): per-token
 entries (GQA, MLA), which KV formats store packed, and per-sequence state (KDA), always float32.
 
-`cache_layout(cfg, share_kv)` reads only these fields of cfg, so a ModelConfig and the
+`cache_layout(cfg, share_kv, kv_policy)` reads only these fields of cfg, so a ModelConfig and the
 simulator's ModelShape both describe a model: num_{prelude,core,coda}_layers,
 {prelude,core,coda}_mixers, num_recurrences and the fields of the mixers present
 (num_kv_heads, head_dim, num_heads, mla_kv_rank, mla_rope_dim, kda_conv_size).
@@ -21,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from looped.model import kv_policy as kv_policy_lib
 from looped.model.config import STAGES
 from looped.model.mixer_interface import MIXER_CACHES, MixerCache
 
@@ -42,7 +44,8 @@ def stage_mixers(cfg: Any, stage: str) -> tuple[str, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class CachedLayer:
-  """One layer's cache: `copies` copies (one per recurrence when per_recurrence) of `cache`."""
+  """One layer's cache: `copies` copies (one per recurrence when per_recurrence, one per cached
+  recurrence of a shared core's KV policy) of `cache`."""
 
   stage: str
   layer: int  # Index within the stage.
@@ -53,8 +56,9 @@ class CachedLayer:
 
   @property
   def lead(self) -> tuple[int, ...]:
-    """Leading axes of this layer's cache arrays: (R,) per recurrence, else none."""
-    return (self.copies,) if self.per_recurrence else ()
+    """Leading axes of this layer's cache arrays: (copies,) when it keeps several (per
+    recurrence, or a policy's cached recurrences), else none."""
+    return (self.copies,) if self.per_recurrence or self.copies > 1 else ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,15 +67,17 @@ class CacheLayout:
 
   share_kv: bool
   layers: tuple[CachedLayer, ...]
+  kv_policy: str = kv_policy_lib.FINAL
 
   def stage(self, stage: str) -> tuple[CachedLayer, ...]:
     return tuple(c for c in self.layers if c.stage == stage)
 
   def entries(self) -> list[tuple[str, int, int | None, str]]:
-    """(stage, layer, recurrence slot, mixer) of every cached copy; the slot is None for a
-    layer cached once (prelude, coda, and the core's final recurrence under sharing)."""
+    """(stage, layer, copy slot, mixer) of every cached copy: the slot is the recurrence
+    unshared, the index among a KV policy's cached recurrences shared, and None for a layer
+    cached once (prelude, coda, and the core's one cached recurrence under sharing)."""
     return [
-      (c.stage, c.layer, r if c.per_recurrence else None, c.mixer)
+      (c.stage, c.layer, r if c.lead else None, c.mixer)
       for c in self.layers
       for r in range(c.copies)
     ]
@@ -123,12 +129,16 @@ class CacheLayout:
     return sum(c.copies * c.cache.vectors_per_token for c in self.layers)
 
 
-def cache_layout(cfg: Any, share_kv: bool) -> CacheLayout:
-  """The cached layers of the model cfg describes, shared or unshared (module docstring)."""
+def cache_layout(cfg: Any, share_kv: bool, kv_policy: str = kv_policy_lib.FINAL) -> CacheLayout:
+  """The cached layers of the model cfg describes, shared (under kv_policy, kv_policy.py) or
+  unshared (module docstring)."""
+  shared_copies = kv_policy_lib.parse(kv_policy, cfg.num_recurrences).copies
   layers = []
   for stage in STAGES:
     for i, mixer in enumerate(stage_mixers(cfg, stage)):
       repeat = per_recurrence(stage, share_kv)
       copies = cfg.num_recurrences if repeat else 1
+      if stage == "core" and share_kv:
+        copies = shared_copies
       layers.append(CachedLayer(stage, i, mixer, repeat, copies, MIXER_CACHES[mixer](cfg)))
-  return CacheLayout(share_kv, tuple(layers))
+  return CacheLayout(share_kv, tuple(layers), kv_policy if share_kv else kv_policy_lib.FINAL)

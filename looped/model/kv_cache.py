@@ -2,7 +2,8 @@
 
 Which layers are cached in how many copies is cache_layout.py's: unshared, core entries are
 [R, B, S, K, H] (one per recurrence; memory grows with R); shared, [B, S, K, H] (the final
-recurrence only); prelude and coda entries are [B, S, K, H] in both.
+recurrence only) or, under a KV policy caching n > 1 recurrences (kv_policy.py), [n, B, S, K, H];
+prelude and coda entries are [B, S, K, H] in both.
 
 Layers whose mixer keeps a recurrent state instead of per-token entries (KDA) hold a
 `KDAState` (state and conv tail, raw float32) that each chunk replaces rather than appends to,
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 
 from looped import kv_quant
 from looped.model import cache_layout, mixers
+from looped.model import kv_policy as kv_policy_lib
 from looped.model.config import ModelConfig
 from looped.model.kda import KDAState
 
@@ -39,6 +41,7 @@ class KVCache:
   # or a KDAState for KDA layers.
   share_kv: bool = flax.struct.field(pytree_node=False)
   kv_format: str | None = flax.struct.field(pytree_node=False, default=None)
+  kv_policy: str = flax.struct.field(pytree_node=False, default=kv_policy_lib.FINAL)
 
   @property
   def max_len(self) -> int:
@@ -91,7 +94,9 @@ def init_cache(
   share_kv: bool,
   dtype=None,
   kv_format: str | None = None,
+  kv_policy: str = kv_policy_lib.FINAL,
 ) -> KVCache:
+  """An empty cache; under sharing its core keeps the copies kv_policy caches (kv_policy.py)."""
   dtype = dtype or cfg.compute_dtype
   if kv_format is not None:
     mixers.check_kv_format(cfg, kv_format)
@@ -107,9 +112,9 @@ def init_cache(
       return KDAState(jnp.zeros(lead + (batch, *state)), jnp.zeros(lead + (batch, *conv)))
     return tuple(zeros(lead + (batch, max_len, *s)) for s in cache.token_shapes)
 
-  layout = cache_layout.cache_layout(cfg, share_kv)
+  layout = cache_layout.cache_layout(cfg, share_kv, kv_policy)
   layers = {stage: [entry(layer) for layer in layout.stage(stage)] for stage in cache_layout.STAGES}
-  return KVCache(jnp.zeros((batch,), jnp.int32), layers, share_kv, kv_format)
+  return KVCache(jnp.zeros((batch,), jnp.int32), layers, share_kv, kv_format, layout.kv_policy)
 
 
 def _write_rows(cache_BxSx, chunk_BxTx, start_B):
@@ -137,9 +142,10 @@ def _constrain_entry(kv):
   return tuple(one(x) for x in kv)
 
 
-def write_chunk(cache: KVCache, new: dict, num_tokens) -> KVCache:
+def write_chunk(cache: KVCache, new: dict, num_tokens, slotted_core: bool = False) -> KVCache:
   """Appends the chunk's raw K/V (same structure as cache.layers, T slots), advances length
-  by num_tokens (an int, or per row [B]: a padded row's real tokens).
+  by num_tokens (an int, or per row [B]: a padded row's real tokens). slotted_core: the shared
+  core's entries lead with the KV policy's copies (cache_layout's lead).
 
   KDA layers' new entries are their states after the chunk, which replace the old ones.
   """
@@ -150,9 +156,12 @@ def write_chunk(cache: KVCache, new: dict, num_tokens) -> KVCache:
     )
     new = {name: [quantize(kv) for kv in kvs] for name, kvs in new.items()}
   write = lambda old, chunk: _write_rows(old, chunk, cache.length_B)
+  slotted = lambda name: (
+    cache_layout.per_recurrence(name, cache.share_kv) or (name == "core" and slotted_core)
+  )
   layers = {}
   for name, kvs in cache.layers.items():
-    write_entry = jax.vmap(write) if cache_layout.per_recurrence(name, cache.share_kv) else write
+    write_entry = jax.vmap(write) if slotted(name) else write
     layers[name] = [
       kv_new if is_state(kv) else _constrain_entry(jax.tree.map(write_entry, kv, kv_new))
       for kv, kv_new in zip(kvs, new[name], strict=True)

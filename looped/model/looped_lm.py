@@ -17,6 +17,7 @@ and `scan_recurrences` (lax.scan vs a Python loop) does not change it either.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 
 from looped.model import depth as depth_lib
 from looped.model import kv_cache as kv_cache_lib
+from looped.model import kv_policy as kv_policy_lib
 from looped.model import mixers as mixers_lib
 from looped.model.config import ModelConfig
 from looped.model.injection import Injection
@@ -119,7 +121,9 @@ class Recurrence(nn.Module):
   """One recurrence: inject e into h, then the B core layers. The body of the scan.
 
   carry: {'h': h_BxTxD, 'final_kv': per-layer KV of the last active recurrence (parallel)}.
-  xs (per recurrence): {'active_B', 'stop_B', 'read_shared' (scalar), 'past' (unshared decode)}.
+  xs (per recurrence): {'active_B', 'stop_B', 'read_shared' (scalar), 'past' (unshared decode),
+    'read_slot' (the KV policy's copy this recurrence reads, when it caches several),
+    'write_C' (parallel, non-final policy: which copies this recurrence writes)}.
   bcast: {'e', 'positions', 'self_mask', 'past_mask', 'shared_kv' (per layer or None),
     'read_past' (optional: KV-format read of earlier positions' K/V), 'segment_ids' and
     'tail_segment_ids' (optional: document masking, MixerContext's)}.
@@ -170,9 +174,10 @@ class Recurrence(nn.Module):
       ys["kv"] = kvs
     else:
       active = lambda x: xs["active_B"].reshape((-1,) + (1,) * (x.ndim - 1))
-      new_carry["final_kv"] = jax.tree.map(
-        lambda new, old: jnp.where(active(new), new, old), kvs, carry["final_kv"]
-      )
+      update = lambda new, old: jnp.where(active(new), new, old)
+      if "write_C" in xs:  # A KV policy's copies: copy i keeps the last active r <= its own.
+        update = functools.partial(_write_copies, xs["active_B"], xs["write_C"])
+      new_carry["final_kv"] = jax.tree.map(update, kvs, carry["final_kv"])
     return new_carry, ys
 
   def _context(self, layer: int, xs, bcast) -> MixerContext:
@@ -180,7 +185,7 @@ class Recurrence(nn.Module):
       segment_ids_BxT=bcast.get("segment_ids"), tail_segment_ids_BxW=bcast.get("tail_segment_ids")
     )
     if self.decode:
-      past = xs["past"][layer] if "past" in xs else bcast["shared_kv"][layer]
+      past = xs["past"][layer] if "past" in xs else _read_copy(bcast["shared_kv"][layer], xs)
       if "quantize_own" in bcast:
         past = _with_own_chunk(past, bcast["quantize_own"])
       return MixerContext(
@@ -197,7 +202,7 @@ class Recurrence(nn.Module):
           bcast["self_mask"], lambda own: own, bcast["past_mask"], bcast["read_past"], **segments
         )
       return MixerContext(bcast["self_mask"], **segments)
-    shared = bcast["shared_kv"][layer]
+    shared = _read_copy(bcast["shared_kv"][layer], xs)
     flag = xs["read_shared"]
     block = self.prefill_block is not None
 
@@ -216,6 +221,43 @@ class Recurrence(nn.Module):
       self.prefill_block,
       **segments,
     )
+
+
+def _read_copy(entry, xs):
+  """The copy of a shared core entry this recurrence reads under a KV policy that caches
+  several (leading copies axis); the entry itself when it caches one."""
+  if "read_slot" not in xs:
+    return entry
+  return jax.tree.map(lambda a: a[xs["read_slot"]], entry)
+
+
+def _write_copies(active_B, write_C, new, old_C):
+  """A KV policy's cached copies [C, B, ...] after one recurrence: copy i takes `new` in the
+  active rows when the recurrence writes it (write_C[i]); a single copy has no C axis."""
+  if old_C.ndim == new.ndim:
+    mask = write_C[0] & active_B.reshape((-1,) + (1,) * (new.ndim - 1))
+    return jnp.where(mask, new, old_C)
+  mask_CxB = write_C[:, None] & active_B[None, :]
+  return jnp.where(mask_CxB.reshape(mask_CxB.shape + (1,) * (new.ndim - 1)), new[None], old_C)
+
+
+def _policy_inputs(
+  cfg: ModelConfig, name: str, parallel: bool
+) -> tuple[kv_policy_lib.KVPolicy, dict]:
+  """The parsed KV policy and its per-recurrence scan inputs (Recurrence's xs): the copy each
+  recurrence reads when there are several, and in a parallel forward which copies it writes.
+  The default 'final' adds none, so its forward is today's."""
+  policy = kv_policy_lib.parse(name, cfg.num_recurrences)
+  if name == kv_policy_lib.FINAL:
+    return policy, {}
+  if "kda" in cfg.mixers("core"):
+    raise ValueError(f"kv_policy {name!r} needs attention core layers (KDA: 'final' only).")
+  xs = {}
+  if policy.copies > 1:
+    xs["read_slot"] = jnp.asarray(policy.slots, jnp.int32)
+  if parallel:
+    xs["write_C"] = jnp.asarray(policy.writes, bool)
+  return policy, xs
 
 
 def _with_own_chunk(entry, quantize_own):
@@ -274,6 +316,7 @@ class LoopedLM(nn.Module):
     num_new_B: jax.Array | None = None,
     segment_ids_BxT: jax.Array | None = None,
     cache_segment_ids_BxS: jax.Array | None = None,
+    kv_policy: str = kv_policy_lib.FINAL,
   ):
     """Returns (logits_BxTxV float32, aux).
 
@@ -306,6 +349,10 @@ class LoopedLM(nn.Module):
         a zero state and conv window. Positions stay row positions. None: no masking.
       cache_segment_ids_BxS: decode mode with segment_ids_BxT: the documents of the cache's
         positions 0..S-1 (S >= the cache's slots, covering every filled one).
+      kv_policy: parallel mode: which cached recurrence c(r) each recurrence reads from
+        `shared_kv` (looped/model/kv_policy.py); 'final_kv' then holds the policy's cached
+        recurrences, [copies, ...] per layer when it keeps several. Decode mode takes the
+        policy from the cache (init_cache's kv_policy).
     aux: 'final_kv' (parallel) or 'cache' (decode), 'residual_norm_R',
       'relative_residual_R' (means over active sequences), optionally 'states_RxBxTxD', and
       with cfg.exit_gate 'exit_logits_RxBxT' (each recurrence's exit-gate logit per token).
@@ -326,9 +373,12 @@ class LoopedLM(nn.Module):
         initial_state_BxTxD,
         prefill_block,
         segment_ids_BxT,
+        kv_policy,
       )
     if prefill_block is not None:
       raise ValueError("prefill_block is a parallel-mode option; a decode call is one block.")
+    if kv_policy not in (kv_policy_lib.FINAL, cache.kv_policy):
+      raise ValueError(f"Decode reads the cache's kv_policy {cache.kv_policy!r}: {kv_policy!r}.")
     if (segment_ids_BxT is None) != (cache_segment_ids_BxS is None):
       raise ValueError("Decode with document masking needs segment_ids_BxT and the cache's ids.")
     return self._decode(
@@ -355,9 +405,11 @@ class LoopedLM(nn.Module):
     initial_state_BxTxD,
     prefill_block,
     segment_ids_BxT,
+    kv_policy=kv_policy_lib.FINAL,
   ):
     """All T positions at once (training, evaluation, Jacobi shared passes); aux['final_kv'] is
-    each core layer's K/V of the last active recurrence, what the next Jacobi pass reads."""
+    each core layer's K/V of the last active recurrence (under another kv_policy: of each
+    cached recurrence, the last active one up to it), what the next Jacobi pass reads."""
     cfg = self.cfg
     b, t = tokens_BxT.shape
     read_past = None
@@ -391,6 +443,8 @@ class LoopedLM(nn.Module):
     if read_shared_R is None:
       read_shared_R = jnp.ones((cfg.num_recurrences,), bool)
     xs["read_shared"] = read_shared_R
+    policy, policy_xs = _policy_inputs(cfg, kv_policy, parallel=True)
+    xs.update(policy_xs)
     core_self_mask, core_past_mask = self_mask_BxTxT, past_mask_BxTxS
     if prefill_block is not None:
       if shared_kv is None:
@@ -408,10 +462,10 @@ class LoopedLM(nn.Module):
     )
     if segment_ids_BxT is not None:
       bcast["segment_ids"] = segment_ids_BxT
-    carry = {
-      "h": h0_BxTxD,
-      "final_kv": [mixers_lib.parallel_entry_zeros(cfg, kind, b, t) for kind in cfg.mixers("core")],
-    }
+    zeros = [mixers_lib.parallel_entry_zeros(cfg, kind, b, t) for kind in cfg.mixers("core")]
+    if policy.copies > 1:
+      zeros = jax.tree.map(lambda z: jnp.broadcast_to(z, (policy.copies, *z.shape)), zeros)
+    carry = {"h": h0_BxTxD, "final_kv": zeros}
     carry, ys = self._recurrences(False, collect_states, prefill_block)(carry, xs, bcast)
     logits_BxTxV, _ = self._coda_and_head(
       carry["h"], embed, positions_BxT, plain_context, tokens_BxT
@@ -488,6 +542,10 @@ class LoopedLM(nn.Module):
     e_BxTxD, h0_BxTxD = self._prelude_out(x_BxTxD, noise_BxT, initial_state_BxTxD, s + t)
     depth_mask_BxR, xs = self._recurrence_inputs(b, depth_mask_BxR, backprop_recurrences)
     shared_kv = cache.layers["core"] if cache.share_kv else None
+    policy = None
+    if cache.share_kv:  # Recurrence r reads the copy of its policy's c(r).
+      policy, policy_xs = _policy_inputs(cfg, cache.kv_policy, parallel=False)
+      xs.update(policy_xs)
     if not cache.share_kv:
       xs["past"] = cache.layers["core"]  # Unshared: recurrence r reads its own cached K/V.
     bcast = self._broadcasts(
@@ -505,12 +563,18 @@ class LoopedLM(nn.Module):
       carry["h"], embed, positions_BxT, plain_context, tokens_BxT
     )
     aux = self._diagnostics(ys, depth_mask_BxR, collect_states)
-    if cache.share_kv:
-      core_new = [jax.tree.map(lambda a: a[-1], kv) for kv in ys["kv"]]
+    slotted = False
+    if cache.share_kv and policy.copies > 1:  # The cached recurrences' K/V, [copies, ...].
+      cached = jnp.asarray(policy.cached, jnp.int32) - 1
+      core_new = [jax.tree.map(lambda a: a[cached], kv) for kv in ys["kv"]]
+      slotted = True
+    elif cache.share_kv:  # One cached recurrence ('final': the last).
+      core_new = [jax.tree.map(lambda a: a[policy.cached[0] - 1], kv) for kv in ys["kv"]]
     else:
       core_new = ys["kv"]
     new_cache = {"prelude": prelude_kvs, "core": core_new, "coda": coda_kvs}
-    aux["cache"] = write_chunk(cache, new_cache, t if num_new_B is None else num_new_B)
+    num = t if num_new_B is None else num_new_B
+    aux["cache"] = write_chunk(cache, new_cache, num, slotted_core=slotted)
     return logits_BxTxV, aux
 
   def _embed(self, tokens_BxT):

@@ -42,11 +42,12 @@ def check_kv_format(cfg: ModelConfig, kv_format: str) -> None:
       kv_quant.check_format(kv_format, width)
 
 
-def cache_bytes(cfg: ModelConfig, kv_format: str) -> dict:
-  """Cache bytes, shared and unshared layouts: per token (gqa and mla layers, in kv_format,
-  block scales included, nvfp4's per-token tensor scale excluded as kv_quant.bytes_per_value
-  does) and per sequence (kda states, float32), in total and per mixer."""
-  layouts = {"shared": cache_layout(cfg, True), "unshared": cache_layout(cfg, False)}
+def cache_bytes(cfg: ModelConfig, kv_format: str, kv_policy: str = "final") -> dict:
+  """Cache bytes, shared (under kv_policy, kv_policy.py) and unshared layouts: per token (gqa
+  and mla layers, in kv_format, block scales included, nvfp4's per-token tensor scale excluded
+  as kv_quant.bytes_per_value does) and per sequence (kda states, float32), in total and per
+  mixer."""
+  layouts = {"shared": cache_layout(cfg, True, kv_policy), "unshared": cache_layout(cfg, False)}
   per_token = {
     m: {k: layout.bytes_per_token(kv_format, mixer=m) for k, layout in layouts.items()}
     for m in ("gqa", "mla")

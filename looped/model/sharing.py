@@ -1,11 +1,12 @@
 """Shared-KV forwards (docs/design.md §3): parallel Jacobi passes, exact token-by-token decode
 and block prefill.
 
-Exact shared decode is sequential: token t's recurrences read the *final* recurrence's K/V of
-tokens s < t, which themselves were computed with shared reads. The Jacobi scheme approximates it
-in parallel: pass 0 is the ordinary (unshared) forward; pass j reruns the model with every core
-attention reading pass j-1's final K/V for s < t and its own K/V at s = t. Pass j is exact for
-positions t <= j (induction on t), so T - 1 passes reproduce exact decode on T tokens.
+Exact shared decode is sequential: token t's recurrence r reads recurrence c(r)'s K/V of tokens
+s < t (the KV policy's map, kv_policy.py; 'final': c(r) = R), which themselves were computed with
+shared reads. The Jacobi scheme approximates it in parallel: pass 0 is the ordinary (unshared)
+forward; pass j reruns the model with every core attention of recurrence r reading pass j-1's
+recurrence-c(r) K/V for s < t and its own K/V at s = t. Pass j is exact for positions t <= j
+(induction on t), so T - 1 passes reproduce exact decode on T tokens, for every policy.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def jacobi_forward(
   `num_passes` may be a traced integer: the passes run in a fori_loop, so one compilation
   serves every pass count. With prefill_block C the passes read as block prefill does (pass 0,
   unshared, is already exact for the first block), so (number of blocks - 1) passes equal
-  `decode_forward(..., share_kv=True, block=C)`.
+  `decode_forward(..., share_kv=True, block=C)`. A `kv_policy` keyword (LoopedLM's) is passed
+  to every pass and matches `decode_forward(..., kv_policy=...)`.
   """
   out = model.apply(params, tokens_BxT, kv_format=kv_format, **kwargs)
 
@@ -84,20 +86,22 @@ def decode_forward(
   kv_format: str | None = None,
   cache_dtype=None,
   segment_ids_BxT: jax.Array | None = None,
+  kv_policy: str = "final",
 ):
   """Logits of every position by prefilling `prefill` tokens in one call, then the rest in
   calls of `block` tokens (the last one may be shorter).
 
-  With share_kv the cache keeps only final-recurrence K/V: block = 1 (and prefill 0 or 1) is
-  exact shared decode, the shared perplexity's forward; block = C > 1 is block prefill
-  (docs/design.md §3). segment_ids_BxT: document masking (LoopedLM's), the row's ids; every
-  call reads them for its tokens and for the cache's slots (slot s holds position s).
+  With share_kv the cache keeps only the recurrences kv_policy caches (kv_policy.py; 'final':
+  the final one): block = 1 (and prefill 0 or 1) is exact shared decode, the shared
+  perplexity's forward; block = C > 1 is block prefill (docs/design.md §3).
+  segment_ids_BxT: document masking (LoopedLM's), the row's ids; every call reads them for
+  its tokens and for the cache's slots (slot s holds position s).
   Returns (logits_BxTxV, final KVCache).
   """
   if block < 1 or prefill < 0:
     raise ValueError(f"block must be >= 1 and prefill >= 0, got {block} and {prefill}.")
   b, t = tokens_BxT.shape
-  cache = init_cache(model.cfg, b, t, share_kv, cache_dtype, kv_format)
+  cache = init_cache(model.cfg, b, t, share_kv, cache_dtype, kv_format, kv_policy)
   chunks = []
 
   masked = segment_ids_BxT is not None

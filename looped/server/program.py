@@ -74,10 +74,12 @@ def validate(config, chosen: tuple[str, ...] = ()) -> None:
   _buckets(config, "serve.column_buckets", None)
   s = config.serve
   share, page_size, budget = s.share_kv, s.page_size, float(s.kv_budget_bytes)
+  policy = checks.check_kv_policy(config, "serve", cfg)
   need = -(-(cfg.max_seq_len - 1) // page_size)
-  have = pages_for_budget(LoopedLM(cfg), budget, page_size, share, fmt or None, s.max_num_seqs)
+  model = LoopedLM(cfg)
+  have = pages_for_budget(model, budget, page_size, share, fmt or None, s.max_num_seqs, policy)
   if have < need:
-    page_bytes = page_size * paged_cache.bytes_per_token(cfg, share, fmt or None)
+    page_bytes = page_size * paged_cache.bytes_per_token(cfg, share, fmt or None, policy)
     cc.fail(
       "serve.kv_budget_bytes",
       budget,
@@ -96,6 +98,7 @@ def build(config, chosen: tuple[str, ...] = ()) -> tuple[Any, EngineLoop]:
   tokenizer = tokenizers.get(data_cfg)
   params = restore.restore_params(model, s.checkpoint, s.step, "serve.checkpoint")
   fmt = s.kv_format or None
+  policy = checks.check_kv_policy(config, "serve", cfg)
   mesh_shape, mesh_rules = mesh_lib.from_config(config, cfg)
   engine = Engine(
     model,
@@ -103,8 +106,9 @@ def build(config, chosen: tuple[str, ...] = ()) -> tuple[Any, EngineLoop]:
     EngineConfig(
       share_kv=s.share_kv,
       kv_format=fmt,
+      kv_policy=policy,
       num_pages=pages_for_budget(
-        model, s.kv_budget_bytes, s.page_size, s.share_kv, fmt, s.max_num_seqs
+        model, s.kv_budget_bytes, s.page_size, s.share_kv, fmt, s.max_num_seqs, policy
       ),
       page_size=s.page_size,
       max_num_batched_tokens=s.max_num_batched_tokens,
