@@ -135,11 +135,13 @@ def validate(config: Any) -> None:
         "must give some layer a per-token cache for the simulator to page (a model of KDA "
         "layers only keeps a per-sequence state)",
       )
-    if budget is not None and budget < page_bytes:
+    slots = config.sim.max_num_seqs * shape.kv_bytes_per_sequence(share)
+    if budget is not None and budget < slots + page_bytes:
+      held = f" after {config.sim.max_num_seqs} KDA state slots of {slots:.0f} bytes" * bool(slots)
       checks.fail(
         "sim.kv_budget_bytes",
         budget,
-        f"must hold at least one page ({page_bytes:.0f} bytes for share_kv={share}, {fmt})",
+        f"must hold at least one page ({page_bytes:.0f} bytes for share_kv={share}, {fmt}){held}",
       )
 
 
@@ -170,10 +172,19 @@ def simulate_one(
   label: str = "",
 ) -> dict[str, Any]:
   """Replays the requests under one KV budget and layout; returns the run's metrics. Under
-  sharing, a config with a prefill block schedules blocks as the engine does (shared_blocks)."""
-  config = dataclasses.replace(config, shared_blocks=share_kv and config.prefill_block is not None)
+  sharing, a config with a prefill block schedules blocks as the engine does (shared_blocks).
+  A model with KDA layers is served as the engine serves it: max_num_seqs state slots come out
+  of the budget first, each running request holds one, and prefix caching is off."""
+  slot_bytes = shape.kv_bytes_per_sequence(share_kv)
+  config = dataclasses.replace(
+    config,
+    shared_blocks=share_kv and config.prefill_block is not None,
+    state_slots=bool(slot_bytes),
+    prefix_caching=config.prefix_caching and not slot_bytes,
+  )
   page_bytes = config.page_size * shape.kv_bytes_per_token(share_kv, kv_format)
-  num_pages = None if budget is None else int(budget // page_bytes)
+  slots = config.max_num_seqs * slot_bytes
+  num_pages = None if budget is None else max(int((budget - slots) // page_bytes), 0)
   pool = pages_lib.PagePool(num_pages, debug=check_invariants)
   executor = engine_cost.executor_for(
     shape, hw, config, share_kv=share_kv, kv_format=kv_format, weight_format=weight_format
@@ -193,7 +204,8 @@ def simulate_one(
     "num_pages": num_pages,
     "page_size": config.page_size,
     "kv_bytes_per_token": shape.kv_bytes_per_token(share_kv, kv_format),
-    "kv_state_bytes_per_sequence": shape.kv_bytes_per_sequence(share_kv),
+    "kv_state_bytes_per_sequence": slot_bytes,
+    "prefix_caching": config.prefix_caching,
     **metrics.summarize(sched, page_bytes),
     "ideal_lru_hit_rate": traces.ideal_hit_rate(
       requests, None if num_pages is None else num_pages * config.page_size
