@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from looped.model import LoopedLM, ModelConfig, init_params
+from looped.model import LoopedLM, ModelConfig, flops, init_params, mla
 from looped.scheduler import scheduler
 from looped.sim import cost_model, hardware, shape, simulate, traces
 
@@ -26,10 +26,12 @@ MLP = 3 * 8 * 16  # up, gate, down: 384.
 # P.V over 2 heads of 4 = 16.
 GQA = 192
 GQA_KEY = 2 * 2 * 4
-# MLA: query 8x(2x(4+2)) = 96; kv_down 8x(6+2) = 64; key_up and value_up 6x(2x4) = 48 each;
-# out 8x8 = 64: 320. Per key: scores over q_nope and the RoPE part 2x(4+2) = 12, P.V 2x4 = 8.
+# MLA: query 8x(2x(4+2)) = 96; kv_down 8x(6+2) = 64; key_up and value_up 6x(2x4) = 48 each
+# (absorbed: applied to the query and the output instead, the same count); out 8x8 = 64: 320.
+# Per key, absorbed (the engine's form): scores over the latent and the RoPE key 2x(6+2) = 16,
+# P times the latent 2x6 = 12.
 MLA = 96 + 64 + 2 * 48 + 64
-MLA_KEY = 12 + 8
+MLA_KEY = 16 + 12
 # KDA: qkv 8x24 = 192; decay 8x4 + 4x(2x4) = 64; gate the same 64; beta 8x2 = 16; out 8x8 = 64;
 # the depthwise conv 4 taps x 24 channels = 96: 496. The delta rule per head: k^T S, the
 # rank-1 update and q^T S on a 4x4 state: 3 x 16, 2 heads: 96.
@@ -82,6 +84,39 @@ class ShapeCountsTest(absltest.TestCase):
 
 
 _STAGES = ("prelude", "core", "coda")
+
+
+class MlaFormsTest(absltest.TestCase):
+  def test_the_forms_count_the_dots_they_run(self):
+    # T queries over S latents: the expanded form projects all S latents up, then attends;
+    # the absorbed form projects the T queries and outputs, then attends over the latents.
+    cfg = _cfg(core_mixers=("mla",))
+    b, t, k = 2, 3, 7
+    n, h, lat, y = 2, 4, 6, 2
+    args = (
+      jnp.zeros((b, t, n, h)), jnp.zeros((b, t, n, y)), jnp.zeros((b, k, 1, lat)),
+      jnp.zeros((b, k, 1, y)), jnp.zeros((lat, n, h)), jnp.zeros((lat, n, h)),
+      jnp.ones((b, t, k), bool),
+    )  # fmt: skip
+    ups = 2 * lat * n * h  # key_up and value_up.
+    for form, absorbed, up_rows in ((mla.mla_expanded, False, k), (mla.mla_absorbed, True, t)):
+      with self.subTest(absorbed=absorbed):
+        per_key = flops.mixer_macs(cfg, "mla", absorbed=absorbed).per_key
+        self.assertEqual(per_key, MLA_KEY if absorbed else 12 + 8)
+        self.assertEqual(
+          _dots(jax.make_jaxpr(form)(*args).jaxpr), b * (up_rows * ups + t * k * per_key)
+        )
+
+
+def _dots(jaxpr) -> int:
+  """Multiply-adds of the dot_generals of a flat jaxpr."""
+  total = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      (contract, _), _ = eqn.params["dimension_numbers"]
+      lhs = eqn.invars[0].aval.shape
+      total += int(np.prod(eqn.outvars[0].aval.shape)) * int(np.prod([lhs[i] for i in contract]))
+  return total
 
 
 class ParamsAgainstTheModelTest(parameterized.TestCase):

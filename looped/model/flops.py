@@ -33,8 +33,14 @@ class LayerMacs:
   state: int = 0
 
 
-def mixer_macs(cfg: ModelConfig, mixer: str) -> LayerMacs:
+def mixer_macs(cfg: ModelConfig, mixer: str, *, absorbed: bool = False) -> LayerMacs:
   """Multiply-adds per token of one layer's sequence mixer (`mixer` of looped.model.config).
+
+  MLA in the expanded form (training's parallel forward: keys and values projected up from the
+  latent, per_key N (H + Y) + N H), or with `absorbed` in the form every cached call runs
+  (decode, block prefill, the engine: W_UK folded into the query and W_UV applied after the
+  sum, so the same 2 L N H weights per token and per_key N (L + Y) + N L over the latents as
+  cached).
 
   KDA (looped/model/kda.py), N heads of key width H and value width E = H, W conv taps:
   projections x -> q|k|v (D x 3NH), decay D x H then H x NH, beta D x N, output gate D x H then
@@ -55,6 +61,8 @@ def mixer_macs(cfg: ModelConfig, mixer: str) -> LayerMacs:
     # kv_down to the latent and the shared RoPE key; key_up and value_up at every position;
     # the output projection.
     weights = query + d * (latent + rope) + 2 * latent * n * h + n * h * d
+    if absorbed:  # Scores against the latent and the RoPE key; P times the latent.
+      return LayerMacs(weights, per_key=n * (latent + rope) + n * latent)
     return LayerMacs(weights, per_key=n * (h + rope) + n * h)  # Scores (with RoPE); P V.
   if mixer == "kda":
     channels = 3 * n * h  # q, k, v.

@@ -3,7 +3,7 @@
 For a batch of b requests where request i computes q_i new tokens after c_i cached ones, with
 per-token multiply-adds summed over the layer executions (looped.model.flops, each layer by its
 mixer; ModelShape): W of the layers' weights, Z of KDA's state update and read, and K per
-position attended over (GQA 2 N H; MLA N (H + Y) + N H; KDA none):
+position attended over (GQA 2 N H; MLA N (L + Y) + N L, absorbed; KDA none):
 
   FLOPs = 2 * (W + Z) * sum(q_i)                         layers (weights, KDA state)
         + 2 * K * sum(q_i*c_i + q_i*(q_i+1)/2)           scores and values, causal
@@ -24,8 +24,8 @@ recurrences still attends over the whole context, reading the one shared copy R 
 recurrences run one after another. KDA states follow the same rule (state_read: every
 execution's, the unshared layout's bytes per sequence; state_write: the layout's). Activations,
 norms, the injection and the embedding lookup are left out (each is under ~1% of a step's bytes
-or FLOPs at the paper's size). MLA is priced in its expanded form (keys and values projected up
-from the latent for every position read), as looped.model.flops counts it.
+or FLOPs at the paper's size). MLA is priced in the absorbed form the engine's cached calls
+run (scores and values over the cached latents; looped.model.flops.mixer_macs).
 
 This prices the batch an ideal engine computes. `engine_cost.executor_for` picks its pricing
 instead for a profile with pricing 'engine' (what looped/engine really computes on its hardware).

@@ -4,7 +4,11 @@ Read from the same `model` config the trainer uses (configs/pretrain.py:model_co
 simulation describes exactly the model that is trained. KV bytes come from
 looped.model.cache_layout, the layout the model, the engine's pages and the evaluation use: per
 token the GQA layers' K/V and the MLA layers' latent and RoPE key, per sequence the KDA layers'
-state. Parameters and FLOPs are still counted as if every layer were GQA.
+state. FLOPs come from looped.model.flops, layer by layer with each layer's mixer (GQA; MLA with
+its latent up-projections, in the absorbed form the engine's cached calls run; KDA with its
+projections, conv and delta-rule state work), so the hybrid patterns (`*_mixers`) are priced as
+the model computes them. `num_params` counts every stored parameter value (matrices, norms,
+biases, KDA's decay and conv, injection, exit gate).
 """
 
 from __future__ import annotations
@@ -132,7 +136,7 @@ def _counts(shape: ModelShape) -> tuple[int, int, int, int]:
   """(weight, state, per-key multiply-adds, attention heads) per token over layer executions."""
   weights = state = per_key = heads = 0
   for mixer, runs in shape.layer_runs():
-    m = flops.mixer_macs(shape, mixer)
+    m = flops.mixer_macs(shape, mixer, absorbed=True)
     weights += runs * (m.weights + flops.mlp_macs(shape))
     state += runs * m.state
     per_key += runs * m.per_key
