@@ -51,9 +51,9 @@ class HandExampleTest(absltest.TestCase):
       self.assertEqual([r.block_size for r in session], [4, 4, 4])
       gaps = [b.arrival_s - a.arrival_s for a, b in zip(session, session[1:])]
       np.testing.assert_allclose(gaps, [1.5, 1.5], rtol=1e-12)
-    # Ids in order of first use. Session 1: system blocks 0, 1; its blocks 2, 3 (tokens 8-15);
-    # turn 2 adds block 4 (16-19) and a 1-token block 5 (20); turn 3's block 5 is 4 tokens
-    # (20-23), a new id, and block 6 (24-25). Session 2 shares the system blocks only.
+    # Ids in order of first use. The first session: system blocks 0, 1; its blocks 2, 3 (tokens
+    # 8-15); turn 2 adds block 4 (16-19) and a 1-token block 5 (20); turn 3's block 5 is 4
+    # tokens (20-23), a new id, and block 6 (24-25). The second shares the system blocks only.
     self.assertEqual(
       [r.block_hashes for r in first], [(0, 1, 2, 3), (0, 1, 2, 3, 4, 5), (0, 1, 2, 3, 4, 6, 7)]
     )
