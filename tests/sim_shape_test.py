@@ -81,6 +81,15 @@ class ShapeCountsTest(absltest.TestCase):
     self.assertEqual(s.state_macs_per_token, 4 * KDA_STATE)
     self.assertEqual(s.macs_per_key, 3 * MLA_KEY + GQA_KEY)
     self.assertEqual(s.attention_heads_executed, 4 * 2)
+    kda_layer, mla_layer, gqa_layer = KDA + 22 + MLP + 16, MLA + 6 + MLP + 16, GQA + MLP + 24
+    self.assertEqual(s.num_params, 2 * kda_layer + mla_layer + gqa_layer + 80 + 16 + 128)
+    # A step's FLOPs: 3 new tokens after 5 cached (3 x 5 + 3 x 4 / 2 = 21 pairs), one sampled:
+    # 2 x (layers' weights + KDA state) x 3 + 2 x (per key) x 21 + the LM head 2 x 10 x 8.
+    hw = hardware.Hardware("t", 1e15, 1e12, 1e9, 0.0, "test")
+    ex = cost_model.CostModelExecutor(s, hw, share_kv=True, kv_format="bf16")
+    batch = scheduler.StepBatch([None], [3], [5], num_sampled=1)
+    weights = 4 * (KDA + MLP) + 3 * (MLA + MLP) + (GQA + MLP) + 4 * KDA_STATE
+    self.assertEqual(ex.terms(batch)[0], 2 * weights * 3 + 2 * (3 * MLA_KEY + GQA_KEY) * 21 + 160)
 
 
 _STAGES = ("prelude", "core", "coda")
