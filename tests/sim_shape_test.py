@@ -9,9 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
+from looped.engine import padding
 from looped.model import LoopedLM, ModelConfig, flops, init_params, mla
 from looped.scheduler import scheduler
-from looped.sim import cost_model, hardware, shape, simulate, traces
+from looped.sim import cost_model, engine_cost, hardware, shape, simulate, traces
 
 # d 8, 2 query heads and 1 KV head of 4, SwiGLU 16, vocabulary 10, one layer per stage, R 3:
 # 1 + 3 + 1 = 5 layer executions per token. MLA latent 6, RoPE 2, full-rank queries. KDA conv 4.
@@ -156,6 +157,20 @@ class KdaServingTest(absltest.TestCase):
     # every KDA execution (prelude 1, core 3), written for each cached copy (shared: 1 + 1).
     per_row = (4 + 2) * (2 * 4 * 4 + 3 * 24) * 4
     self.assertEqual(ex.step_terms(1, 1, 1, 0, 3)[1] - ex.step_terms(1, 1, 1, 0, 1)[1], 2 * per_row)
+
+  def test_engine_pricing_moves_each_rows_state(self):
+    s = shape.ModelShape.from_config(_cfg(**_HYBRID))
+    hw = hardware.Hardware("t", 1e15, 1e12, 1e9, 0.0, "test", pricing="engine")
+    pad = padding.Padding.create(4, (1, 2), (1,), (4,), max_model_len=16)
+    ex = engine_cost.EngineCostExecutor(s, hw, pad, share_kv=True, kv_format=None)
+    # One more row of 1 token over 16 slots (fp32): its K/V read by every layer execution (the
+    # unshared layout's bytes), its float32 scores (4 attention executions x 2 heads x 17
+    # positions, written and read), its gather of the stored pages (read and written), and its
+    # KDA states: 6 copies (4 executions read, 2 cached copies written) of 416 bytes.
+    raw = s.kv_bytes_per_token(False, None, raw_itemsize=4)
+    stored = s.kv_bytes_per_token(True, None, raw_itemsize=4)
+    per_row = 17 * raw + 2 * 4 * 8 * 17 + 2 * stored * 16 + 6 * 416
+    self.assertEqual(ex.padded_terms(2, 1, 16)[1] - ex.padded_terms(1, 1, 16)[1], per_row)
 
   def test_kda_models_get_state_slots_and_no_prefix_hits(self):
     # The same 600-token prompt twice, far apart: GQA hits its full 16-token pages up to the last
