@@ -2,6 +2,7 @@ r"""Speed of the serving simulator: replays a whole trace at one KV budget.
 
   python benchmarks/serve_sim.py --out=/tmp/serve_sim_bench.json
   python benchmarks/serve_sim.py --budget_gb=32 --layout=unshared --profile
+  python benchmarks/serve_sim.py --config=hybrid --prefill_block=32 --max_requests=1000
 
 Uses the paper-size model of configs/serve_sim.py on the H200 profile and, by default, the Mooncake
 conversation trace (12,031 requests) bundled with the package (alias `mooncake_conversation`).
@@ -34,20 +35,31 @@ def main():
   parser.add_argument("--kv_format", default="bf16")
   parser.add_argument("--page_size", type=int, default=16)
   parser.add_argument("--time_scale", type=float, default=1.0)
+  parser.add_argument(
+    "--prefill_block",
+    type=int,
+    default=0,
+    help="Prefill block as the engine runs it (sim.prefill_block; 0: none, as measured).",
+  )
+  parser.add_argument("--config", default="", help="configs/serve_sim.py variants, e.g. 'mla'.")
+  parser.add_argument("--max_requests", type=int, default=0, help="First N requests (0: all).")
   parser.add_argument("--out", default="", help="Write the results as JSON here.")
   parser.add_argument("--profile", action="store_true", help="Print the top cProfile entries.")
   args = parser.parse_args()
 
-  config = serve_sim.get_config()
+  config = serve_sim.get_config(args.config)
   shape = simulate.model_shape(config)
   sched_config = scheduler.SchedulerConfig(
     page_size=args.page_size,
     max_num_batched_tokens=config.sim.max_num_batched_tokens,
     max_num_seqs=config.sim.max_num_seqs,
     max_model_len=config.model.max_seq_len,
+    prefill_block=args.prefill_block or None,
   )
   start = time.perf_counter()
-  requests = traces.load_mooncake(args.trace, time_scale=args.time_scale)
+  requests = traces.load_mooncake(
+    args.trace, time_scale=args.time_scale, max_requests=args.max_requests
+  )
   load_s = time.perf_counter() - start
 
   def replay():

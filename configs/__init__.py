@@ -12,7 +12,7 @@ from looped.engine.config import GenConfig
 from looped.model.config import ModelConfig
 from looped.server.config import ServeConfig
 from looped.sharding import MeshConfig
-from looped.sim.config import SimConfig, SyntheticConfig
+from looped.sim.config import SessionsConfig, SimConfig, SyntheticConfig
 from looped.train.config import DepthConfig, TrainConfig
 
 SECTIONS = {
@@ -30,6 +30,7 @@ SECTIONS = {
   "serve": ServeConfig,
   "sim": SimConfig,
   "synthetic": SyntheticConfig,
+  "sessions": SessionsConfig,
   "convert": ConvertConfig,
 }
 

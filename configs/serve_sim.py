@@ -6,8 +6,11 @@ memory budgets, with and without KV-sharing (docs/design.md §5).
       --config.sim.trace=mooncake_conversation \
       --config.sim.kv_budget_bytes='(2.4e10, 6.4e10, None)' --config.sim.kv_format=bf16,nvfp4
   python -m looped.main --config=configs/serve_sim.py:smoke --workdir=/tmp/sim_smoke
+  python -m looped.main --config=configs/serve_sim.py:hybrid,sessions --workdir=/tmp/sim_sessions
 
-Args: `smoke` (tiny model, 300 synthetic requests, runs in seconds with invariant checks).
+Args: `smoke` (tiny model, 300 synthetic requests, runs in seconds with invariant checks); `mla`
+or `hybrid` (the model's mixers, as configs/benice.py's variants); `sessions` or `sessions_1k`
+(the multi-turn session trace, at Mooncake's scale or for a model of 1,024 positions).
 
 The model is the paper-size looped LM: prelude/core/coda 8/8/8 layers, R = 8 recurrences,
 d_model 1536, 12 query heads of 128 and 4 KV heads (GQA, groups of 3; 128 is the head width fast
@@ -22,10 +25,19 @@ import ml_collections
 import configs
 from configs import pretrain
 from looped import schema
-from looped.sim.config import SimConfig, SyntheticConfig
+from looped.sim.config import SessionsConfig, SimConfig, SyntheticConfig
 
 VARIANTS = {
   "smoke": "tiny model, 300 synthetic requests, seconds, with invariant checks",
+  "mla": "every layer MLA (latent 512 + RoPE key 64 cached per token)",
+  "hybrid": "KDA everywhere except every second core layer MLA (KDA states per sequence)",
+  "sessions": "the multi-turn session trace (config.sessions), 512-token blocks",
+  "sessions_1k": "the session trace scaled to 1,024 positions: 16-token blocks",
+}
+# Mixers per stage (prelude, core, coda) of the mixer variants, as configs/benice.py's.
+MIXERS = {
+  "mla": (("mla",), ("mla",), ("mla",)),
+  "hybrid": (("kda",), ("kda", "mla"), ("kda",)),
 }
 
 
@@ -51,6 +63,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # Sections: every field, default, doc and range in its schema (see `--help`).
   c.sim = schema.defaults(SimConfig)  # looped/sim/config.py (SimConfig).
   c.synthetic = schema.defaults(SyntheticConfig)  # Used when sim.trace is ''; looped/sim/config.py.
+  c.sessions = schema.defaults(SessionsConfig)  # Used when sim.trace is 'sessions'.
 
   if "smoke" in args:
     pretrain.smoke_model(c.model)
@@ -66,4 +79,25 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.synthetic.mean_turn_tokens = 300.0  # Mean new user tokens per turn.
     c.synthetic.mean_output_tokens = 40.0  # Mean generated tokens per turn.
     c.synthetic.max_prompt_tokens = 4096  # A conversation restarts beyond this.
+  if len(args & set(MIXERS)) > 1 or {"sessions", "sessions_1k"} <= args:
+    raise ValueError(f"config variants {sorted(args)}: at most one of mla, hybrid and one trace.")
+  for name, (prelude, core, coda) in MIXERS.items():
+    if name in args:
+      c.model.prelude_mixers, c.model.core_mixers, c.model.coda_mixers = prelude, core, coda
+      c.model.mla_kv_rank = 512  # MLA latent (DeepSeek-V2's, 4 x head_dim).
+      c.model.mla_rope_dim = 64  # Decoupled RoPE key (DeepSeek-V2's, head_dim / 2).
+  if "sessions" in args or "sessions_1k" in args:
+    c.sim.trace = "sessions"  # Generated from c.sessions (looped/sim/sessions.py).
+  if "sessions_1k" in args:  # Histories up to ~1,000 tokens, for a model of 1,024 positions.
+    c.model.max_seq_len = 1024  # Longest prompt + output.
+    c.sim.trace_block_size = 16  # Blocks as the generated trace's (for its written file).
+    c.sessions.block_size = 16  # Tokens per hash_ids block.
+    c.sessions.shared_system_tokens = 128  # Shared system prompt.
+    c.sessions.max_context_tokens = 256  # A session's own first-turn context.
+    c.sessions.min_input_tokens = 16  # New user tokens per turn.
+    c.sessions.max_input_tokens = 128
+    c.sessions.min_output_tokens = 16  # Generated tokens per turn.
+    c.sessions.max_output_tokens = 96
+    c.sessions.max_prompt_tokens = 1024  # A session ends before a turn that would not fit.
+    c.sessions.session_rate_per_s = 2.0  # Mean session arrivals per second.
   return c

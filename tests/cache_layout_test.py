@@ -292,7 +292,11 @@ class SimulatorConfigTest(absltest.TestCase):
     )  # fmt: skip
     cfg = from_config(config.model)
     self.assertEqual(out["kv_bytes_per_token"], paged_cache.bytes_per_token(cfg, True, "bf16"))
-    self.assertEqual(out["num_pages"], int(4e6 // (16 * out["kv_bytes_per_token"])))
+    # The engine's pool for that budget: its 8 KDA state slots first, then pages.
+    engine_pages = engine_lib.pages_for_budget(LoopedLM(cfg), 4e6, 16, True, "bf16", 8)
+    self.assertEqual(out["num_pages"], engine_pages)
+    self.assertLess(engine_pages, int(4e6 // (16 * out["kv_bytes_per_token"])))
+    self.assertFalse(out["prefix_caching"])  # A state is not a function of a page.
     self.assertEqual(out["kv_state_bytes_per_sequence"], s.kv_bytes_per_sequence(True))
     self.assertGreater(out["kv_state_bytes_per_sequence"], 0)
 

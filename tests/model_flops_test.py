@@ -9,7 +9,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 import looped_testing as testing
-from looped.model import LoopedLM, ModelConfig, flops, init_params
+from looped.model import LoopedLM, ModelConfig, flops, init_params, kda
 
 
 def _dot_flops(jaxpr) -> float:
@@ -79,10 +79,18 @@ class FlopsTest(parameterized.TestCase):
     jaxpr = jax.make_jaxpr(lambda p, x: model.apply(p, x)[0])(params, tokens_BxT).jaxpr
     self.assertEqual(_dot_flops(jaxpr), flops.forward_flops_per_token(cfg, 12) * 2 * 12)
 
-  def test_kda_is_refused(self):
-    cfg = dataclasses.replace(testing.TINY_MODEL, core_mixers=("kda", "mla"))
-    with self.assertRaisesRegex(ValueError, "GQA and MLA layers; this model has kda layers"):
-      flops.forward_flops_per_token(cfg, 8)
+  def test_kda_state_is_the_dots_of_the_recurrent_form(self):
+    # kda_recurrent is the delta rule token by token (decode): its only dots are k^T S, the
+    # rank-1 update and q^T S, which mixer_macs counts as `state` per token.
+    cfg = dataclasses.replace(testing.TINY_MODEL, core_mixers=("kda",))
+    b, t, n, h = 2, 5, cfg.num_heads, cfg.head_dim
+    args = [jnp.zeros((b, t, n, h))] * 3 + [jnp.zeros((b, t, n, h)), jnp.zeros((b, t, n))]
+    jaxpr = jax.make_jaxpr(kda.kda_recurrent)(*args).jaxpr
+    self.assertEqual(_dot_flops(jaxpr), 2 * flops.mixer_macs(cfg, "kda").state * b * t)
+
+  def test_unknown_mixer_is_refused(self):
+    with self.assertRaisesRegex(ValueError, "GQA, MLA and KDA layers; this model has rnn layers"):
+      flops.mixer_macs(testing.TINY_MODEL, "rnn")
 
 
 if __name__ == "__main__":

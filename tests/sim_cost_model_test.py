@@ -18,24 +18,35 @@ def _paper_shape():
   return shape.ModelShape.from_config(serve_sim.get_config().model)
 
 
+# Matrix values of one paper-size layer: q, o 1536*1536 each; k, v 1536*512 each; SwiGLU
+# 3*1536*4096 (also its multiply-adds per token).
+_PAPER_LAYER = 2 * 1536 * 1536 + 2 * 1536 * 512 + 3 * 1536 * 4096
+
+
 class ShapeTest(absltest.TestCase):
   def test_paper_size_model(self):
     s = _paper_shape()
-    # Per layer: q, o 1536*1536 each; k, v 1536*512 each; SwiGLU 3*1536*4096.
-    self.assertEqual(s.params_per_layer, 2 * 1536 * 1536 + 2 * 1536 * 512 + 3 * 1536 * 4096)
     self.assertEqual(s.layer_executions, 8 + 8 * 8 + 8)
+    self.assertEqual(s.weight_macs_per_token, 80 * _PAPER_LAYER)
+    self.assertEqual(s.macs_per_key, 80 * 2 * 12 * 128)
+    self.assertEqual((s.state_macs_per_token, s.attention_heads_executed), (0, 80 * 12))
     self.assertEqual((s.kv_layers(True), s.kv_layers(False)), (24, 80))
     per_layer = 4 * 128 * 2 * 2  # KV heads * head_dim * (K and V) * bf16.
     self.assertEqual(s.kv_bytes_per_token(True, "bf16"), 24 * per_layer)  # 48 KiB.
     self.assertEqual(s.kv_bytes_per_token(False, "bf16"), 80 * per_layer)  # 160 KiB.
     self.assertEqual(s.kv_bytes_per_token(True, "nvfp4"), 24 * 4 * 128 * 2 * (0.5 + 1 / 16))
-    self.assertEqual(s.num_params, 24 * s.params_per_layer + 32768 * 1536)
+    # Layers add their q/k norms (2 x 128) and 2 norms of 1536; then the tied embedding,
+    # prelude and final norms and the diagonal injection (B, A_log, dt).
+    layer = _PAPER_LAYER + 2 * 128 + 2 * 1536
+    extra = 2 * 1536 + 1536 * 1536 + 2 * 1536
+    self.assertEqual(s.num_params, 24 * layer + 32768 * 1536 + extra)
 
   def test_relu2_has_two_matrices(self):
     cfg = serve_sim.get_config().model
     cfg.mlp_type = "relu2"
     s = shape.ModelShape.from_config(cfg)
-    self.assertEqual(s.params_per_layer, 2 * 1536 * 1536 + 2 * 1536 * 512 + 2 * 1536 * 4096)
+    layer = 2 * 1536 * 1536 + 2 * 1536 * 512 + 2 * 1536 * 4096
+    self.assertEqual(s.weight_macs_per_token, 80 * layer)
 
 
 class CostModelTest(absltest.TestCase):
@@ -47,7 +58,7 @@ class CostModelTest(absltest.TestCase):
   def test_decode_step_is_memory_bound_and_reads_context_per_execution(self):
     ex = cost_model.CostModelExecutor(self.shape, self.hw, share_kv=True, kv_format="bf16")
     ctx = 10_000
-    weights = 2 * (80 * self.shape.params_per_layer + 32768 * 1536)
+    weights = 2 * (80 * _PAPER_LAYER + 32768 * 1536)
     moved = weights + 80 * 2048 * ctx + 24 * 2048 * 1  # Read by all 80 executions, 24 written.
     self.assertAlmostEqual(ex.decode_step_time(1, ctx), moved / 1e12 + 0.002, places=12)
 
@@ -60,7 +71,7 @@ class CostModelTest(absltest.TestCase):
   def test_prefill_is_compute_bound_with_causal_attention(self):
     ex = cost_model.CostModelExecutor(self.shape, self.hw, share_kv=False, kv_format="fp8")
     q, c = 4096, 1000
-    flops = 2 * 80 * self.shape.params_per_layer * q
+    flops = 2 * 80 * _PAPER_LAYER * q
     flops += 4 * 12 * 128 * 80 * (q * c + q * (q + 1) // 2)
     flops += 2 * 32768 * 1536
     batch = scheduler.StepBatch([None], [q], [c], num_sampled=1)
@@ -129,8 +140,8 @@ class LegacyPricingTest(absltest.TestCase):
   def test_sum_adds_compute_and_memory(self):
     hw = hardware.Hardware("t", 1e15, 1e12, 1e9, 0.002, "test", combine="sum")
     ex = cost_model.CostModelExecutor(_paper_shape(), hw, share_kv=True, kv_format="bf16")
-    flops = 2 * 80 * _paper_shape().params_per_layer + 4 * 12 * 128 * 80 * 1 + 2 * 32768 * 1536
-    weights = 2 * (80 * _paper_shape().params_per_layer + 32768 * 1536)
+    flops = 2 * 80 * _PAPER_LAYER + 4 * 12 * 128 * 80 * 1 + 2 * 32768 * 1536
+    weights = 2 * (80 * _PAPER_LAYER + 32768 * 1536)
     moved = weights + 24 * 2048
     self.assertAlmostEqual(ex.decode_step_time(1, 0), flops / 1e15 + moved / 1e12 + 0.002)
 

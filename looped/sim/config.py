@@ -18,8 +18,12 @@ class SimConfig:
 
   trace: str = field(
     "",
-    "Mooncake JSONL path or bundled alias ('mooncake_conversation'); '' = synthetic.",
-    by_hand="an existing Mooncake JSONL file, a bundled trace or ''",
+    "Mooncake JSONL path or bundled alias ('mooncake_conversation'); '' = synthetic; "
+    "'sessions' = the session trace of config.sessions.",
+    by_hand="an existing Mooncake JSONL file, a bundled trace, 'sessions' or ''",
+  )
+  trace_block_size: int = field(
+    512, "Tokens per hash_ids block of the trace file (Mooncake: 512).", min=1
   )
   time_scale: float = field(
     1.0, "Arrival times are multiplied by this (0.5 = replay twice as fast).", gt=0
@@ -76,3 +80,28 @@ class SyntheticConfig:
   mean_output_tokens: float = field(300.0, "Mean generated tokens per turn (exponential).", min=1)
   max_prompt_tokens: int = field(65536, "A conversation restarts beyond this prompt length.", min=1)
   seed: int = field(0, "Seed of the synthetic trace.", min=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionsConfig:
+  """`config.sessions`: the multi-turn session trace (looped/sim/sessions.py), used when
+  sim.trace is 'sessions'. Lengths and times are drawn uniformly from [min, max]."""
+
+  num_sessions: int = field(200, "Conversations generated.", min=1)
+  session_rate_per_s: float = field(0.5, "Mean Poisson arrival rate of new sessions.", gt=0)
+  min_turns: int = field(2, "Fewest turns of a session.", min=1)
+  max_turns: int = field(8, "Most turns of a session (>= min_turns).", min=1)
+  shared_system_tokens: int = field(1024, "System prompt shared by every session (0: none).", min=0)
+  min_context_tokens: int = field(0, "Fewest first-turn context tokens of a session's own.", min=0)
+  max_context_tokens: int = field(4096, "Most first-turn context tokens (>= min).", min=0)
+  min_input_tokens: int = field(32, "Fewest new user tokens per turn.", min=1)
+  max_input_tokens: int = field(1024, "Most new user tokens per turn (>= min).", min=1)
+  min_output_tokens: int = field(32, "Fewest generated tokens per turn.", min=1)
+  max_output_tokens: int = field(512, "Most generated tokens per turn (>= min).", min=1)
+  min_think_s: float = field(5.0, "Shortest time from a turn's arrival to the next's.", min=0)
+  max_think_s: float = field(60.0, "Longest time from a turn's arrival to the next's.", min=0)
+  max_prompt_tokens: int = field(
+    0, "A session ends before a turn whose prompt + output would pass this (0: no limit).", min=0
+  )
+  block_size: int = field(512, "Tokens per hash_ids block (Mooncake: 512).", min=1)
+  seed: int = field(0, "Seed of the session trace.", min=0)

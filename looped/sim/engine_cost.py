@@ -3,15 +3,17 @@
 The executor runs a batch as at most two padded calls (padding.py: the one-token rows, and the
 rows with longer chunks), each of b rows of t tokens attending over S = columns * page_size
 dense slots. Every padded row, token and slot is computed (masked, not skipped), and the LM head
-runs on every position. With L layer executions of N matrix parameters, H query heads of width
-hd, vocabulary V, width d, summed over the step's calls:
+runs on every position. With per-token multiply-adds over the layer executions W (weights), Z
+(KDA state) and K (per position read) as in cost_model, A attention heads executed per token,
+vocabulary V, width d, summed over the step's calls:
 
-  FLOPs = b * t * (2 * L * N + 2 * V * d + 4 * H * hd * L * (S + t))
-  bytes = w * (L * N + V * d)                   weights, read by every call
+  FLOPs = b * t * (2 * (W + Z) + 2 * V * d + 2 * K * (S + t))
+  bytes = w * (W + V * d)                       weights, read by every call
           + b * (S + t) * kv_raw                K/V at compute precision, every execution
           + b * S * (kv_page + kv_raw) [fmt]    packed past read, dequantized copy written
-          + 2 * 4 * L * H * b * t * (S + t)    float32 attention scores, written and read
+          + 2 * 4 * A * b * t * (S + t)         float32 attention scores, written and read
           + 2 * kv_stored * b * S               gather: pages read, dense cache written
+          + b * (state_read + state_write)      KDA states of the rows (cost_model)
   time  = step_overhead + calls * call_overhead + combine(FLOPs / peak, bytes / bandwidth)
 
 w is the compute/weight bytes per value, kv_raw one token's cache entries over all L layer
@@ -60,21 +62,22 @@ class EngineCostExecutor:
     self._kv_page = shape.kv_bytes_per_token(False, kv_format) if formatted else self._kv_raw
     self._kv_stored = shape.kv_bytes_per_token(share_kv, kv_format, raw_itemsize=w)
     self._formatted = formatted
+    self._state_per_row = shape.kv_bytes_per_sequence(False) + shape.kv_bytes_per_sequence(share_kv)
 
   def padded_terms(self, rows: int, tokens: int, slots: int) -> tuple[float, float]:
     """FLOPs and bytes of one padded call: rows x tokens new tokens over `slots` dense slots."""
     s = self.shape
     b, S, t = rows, slots, tokens
-    layers, heads = s.layer_executions, s.num_heads
     head = s.vocab_size * s.d_model
-    per_position = 2 * layers * s.params_per_layer + 2 * head
-    flops = b * t * (per_position + 4 * heads * s.head_dim * layers * (S + t))
+    per_position = 2 * (s.weight_macs_per_token + s.state_macs_per_token) + 2 * head
+    flops = b * t * (per_position + 2 * s.macs_per_key * (S + t))
     moved = (
-      self._w * (layers * s.params_per_layer + head)
+      self._w * (s.weight_macs_per_token + head)
       + b * (S + t) * self._kv_raw
       + (b * S * (self._kv_page + self._kv_raw) if self._formatted else 0)
-      + 2 * 4 * layers * heads * b * t * (S + t)
+      + 2 * 4 * s.attention_heads_executed * b * t * (S + t)
       + 2 * self._kv_stored * b * S
+      + b * self._state_per_row
     )
     return float(flops), float(moved)
 

@@ -4,7 +4,11 @@ Read from the same `model` config the trainer uses (configs/pretrain.py:model_co
 simulation describes exactly the model that is trained. KV bytes come from
 looped.model.cache_layout, the layout the model, the engine's pages and the evaluation use: per
 token the GQA layers' K/V and the MLA layers' latent and RoPE key, per sequence the KDA layers'
-state. Parameters and FLOPs are still counted as if every layer were GQA.
+state. FLOPs come from looped.model.flops, layer by layer with each layer's mixer (GQA; MLA with
+its latent up-projections, in the absorbed form the engine's cached calls run; KDA with its
+projections, conv and delta-rule state work), so the hybrid patterns (`*_mixers`) are priced as
+the model computes them. `num_params` counts every stored parameter value (matrices, norms,
+biases, KDA's decay and conv, injection, exit gate).
 """
 
 from __future__ import annotations
@@ -13,10 +17,10 @@ import dataclasses
 import functools
 from typing import Any
 
-from looped.model import cache_layout, mixer_interface
-from looped.model.config import ModelConfig
+from looped.model import cache_layout, flops, mixer_interface
+from looped.model.config import STAGES, ModelConfig
 
-_MLP_MATRICES = {"swiglu": 3, "relu2": 2}
+ATTENTION_MIXERS = ("gqa", "mla")  # Mixers that compute scores over the positions read.
 
 
 class ModelShape(ModelConfig):
@@ -38,12 +42,51 @@ class ModelShape(ModelConfig):
   def cache_layout(self, share_kv: bool) -> cache_layout.CacheLayout:
     return _layout(self, share_kv)
 
+  def mixer_params(self, mixer: str) -> int:
+    """Stored values of one layer's sequence mixer: its matrices (the multiply-adds
+    looped.model.flops counts per token) plus its vectors (norms, biases, KDA's decay)."""
+    n, h, k = self.num_heads, self.head_dim, self.num_kv_heads
+    matrices = flops.mixer_macs(self, mixer).weights
+    if mixer == "gqa":
+      return matrices + 2 * h * self.qk_norm + (n + k) * h * self.qk_bias
+    if mixer == "mla":
+      return matrices + self.mla_kv_rank + self.mla_q_rank  # kv_norm; query_norm (if any).
+    if mixer == "kda":
+      return matrices + n + 2 * n * h + h  # A_log, dt_bias, gate bias, out_norm.
+    raise ValueError(f"unknown mixer {mixer!r}")
+
+  def layer_params(self, mixer: str) -> int:
+    """Stored values of one layer: mixer, MLP and its 2 (pre) or 4 (sandwich, post) norms."""
+    norms = 2 if self.block_norm == "pre" else 4
+    return self.mixer_params(mixer) + flops.mlp_macs(self) + norms * self.d_model
+
+  def layer_runs(self) -> tuple[tuple[str, int], ...]:
+    """(mixer, times it runs per token) of every distinct layer: the core's R times."""
+    runs = flops.stage_runs(self)
+    return tuple(
+      (m, runs[stage]) for stage in STAGES for m in cache_layout.stage_mixers(self, stage)
+    )
+
   @property
-  def params_per_layer(self) -> int:
-    """Matrix parameters of one transformer layer (norms are negligible)."""
-    d, hd = self.d_model, self.head_dim
-    attention = d * self.num_heads * hd * 2 + d * self.num_kv_heads * hd * 2  # q, o; k, v.
-    return attention + _MLP_MATRICES[self.mlp_type] * d * self.mlp_dim
+  def weight_macs_per_token(self) -> int:
+    """Multiply-adds of the layers' weights (mixers and MLPs) per token, over all layer
+    executions: also the matrix values a step reads (each layer's once per execution)."""
+    return _counts(self)[0]
+
+  @property
+  def state_macs_per_token(self) -> int:
+    """KDA's delta-rule state multiply-adds per token, over all its layer executions."""
+    return _counts(self)[1]
+
+  @property
+  def macs_per_key(self) -> int:
+    """Attention multiply-adds per (token, position read) pair, over all layer executions."""
+    return _counts(self)[2]
+
+  @property
+  def attention_heads_executed(self) -> int:
+    """Query heads that compute a score matrix per token, over all layer executions."""
+    return _counts(self)[3]
 
   @property
   def layer_executions(self) -> int:
@@ -78,10 +121,27 @@ class ModelShape(ModelConfig):
 
   @property
   def num_params(self) -> int:
-    """Stored parameters: unique layers plus embedding (and an untied LM head)."""
-    layers = self.num_prelude_layers + self.num_core_layers + self.num_coda_layers
-    embeddings = self.vocab_size * self.d_model * (1 if self.tie_embeddings else 2)
-    return layers * self.params_per_layer + embeddings
+    """Stored parameter values: distinct layers, embedding (and an untied LM head), the norms
+    outside layers, the injection and the exit gate (looped/model/looped_lm.py's tree)."""
+    d = self.d_model
+    layers = sum(self.layer_params(m) for m, _ in self.layer_runs())
+    embeddings = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+    norms = d * self.prelude_norm + d  # prelude_norm; final_norm, or 'every''s out_norm.
+    inject = {"diagonal": d * d + 2 * d, "linear": 2 * d * d, "additive": 0, "none": 0}
+    return layers + embeddings + norms + inject[self.injection] + (d + 1) * self.exit_gate
+
+
+@functools.lru_cache(maxsize=64)
+def _counts(shape: ModelShape) -> tuple[int, int, int, int]:
+  """(weight, state, per-key multiply-adds, attention heads) per token over layer executions."""
+  weights = state = per_key = heads = 0
+  for mixer, runs in shape.layer_runs():
+    m = flops.mixer_macs(shape, mixer, absorbed=True)
+    weights += runs * (m.weights + flops.mlp_macs(shape))
+    state += runs * m.state
+    per_key += runs * m.per_key
+    heads += runs * shape.num_heads * (mixer in ATTENTION_MIXERS)
+  return weights, state, per_key, heads
 
 
 @functools.lru_cache(maxsize=64)

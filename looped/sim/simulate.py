@@ -24,9 +24,9 @@ from looped.model.config import ModelConfig
 from looped.scheduler import pages as pages_lib
 from looped.scheduler import replay
 from looped.scheduler import scheduler as scheduler_lib
-from looped.sim import engine_cost, hardware, metrics, report, traces
+from looped.sim import engine_cost, hardware, metrics, report, sessions, traces
 from looped.sim import shape as shape_lib
-from looped.sim.config import SimConfig, SyntheticConfig
+from looped.sim.config import SessionsConfig, SimConfig, SyntheticConfig
 from looped.sim.progress import Progress
 
 
@@ -97,6 +97,15 @@ def _synthetic_spec(config: Any) -> traces.SyntheticSpec:
   return traces.SyntheticSpec(**{k: kinds[k](v) for k, v in config.synthetic.items()})
 
 
+def _sessions_config(config: Any) -> SessionsConfig:
+  """The session trace's section (config.sessions), checked (looped/sim/sessions.py)."""
+  schema.validate(SessionsConfig, config, "sessions")
+  kinds = {name: kind for name, (kind, _, _) in schema.fields(SessionsConfig).items()}
+  cfg = SessionsConfig(**{k: kinds[k](v) for k, v in config.sessions.items()})
+  sessions.check(cfg)
+  return cfg
+
+
 def validate(config: Any) -> None:
   """Checks every field before any compute; raises ConfigError naming the field."""
   checks.choice(config, "program", ("serve_sim",))
@@ -104,12 +113,14 @@ def validate(config: Any) -> None:
   schema.validate(SimConfig, config, "sim")
   schema.validate(SyntheticConfig, config, "synthetic")
   path = checks.string(config, "sim.trace", allow_empty=True)
-  if path and not os.path.isfile(traces.resolve(path)):
+  if path == "sessions":
+    _sessions_config(config)
+  elif path and not os.path.isfile(traces.resolve(path)):
     checks.fail(
       "sim.trace",
       path,
       "must be an existing Mooncake JSONL file, a bundled trace "
-      f"({', '.join(sorted(traces.BUNDLED))}) or '' (synthetic)",
+      f"({', '.join(sorted(traces.BUNDLED))}), 'sessions' or '' (synthetic)",
     )
   page_size = config.sim.page_size
   _hardware(config)
@@ -135,22 +146,31 @@ def validate(config: Any) -> None:
         "must give some layer a per-token cache for the simulator to page (a model of KDA "
         "layers only keeps a per-sequence state)",
       )
-    if budget is not None and budget < page_bytes:
+    slots = config.sim.max_num_seqs * shape.kv_bytes_per_sequence(share)
+    if budget is not None and budget < slots + page_bytes:
+      held = f" after {config.sim.max_num_seqs} KDA state slots of {slots:.0f} bytes" * bool(slots)
       checks.fail(
         "sim.kv_budget_bytes",
         budget,
-        f"must hold at least one page ({page_bytes:.0f} bytes for share_kv={share}, {fmt})",
+        f"must hold at least one page ({page_bytes:.0f} bytes for share_kv={share}, {fmt}){held}",
       )
 
 
 def load_requests(config: Any) -> list[traces.Request]:
-  """The configured trace, or the synthetic one, with the time scale applied."""
+  """The configured trace, or a generated one (synthetic or sessions), with the time scale
+  applied."""
   scale = config.sim.time_scale
-  if config.sim.trace:
+  if config.sim.trace == "sessions":
+    requests = sessions.generate(_sessions_config(config))
+  elif config.sim.trace:
     return traces.load_mooncake(
-      config.sim.trace, time_scale=scale, max_requests=config.sim.max_requests
+      config.sim.trace,
+      time_scale=scale,
+      max_requests=config.sim.max_requests,
+      block_size=config.sim.trace_block_size,
     )
-  requests = traces.synthetic(_synthetic_spec(config))
+  else:
+    requests = traces.synthetic(_synthetic_spec(config))
   if config.sim.max_requests:
     requests = requests[: config.sim.max_requests]
   return [dataclasses.replace(r, arrival_s=r.arrival_s * scale) for r in requests]
@@ -170,10 +190,19 @@ def simulate_one(
   label: str = "",
 ) -> dict[str, Any]:
   """Replays the requests under one KV budget and layout; returns the run's metrics. Under
-  sharing, a config with a prefill block schedules blocks as the engine does (shared_blocks)."""
-  config = dataclasses.replace(config, shared_blocks=share_kv and config.prefill_block is not None)
+  sharing, a config with a prefill block schedules blocks as the engine does (shared_blocks).
+  A model with KDA layers is served as the engine serves it: max_num_seqs state slots come out
+  of the budget first, each running request holds one, and prefix caching is off."""
+  slot_bytes = shape.kv_bytes_per_sequence(share_kv)
+  config = dataclasses.replace(
+    config,
+    shared_blocks=share_kv and config.prefill_block is not None,
+    state_slots=bool(slot_bytes),
+    prefix_caching=config.prefix_caching and not slot_bytes,
+  )
   page_bytes = config.page_size * shape.kv_bytes_per_token(share_kv, kv_format)
-  num_pages = None if budget is None else int(budget // page_bytes)
+  slots = config.max_num_seqs * slot_bytes
+  num_pages = None if budget is None else max(int((budget - slots) // page_bytes), 0)
   pool = pages_lib.PagePool(num_pages, debug=check_invariants)
   executor = engine_cost.executor_for(
     shape, hw, config, share_kv=share_kv, kv_format=kv_format, weight_format=weight_format
@@ -193,7 +222,8 @@ def simulate_one(
     "num_pages": num_pages,
     "page_size": config.page_size,
     "kv_bytes_per_token": shape.kv_bytes_per_token(share_kv, kv_format),
-    "kv_state_bytes_per_sequence": shape.kv_bytes_per_sequence(share_kv),
+    "kv_state_bytes_per_sequence": slot_bytes,
+    "prefix_caching": config.prefix_caching,
     **metrics.summarize(sched, page_bytes),
     "ideal_lru_hit_rate": traces.ideal_hit_rate(
       requests, None if num_pages is None else num_pages * config.page_size
@@ -259,6 +289,8 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
   }
   out_dir = os.path.join(workdir, "sim")
   os.makedirs(out_dir, exist_ok=True)
+  if config.sim.trace in ("", "sessions"):  # The generated trace, as replayed.
+    traces.write_mooncake(requests, os.path.join(out_dir, "trace.jsonl"))
   with open(os.path.join(out_dir, "results.json"), "w") as f:
     json.dump(results, f, indent=2)
   table = report.markdown(results)

@@ -2,7 +2,9 @@
 
 Mooncake format, one JSON object per line: `timestamp` (arrival, ms from the trace's start),
 `input_length` and `output_length` (tokens), `hash_ids` (ids of the prompt's 512-token blocks,
-chained by prefix: equal ids at the same position mean equal prompts through that block).
+chained by prefix: equal ids at the same position mean equal prompts through that block). A trace
+generated for a small model may use smaller blocks (looped/sim/sessions.py); the file does not
+say which, so it is read with the block size it was written with (`sim.trace_block_size`).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def _is_int(x) -> bool:
   return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _check_row(row, where: str) -> None:
+def _check_row(row, where: str, block_size: int = MOONCAKE_BLOCK_SIZE) -> None:
   if not isinstance(row, dict):
     raise TraceError(f"{where}: expected a JSON object, got {type(row).__name__}.")
   missing = [f for f in _FIELDS if f not in row]
@@ -62,11 +64,11 @@ def _check_row(row, where: str) -> None:
   hashes = row["hash_ids"]
   if not isinstance(hashes, list) or not all(_is_int(h) and h >= 0 for h in hashes):
     raise TraceError(f"{where}: hash_ids must be a list of integers >= 0.")
-  expected = math.ceil(row["input_length"] / MOONCAKE_BLOCK_SIZE)
+  expected = math.ceil(row["input_length"] / block_size)
   if len(hashes) != expected:
     raise TraceError(
       f"{where}: len(hash_ids) = {len(hashes)} but input_length = {row['input_length']} "
-      f"needs ceil(input_length / {MOONCAKE_BLOCK_SIZE}) = {expected}."
+      f"needs ceil(input_length / {block_size}) = {expected} (blocks of {block_size} tokens)."
     )
 
 
@@ -104,13 +106,20 @@ def resolve(trace: str) -> str:
   return BUNDLED.get(trace, trace)
 
 
-def load_mooncake(path: str, *, time_scale: float = 1.0, max_requests: int = 0) -> list[Request]:
+def load_mooncake(
+  path: str,
+  *,
+  time_scale: float = 1.0,
+  max_requests: int = 0,
+  block_size: int = MOONCAKE_BLOCK_SIZE,
+) -> list[Request]:
   """Reads and validates a Mooncake JSONL trace.
 
   Args:
     path: the .jsonl file, or the alias of a bundled trace (`BUNDLED`).
     time_scale: arrival times are multiplied by this (0.5 replays the trace twice as fast).
     max_requests: keep only the first N requests (0: all).
+    block_size: tokens per hash_ids block (Mooncake's 512; a generated trace's own).
 
   Raises:
     TraceError: naming the line of the first malformed request.
@@ -134,7 +143,7 @@ def load_mooncake(path: str, *, time_scale: float = 1.0, max_requests: int = 0) 
         row = json.loads(line)
       except json.JSONDecodeError as e:
         raise TraceError(f"{where}: not valid JSON ({e.msg}).") from None
-      _check_row(row, where)
+      _check_row(row, where, block_size)
       if row["timestamp"] < last_ts:
         raise TraceError(
           f"{where}: timestamp {row['timestamp']} is before the previous line's {last_ts}; "
@@ -149,6 +158,7 @@ def load_mooncake(path: str, *, time_scale: float = 1.0, max_requests: int = 0) 
           prompt_len=row["input_length"],
           output_len=row["output_length"],
           block_hashes=tuple(row["hash_ids"]),
+          block_size=block_size,
         )
       )
       if max_requests and len(requests) == max_requests:
@@ -186,11 +196,14 @@ def ideal_hit_rate(requests: Sequence[Request], capacity_tokens: float | None = 
 
 
 def write_mooncake(requests: Iterable[Request], path: str) -> None:
-  """Writes requests in Mooncake format (timestamps in ms)."""
+  """Writes requests in Mooncake format (timestamps in ms). All must share one block size (the
+  file does not record it: a trace of blocks other than 512 tokens is read back with its own)."""
+  requests = list(requests)
+  sizes = sorted({r.block_size for r in requests})
+  if len(sizes) > 1:
+    raise ValueError(f"one block size per trace, got {sizes}.")
   with open(path, "w") as f:
     for r in requests:
-      if r.block_size != MOONCAKE_BLOCK_SIZE:
-        raise ValueError(f"Mooncake traces use {MOONCAKE_BLOCK_SIZE}-token blocks.")
       row = {
         "timestamp": round(r.arrival_s * 1000.0, 3),
         "input_length": r.prompt_len,
