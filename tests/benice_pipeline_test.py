@@ -134,6 +134,51 @@ class StageConfigTest(testing.TempDirTestCase):
     with self.assertRaisesRegex(config_checks.ConfigError, r"model.qk_norm: True -> False"):
       stages.begin(stage_dir, stage_cfg)
 
+  def test_observation_fields_may_change_or_be_absent(self):
+    # Profiling, the MFU peak and the dry run change what a run reports, not what it trains:
+    # a stage recorded before they existed, or under other values, resumes.
+    stage_dir = os.path.join(self.tmp, "pretrain")
+    stage_cfg = stages.stage_config(benice_config.get_config("smoke"), stages.PRETRAIN)
+    stages.begin(stage_dir, stage_cfg)
+    path = os.path.join(stage_dir, "stage_config.json")
+    with open(path) as f:
+      recorded = json.load(f)
+    for name in ("peak_tflops", "profile_steps", "profile_skip_steps", "dry_run"):
+      recorded["train"].pop(name, None)
+    with open(path, "w") as f:
+      json.dump(recorded, f)
+    stage_cfg.train.profile_steps, stage_cfg.train.peak_tflops = 2, 100.0
+    stages.begin(stage_dir, stage_cfg)
+    stage_cfg.train.weight_decay = 0.5  # What is trained still counts.
+    with self.assertRaisesRegex(config_checks.ConfigError, r"train.weight_decay"):
+      stages.begin(stage_dir, stage_cfg)
+
+  def test_parent_digest_recorded_with_observation_fields_is_the_same_parent(self):
+    # A pretraining record written while those fields still counted holds them, and its child
+    # recorded the digest over that record.
+    config = benice_config.get_config("smoke")
+    pretrain_dir = os.path.join(self.tmp, "pretrain")
+    stages.begin(pretrain_dir, stages.stage_config(config, stages.PRETRAIN))
+    path = os.path.join(pretrain_dir, "stage_config.json")
+    with open(path) as f:
+      recorded = json.load(f)
+    recorded["train"].update(profile_steps=0, profile_skip_steps=1, peak_tflops=0.0, dry_run=False)
+    with open(path, "w") as f:
+      json.dump(recorded, f)
+    parent = stages.pretrain_parent(config, pretrain_dir)
+    old_digest = hashlib.sha256(json.dumps(recorded, sort_keys=True).encode()).hexdigest()[:16]
+    self.assertNotEqual(old_digest, parent["fingerprint"])
+    finetune_dir = os.path.join(self.tmp, "finetune")
+    stages.begin(finetune_dir, stages.stage_config(config, stages.FINETUNE), parent)
+    child = os.path.join(finetune_dir, "stage_config.json")
+    with open(child) as f:
+      record = json.load(f)
+    record["parent"]["fingerprint"] = old_digest
+    with open(child, "w") as f:
+      json.dump(record, f)
+    stages.check_parent(stages.FINETUNE, finetune_dir, parent)
+    stages.begin(pretrain_dir, stages.stage_config(config, stages.PRETRAIN))  # It resumes.
+
   def test_parent_recorded_under_an_older_digest_is_the_same_parent(self):
     # A post-training stage recorded its parent's digest over the pretraining's record as then
     # written (with scan_unroll); today's digest strips it. Both name the same parent.

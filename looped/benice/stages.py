@@ -33,6 +33,8 @@ STAGES = (PRETRAIN, FINETUNE, BENICE)
 POST_STAGES = (FINETUNE, BENICE)
 # Train fields that may change between a run and its resumption (they do not change the math).
 _CADENCE = ("num_steps", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints")
+# Train fields that say what a run reports or whether it runs, not what it trains.
+_OBSERVATION = ("peak_tflops", "profile_steps", "profile_skip_steps", "dry_run")
 
 
 def _copy(node) -> ml_collections.ConfigDict:
@@ -97,7 +99,7 @@ def _strip(d: dict) -> dict:
     d.pop(name, None)
   for name in _SAME_MATH:
     d.get("model", {}).pop(name, None)
-  for name in _CADENCE:
+  for name in _CADENCE + _OBSERVATION:
     d.get("train", {}).pop(name, None)
   return d
 
