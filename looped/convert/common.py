@@ -26,7 +26,8 @@ def field(hf: dict, name: str, kind: type, *, alias: str | None = None, default=
 
 
 def widths(s: dict) -> dict:
-  """LoopedLM width fields from a family's sizes (V, D, N, K, H, F); both use SwiGLU MLPs."""
+  """LoopedLM width fields from a family's sizes (V, D, N, K, H, F), with Huginn's and Ouro's
+  SwiGLU MLP (Parcae replaces the MLP type)."""
   return {
     "vocab_size": s["V"],
     "d_model": s["D"],

@@ -218,13 +218,8 @@ def model_config(hf: dict) -> dict:
   if layers and s["D"] < _VE_GATE_CHANNELS:
     common.unsupported("n_embd", s["D"], f"the value-embedding gate reads {_VE_GATE_CHANNELS}")
   return {
-    "vocab_size": s["V"],
-    "d_model": s["D"],
-    "num_heads": s["N"],
-    "num_kv_heads": s["K"],
-    "head_dim": s["H"],
-    "mlp_dim": s["F"],
-    "mlp_type": "relu2",
+    **common.widths(s),
+    "mlp_type": "relu2",  # Parcae's relu(x)^2 / 2, its 1/2 folded into the down projection.
     "num_prelude_layers": s["P"],
     "num_core_layers": s["B"],
     "num_coda_layers": s["C"],

@@ -10,6 +10,15 @@ from looped import kv_quant
 from looped.schema import field
 
 KV_FORMATS = ("",) + kv_quant.FORMATS  # '' : raw pages in the compute dtype.
+# gen.kv_policy and serve.kv_policy.
+KV_POLICY_DOC = (
+  "With share_kv: which cached recurrence c(r) recurrence r reads for earlier tokens; the "
+  "pages keep the policy's cached recurrences (docs/design.md §3)."
+)
+KV_POLICY_VALUES = (
+  "a policy of looped/model/kv_policy.py for model.num_recurrences, e.g. 'final', "
+  "'first', 'stride2', 'keep_last2', 'huginn_mod2'"
+)
 # gen.prefill_block and serve.prefill_block: why the default is 32.
 PREFILL_BLOCK_DOC = (
   "Prefill block (docs/design.md §3): prompt tokens per call, 1 = exact shared decode; <= "
@@ -33,13 +42,7 @@ class GenConfig:
     by_hand="a string, a tuple of strings or a prompts file",
   )
   share_kv: bool = field(True, "KV-sharing: cache only the final recurrence's K/V of core layers.")
-  kv_policy: str = field(
-    "final",
-    "With share_kv: which cached recurrence c(r) recurrence r reads for earlier tokens; the "
-    "pages keep the policy's cached recurrences (docs/design.md §3).",
-    by_hand="a policy of looped/model/kv_policy.py for model.num_recurrences, e.g. 'final', "
-    "'first', 'stride2', 'keep_last2', 'huginn_mod2'",
-  )
+  kv_policy: str = field("final", KV_POLICY_DOC, by_hand=KV_POLICY_VALUES)
   kv_format: str = field(
     "", "Page storage: '' (raw, compute dtype) or a packed format.", choices=KV_FORMATS
   )

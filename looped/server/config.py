@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from looped.engine.config import KV_FORMATS, PREFILL_BLOCK_DOC
+from looped.engine.config import KV_FORMATS, KV_POLICY_DOC, KV_POLICY_VALUES, PREFILL_BLOCK_DOC
 from looped.schema import field
 
 _BUCKETS = "a tuple of positive integers (empty: powers of two)"
@@ -26,13 +26,7 @@ class ServeConfig:
     0, "TCP port (0: any free port; the one taken is written to server.json).", min=0, max=65535
   )
   share_kv: bool = field(True, "KV-sharing: cache only the final recurrence's K/V of core layers.")
-  kv_policy: str = field(
-    "final",
-    "With share_kv: which cached recurrence c(r) recurrence r reads for earlier tokens; the "
-    "pages keep the policy's cached recurrences (docs/design.md §3).",
-    by_hand="a policy of looped/model/kv_policy.py for model.num_recurrences, e.g. 'final', "
-    "'first', 'stride2', 'keep_last2', 'huginn_mod2'",
-  )
+  kv_policy: str = field("final", KV_POLICY_DOC, by_hand=KV_POLICY_VALUES)
   kv_format: str = field(
     "", "Page storage: '' (raw, compute dtype) or a packed format.", choices=KV_FORMATS
   )
