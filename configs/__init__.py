@@ -6,7 +6,7 @@ only what it changes. SECTIONS says which schema each section path follows, for 
 """
 
 from looped.benice.config import BeniceConfig, EvalConfig, PipelineConfig
-from looped.convert.config import ConvertConfig
+from looped.convert.config import ConvertConfig, ExportConfig
 from looped.data.config import DataConfig
 from looped.engine.config import GenConfig
 from looped.model.config import ModelConfig
@@ -32,6 +32,7 @@ SECTIONS = {
   "synthetic": SyntheticConfig,
   "sessions": SessionsConfig,
   "convert": ConvertConfig,
+  "export": ExportConfig,
 }
 
 

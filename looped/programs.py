@@ -54,6 +54,12 @@ def _convert():
   return program
 
 
+def _export():
+  from looped.convert import export
+
+  return export
+
+
 PROGRAMS = {
   "train": _train,
   "serve_sim": _serve_sim,
@@ -61,6 +67,7 @@ PROGRAMS = {
   "generate": _generate,
   "server": _server,
   "convert": _convert,
+  "export": _export,
 }
 
 

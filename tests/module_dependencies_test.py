@@ -71,6 +71,7 @@ class ModuleDependenciesTest(absltest.TestCase):
     code = (
       "import sys\n"
       "import looped.engine.generate, looped.server.program, looped.convert.program\n"
+      "import looped.convert.export\n"
       "import looped.sim.simulate, looped.programs\n"
       "schema = ('looped.train', 'looped.train.config')\n"
       "print(sorted(m for m in sys.modules if m.startswith('looped.train') and m not in schema))\n"

@@ -50,7 +50,7 @@ class ModelWithExtra(model_config.ModelConfig):
 
 
 def _config_modules():
-  for name in ("pretrain", "benice", "generate", "serve", "serve_sim", "convert"):
+  for name in ("pretrain", "benice", "generate", "serve", "serve_sim", "convert", "export"):
     module = importlib.import_module(f"configs.{name}")
     for variant in ("", *getattr(module, "VARIANTS", {})):
       config = module.get_config(variant) if variant else module.get_config()

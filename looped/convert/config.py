@@ -20,3 +20,22 @@ class ConvertConfig:
     0, "R recorded for the model (0: the family's default depth).", min=0
   )
   max_seq_len: int = field(0, "Longest sequence recorded for the model (0: config.json's).", min=0)
+
+
+EXPORT_FAMILIES = ("parcae",)  # Families export writes (looped/convert/export.py).
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportConfig:
+  """`config.export`: the looped checkpoint and the family whose folder layout it is written in."""
+
+  checkpoint: str = field(
+    "", "Trainer workdir, pipeline stage dir or converted model (checkpoints/).", nonempty=True
+  )
+  step: int = field(-1, "Checkpoint step to export (-1: the latest).", min=-1)
+  family: str = field(
+    "parcae", "Folder layout written (Parcae's public code).", choices=EXPORT_FAMILIES
+  )
+  torch_bin: bool = field(
+    True, "Also write pytorch_model.bin (what Parcae's from_pretrained reads) beside safetensors."
+  )
