@@ -90,7 +90,8 @@ def rope(
     sin = jnp.sin(angles_BxTxF)[:, :, None, :]
     cos = jnp.cos(angles_BxTxF)[:, :, None, :]
   else:
-    cs_BxTxFx2 = jnp.take(table_SxFx2.astype(jnp.float32), positions_BxT, axis=0)
+    # Clipped: a position past the table (padding beyond max_seq_len) reads its last row, not NaN.
+    cs_BxTxFx2 = jnp.take(table_SxFx2.astype(jnp.float32), positions_BxT, axis=0, mode="clip")
     cos, sin = cs_BxTxFx2[:, :, None, :, 0], cs_BxTxFx2[:, :, None, :, 1]
   x1, x2 = jnp.split(x_BxTxNxH.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
