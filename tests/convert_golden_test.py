@@ -2,7 +2,9 @@
 produced (tests/testdata/{huginn,ouro}_tiny/golden.npz, random weights, float32): the unshared
 parallel forward and token-by-token decode at two recurrence counts, Ouro's per-recurrence
 states, logits and exit-gate logits; and the same comparison failing for a transposed weight
-and for a skipped norm. No torch: the checkpoints and goldens are files."""
+and for a skipped norm. The bfloat16 copies (*_tiny_bf16: the same weights rounded, goldens from
+the reference in float32 on the stored values) match too, Huginn's only through its stored,
+rounded RoPE table. No torch: the checkpoints and goldens are files."""
 
 import dataclasses
 import os
@@ -18,8 +20,10 @@ import looped_testing as testing
 from configs import convert as convert_config
 from looped import programs
 from looped.checkpoints import model_record
+from looped.convert import hf_folder
 from looped.model import LoopedLM, from_config
 from looped.model.kv_cache import init_cache
+from looped.model.layers import rope_table
 from looped.model.looped_lm import recurrence_logits
 
 _DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "testdata")
@@ -185,6 +189,81 @@ class OuroGoldenTest(_ConvertedTest):
         layer.pop("attn_out_norm", None)
         layer.pop("mlp_out_norm", None)
     self.assertGreater(relative_error(forward(skipped, pruned), golden), 100 * TOLERANCE)
+
+
+def stored_dtypes(name: str) -> set[str]:
+  """The dtypes of every tensor in tests/testdata/<name>."""
+  folder = hf_folder.open_folder(os.path.join(_DATA, name))
+  return {str(x.dtype) for x in hf_folder.load(folder, sorted(folder.shards)).values()}
+
+
+class HuginnBfloat16GoldenTest(_ConvertedTest):
+  """huginn_tiny's weights stored in bfloat16, its RoPE buffer freqs_cis too (as a bfloat16
+  checkpoint of the public code stores it): the reference reads that rounded table, so the
+  converted model matches only with it."""
+
+  SOURCE = "huginn_tiny_bf16"
+
+  def _forward(self, r: int, params, init: str = "state0"):
+    fields = {"state_init": "zeros"} if init == "zero" else {}
+    model = self._model(r, **fields)
+    if init == "zero":
+      return jax.jit(model.apply)(params, self.ids)[0]
+    state0 = jnp.asarray(self.golden["state0"])
+    return jax.jit(lambda p, x, h: model.apply(p, x, initial_state_BxTxD=h))(
+      params, self.ids, state0
+    )[0]
+
+  def test_stored_table_is_bfloat16_and_used(self):
+    self.assertEqual(stored_dtypes(self.SOURCE), {"bfloat16"})
+    folder = hf_folder.open_folder(os.path.join(_DATA, self.SOURCE))
+    stored = np.asarray(hf_folder.load(folder, ["freqs_cis"])["freqs_cis"], np.float32)
+    table = self.params["params"]["recurrence"]["layer_0"]["attn"]["rope_table"]
+    np.testing.assert_array_equal(table, stored[0, :, 0])
+    computed = rope_table(self.cfg.max_seq_len, self.cfg.head_dim, self.cfg.rope_base)
+    self.assertGreater(float(np.max(np.abs(table - computed))), 1e-4)  # Rounded: not equal.
+    # The rounding moves the logits: the float32 folder's goldens would not match.
+    float32 = np.load(os.path.join(_DATA, "huginn_tiny", "golden.npz"))["logits_state0_r4"]
+    self.assertGreater(relative_error(self.golden["logits_state0_r4"], float32), 1e-3)
+
+  def test_parallel_forward_and_decode_match_golden(self):
+    for r in (2, 4):
+      for init in ("zero", "state0"):
+        with self.subTest(r=r, init=init):
+          err = relative_error(
+            self._forward(r, self.params, init), self.golden[f"logits_{init}_r{r}"]
+          )
+          self.assertLess(err, TOLERANCE)
+      with self.subTest(r=r, decode=True):
+        state0 = jnp.asarray(self.golden["state0"])
+        logits = decode(self._model(r), self.params, self.ids, state0)
+        err = relative_error(logits, self.golden[f"decode_logits_state0_r{r}"])
+        self.assertLess(err, TOLERANCE)
+
+  def test_a_recomputed_table_fails_the_match(self):
+    computed = rope_table(self.cfg.max_seq_len, self.cfg.head_dim, self.cfg.rope_base)
+    swap = lambda path, x: computed if path[-1].key == "rope_table" else x
+    params = jax.tree_util.tree_map_with_path(swap, self.params)
+    err = relative_error(self._forward(4, params), self.golden["logits_state0_r4"])
+    self.assertGreater(err, 10 * TOLERANCE)
+
+
+class OuroBfloat16GoldenTest(_ConvertedTest):
+  """ouro_tiny's weights stored in bfloat16 (its rotary inv_freq is not stored: the reference
+  recomputes it, as the converted model does)."""
+
+  SOURCE = "ouro_tiny_bf16"
+
+  def test_parallel_forward_and_decode_match_golden(self):
+    self.assertEqual(stored_dtypes(self.SOURCE), {"bfloat16"})
+    float32 = np.load(os.path.join(_DATA, "ouro_tiny", "golden.npz"))["logits_r4"]
+    self.assertGreater(relative_error(self.golden["logits_r4"], float32), 1e-3)
+    for r in (2, 4):
+      with self.subTest(r=r):
+        logits = jax.jit(self._model(r).apply)(self.params, self.ids)[0]
+        self.assertLess(relative_error(logits, self.golden[f"logits_r{r}"]), TOLERANCE)
+        logits = decode(self._model(r), self.params, self.ids)
+        self.assertLess(relative_error(logits, self.golden[f"decode_logits_r{r}"]), TOLERANCE)
 
 
 if __name__ == "__main__":

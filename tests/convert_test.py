@@ -141,6 +141,9 @@ class ConvertErrorsTest(testing.TempDirTestCase):
     self._fails(src, "has no config.json")
     write_folder(src, HUGINN, huginn)
     self._fails(src, "convert.num_recurrences", **{"convert.num_recurrences": -1})
+    self._fails(  # Past Huginn's stored RoPE table (block_size 64 rows).
+      src, "convert.max_seq_len = 65.*RoPE table holds 64 positions", **{"convert.max_seq_len": 65}
+    )
     with open(os.path.join(src, "config.json"), "w") as f:
       json.dump({**HUGINN, "injection_type": "add"}, f)
     self._fails(src, r"injection_type = 'add' is not supported: supported: 'linear'")
@@ -189,7 +192,8 @@ class ConvertTest(testing.TempDirTestCase):
     return src, out, tensors
 
   def test_huginn_checkpoint_carries_model_and_tokenizer(self):
-    _, out, tensors = self._convert(HUGINN, huginn, **{"convert.num_recurrences": 5})
+    fields = {"convert.num_recurrences": 5, "convert.max_seq_len": 32}
+    _, out, tensors = self._convert(HUGINN, huginn, **fields)
     record = model_record.read(out)
     self.assertEqual(record["model"]["num_recurrences"], 5)
     self.assertEqual(record["model"]["block_norm"], "post")
@@ -204,6 +208,10 @@ class ConvertTest(testing.TempDirTestCase):
     np.testing.assert_array_equal(params["head"]["kernel"], tensors["lm_head.weight"].T)
     fc = tensors["transformer.core_block.1.mlp.fc.weight"]
     np.testing.assert_array_equal(params["recurrence"]["layer_1"]["mlp"]["up"]["kernel"], fc[24:].T)
+    # The stored RoPE table, cut to the converted context, in every attention layer.
+    table = tensors["freqs_cis"][0, :32, 0]
+    for scope in (params["prelude_0"], params["recurrence"]["layer_0"], params["coda_0"]):
+      np.testing.assert_array_equal(scope["attn"]["rope_table"], table)
     self.assertIsInstance(tokenizers.get(data_cfg), tokenizers.HuggingFaceTokenizer)
 
   def test_ouro_checkpoint_generates_with_its_tokenizer(self):

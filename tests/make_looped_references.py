@@ -5,6 +5,11 @@ saved by their own PyTorch reference code, plus golden logits (golden.npz).
     --huginn_modeling_file=PATH/raven_modeling_minimal.py \
     --ouro_modeling_file=PATH/modeling_ouro.py
 
+With --dtype=bfloat16 it writes {huginn,ouro}_tiny_bf16/ instead: the same weights rounded to
+bfloat16 and saved as bfloat16 (Huginn's RoPE buffer freqs_cis too, as a bfloat16 checkpoint of
+the public code stores it), and goldens from the reference in float32 on that file's values
+(the model rebuilt in float32 and the saved shards loaded into it, buffers included).
+
 Needs torch, transformers, safetensors, tokenizers and numpy; CI runs none of it and reads the
 committed files. The modeling files are not part of this repository: each is imported from its
 own directory as a package, next to its config module (raven_config_minimal.py,
@@ -133,6 +138,38 @@ def save_checkpoint(model, out: str, config: dict):
     f.write("\n")
 
 
+def round_to(torch, model, dtype: str):
+  """Every parameter rounded to `dtype` (kept float32): the values a `dtype` file will hold."""
+  if dtype == "bfloat16":
+    with torch.no_grad():
+      for p in model.parameters():
+        p.copy_(p.to(torch.bfloat16).float())
+
+
+def save_as(torch, model, out: str, config: dict, dtype: str):
+  """save_checkpoint with every tensor (buffers included) in `dtype`; the model is left float32."""
+  save_checkpoint(model.to(getattr(torch, dtype)), out, config)
+  model.float()
+
+
+def load_saved(torch, model, out: str):
+  """The saved shards loaded into `model` (float32), as from_pretrained loads a checkpoint in
+  float32: parameters and persistent buffers take the file's values."""
+  from safetensors.torch import load_file
+
+  with open(os.path.join(out, "model.safetensors.index.json")) as f:
+    shards = sorted(set(json.load(f)["weight_map"].values()))
+  state = {}
+  for shard in shards:
+    state.update(load_file(os.path.join(out, shard)))
+  missing, unexpected = model.load_state_dict(state, strict=False)
+  assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+  for name, t in model.state_dict().items():
+    if name in state:
+      assert torch.equal(t, state[name].float()), name
+  return model
+
+
 def versions(torch, dtype: str | None = None) -> dict:
   import transformers
 
@@ -149,7 +186,7 @@ def np32(t) -> np.ndarray:
 # Huginn-0125 (RavenForCausalLM).
 
 
-def huginn(modeling_file: str, out: str, seed: int):
+def huginn(modeling_file: str, out: str, seed: int, dtype: str = "float32"):
   torch = need("torch")
   ref = load_reference(modeling_file, "huginn_reference")
   cfg_mod = importlib.import_module("huginn_reference.raven_config_minimal")
@@ -177,6 +214,7 @@ def huginn(modeling_file: str, out: str, seed: int):
   model = ref.RavenForCausalLM(config).float().eval()
   # wte is scaled by sqrt(n_embd) on input; N(0, 1/n_embd) keeps the scaled embeddings ~N(0, 1).
   randomize(torch, model, seed, emb_std=config.n_embd**-0.5)
+  round_to(torch, model, dtype)
   assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr(), "untied"
 
   os.makedirs(out, exist_ok=True)
@@ -192,10 +230,13 @@ def huginn(modeling_file: str, out: str, seed: int):
       },
       "num_attention_heads": config.n_heads,
       "num_key_value_heads": config.n_heads,
-      **versions(torch, "float32"),
+      **versions(torch, dtype),
     },
   )
-  save_checkpoint(model, out, saved)
+  save_as(torch, model, out, saved, dtype)
+  # Rebuilt in float32 and loaded from the file: freqs_cis is the stored table.
+  model = load_saved(torch, ref.RavenForCausalLM(config).float().eval(), out)
+  assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr(), "untied"
 
   # The recurrent state's initial value: the reference draws it per call with torch.randn +
   # trunc_normal_ (initialize_state). Drawn once here and passed as input_states, so the JAX
@@ -236,7 +277,7 @@ def huginn(modeling_file: str, out: str, seed: int):
         golden[f"decode_logits_{init}_r{steps}"] = np32(torch.cat(steps_logits, 1))
         err = np.abs(golden[f"decode_logits_{init}_r{steps}"] - golden[f"logits_{init}_r{steps}"])
         print(f"huginn r={steps} {init}: |decode - parallel| max {err.max():.2e}")
-  golden["meta"] = np.array(json.dumps({"seed": seed, **versions(torch)}))
+  golden["meta"] = np.array(json.dumps({"seed": seed, **versions(torch), "dtype": dtype}))
   np.savez_compressed(os.path.join(out, "golden.npz"), **golden)
 
 
@@ -244,7 +285,7 @@ def huginn(modeling_file: str, out: str, seed: int):
 # Ouro (OuroForCausalLM).
 
 
-def ouro(modeling_file: str, out: str, seed: int):
+def ouro(modeling_file: str, out: str, seed: int, dtype: str = "float32"):
   torch = need("torch")
   ref = load_reference(modeling_file, "ouro_reference")
   cfg_mod = importlib.import_module("ouro_reference.configuration_ouro")
@@ -272,6 +313,7 @@ def ouro(modeling_file: str, out: str, seed: int):
   config._attn_implementation = "eager"
   model = ref.OuroForCausalLM(config).float().eval()
   randomize(torch, model, seed, emb_std=1.0, bias_mean=-1.0)
+  round_to(torch, model, dtype)
 
   os.makedirs(out, exist_ok=True)
   ids = torch.tensor(write_tokenizer(out, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]))
@@ -289,10 +331,12 @@ def ouro(modeling_file: str, out: str, seed: int):
       "bos_token_id": config.bos_token_id,
       "eos_token_id": config.eos_token_id,
       "pad_token_id": config.pad_token_id,
-      **versions(torch, "float32"),
+      **versions(torch, dtype),
     },
   )
-  save_checkpoint(model, out, saved)
+  save_as(torch, model, out, saved, dtype)
+  # Rebuilt in float32 and loaded from the file (the rotary inv_freq is not stored).
+  model = load_saved(torch, ref.OuroForCausalLM(config).float().eval(), out)
 
   golden = {"input_ids": ids.numpy().astype(np.int32)}
 
@@ -335,7 +379,7 @@ def ouro(modeling_file: str, out: str, seed: int):
       golden[f"decode_logits_r{steps}"] = np32(torch.cat(decoded, 1))
       err = np.abs(golden[f"decode_logits_r{steps}"] - golden[f"logits_r{steps}"])
       print(f"ouro r={steps}: |decode - parallel| max {err.max():.2e}")
-  golden["meta"] = np.array(json.dumps({"seed": seed, **versions(torch)}))
+  golden["meta"] = np.array(json.dumps({"seed": seed, **versions(torch), "dtype": dtype}))
   np.savez_compressed(os.path.join(out, "golden.npz"), **golden)
 
 
@@ -357,9 +401,13 @@ def read_checkpoint(out: str) -> tuple[dict, dict]:
       header, data = json.loads(f.read(n)), f.read()
     for name, t in header.items():
       if name != "__metadata__":
-        assert t["dtype"] == "F32", (name, t["dtype"])
+        assert t["dtype"] in ("F32", "BF16"), (name, t["dtype"])
         lo, hi = t["data_offsets"]
-        params[name] = np.frombuffer(data[lo:hi], np.float32).reshape(t["shape"]).astype(np.float64)
+        if t["dtype"] == "BF16":  # the top 16 bits of a float32
+          x = (np.frombuffer(data[lo:hi], np.uint16).astype(np.uint32) << 16).view(np.float32)
+        else:
+          x = np.frombuffer(data[lo:hi], np.float32)
+        params[name] = x.reshape(t["shape"]).astype(np.float64)
   return config, params
 
 
@@ -391,6 +439,9 @@ def huginn_numpy(out: str, ids, steps: int, state0=None):
   e_dim, heads, eps = c["n_embd"], c["n_heads"], c["norm_eps"]
   hd = e_dim // heads
   cos, sin = rope_angles(ids.shape[1], hd, c["rope_base"])
+  if "freqs_cis" in p:  # the stored table (1, block_size, 1, hd/2, 2), which the reference reads
+    table = p["freqs_cis"][:, : ids.shape[1]]
+    cos, sin = table[..., 0], table[..., 1]
 
   def rope(x):  # interleaved pairs (x[2i], x[2i+1])
     a, b = x[..., 0::2], x[..., 1::2]
@@ -474,10 +525,11 @@ def ouro_exit(step_logits, gate, threshold: float):
   return np.take_along_axis(step_logits, step[None, ..., None], 0)[0], step
 
 
-def check(out_dir: str, atol: float = 1e-4):
-  """Recomputes every parallel golden with the numpy implementations above."""
+def check(out_dir: str, suffix: str = "", atol: float = 1e-4):
+  """Recomputes every parallel golden (of the {family}_tiny{suffix} folders) with the numpy
+  implementations above."""
   worst = {}
-  out = os.path.join(out_dir, "huginn_tiny")
+  out = os.path.join(out_dir, f"huginn_tiny{suffix}")
   if os.path.isdir(out):
     g = np.load(os.path.join(out, "golden.npz"))
     for steps in (2, 4):
@@ -489,7 +541,7 @@ def check(out_dir: str, atol: float = 1e-4):
         worst[f"huginn latents_{init}_r{steps}"] = np.abs(
           latents - g[f"latents_{init}_r{steps}"]
         ).max()
-  out = os.path.join(out_dir, "ouro_tiny")
+  out = os.path.join(out_dir, f"ouro_tiny{suffix}")
   if os.path.isdir(out):
     g = np.load(os.path.join(out, "golden.npz"))
     logits, hidden, gate = ouro_numpy(out, g["input_ids"], 4)
@@ -514,20 +566,29 @@ def main():
   parser.add_argument("--ouro_modeling_file", help="modeling_ouro.py (Ouro)")
   parser.add_argument("--out_dir", default=TESTDATA)
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument(
+    "--dtype",
+    choices=("float32", "bfloat16"),
+    default="float32",
+    help="stored weight dtype; bfloat16 writes {family}_tiny_bf16 (goldens in float32 compute)",
+  )
   parser.add_argument("--check", action="store_true", help="only run the numpy check (no torch)")
   args = parser.parse_args()
+  suffix = "_bf16" if args.dtype == "bfloat16" else ""
   if args.check:
-    return check(args.out_dir)
+    return check(args.out_dir, suffix)
   if not (args.huginn_modeling_file or args.ouro_modeling_file):
     sys.exit("error: give --huginn_modeling_file=PATH and/or --ouro_modeling_file=PATH")
   need("torch")
   need("transformers")
   need("safetensors")
   if args.huginn_modeling_file:
-    huginn(args.huginn_modeling_file, os.path.join(args.out_dir, "huginn_tiny"), args.seed)
+    out = os.path.join(args.out_dir, f"huginn_tiny{suffix}")
+    huginn(args.huginn_modeling_file, out, args.seed, args.dtype)
   if args.ouro_modeling_file:
-    ouro(args.ouro_modeling_file, os.path.join(args.out_dir, "ouro_tiny"), args.seed)
-  check(args.out_dir)
+    out = os.path.join(args.out_dir, f"ouro_tiny{suffix}")
+    ouro(args.ouro_modeling_file, out, args.seed, args.dtype)
+  check(args.out_dir, suffix)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,9 @@ x = n2(x + attn(n1(x))), x = n4(x + mlp(n3(x)))), injection='linear' (the adapte
 no prelude norm, no QK-norm. The fused Wqkv and fc weights are split; Huginn's RoPE rotates
 interleaved pairs (2i, 2i+1), LoopedLM rotates halves (i, i + H/2): the query and key rows
 (and their biases) are permuted accordingly, which leaves every attention score unchanged.
+The reference reads RoPE's cos/sin from its stored `freqs_cis` buffer (rounded to bfloat16 in a
+bfloat16 checkpoint), so the converted model does too (rope_table, every attention layer); the
+pair order does not change the table (pair i is (2i, 2i+1) there, (i, i + H/2) here).
 Huginn starts the recurrence from truncated-normal noise of std sqrt(2 / 5D) * sqrt(D); the
 converted model uses state_init='like_init' with that std (untruncated noise from its own
 generator, so sampled runs differ from the reference's), or zeros for state_init 'zero'.
@@ -24,7 +27,7 @@ import numpy as np
 from looped.convert import common
 
 ARCHITECTURES = ("RavenForCausalLM",)
-_IGNORED = ("freqs_cis",)  # RoPE tables saved as a buffer: recomputed by LoopedLM.
+ROPE_TABLE = "freqs_cis"  # RoPE cos/sin buffer (1, block_size, 1, H/2, 2), read as stored.
 _SUPPORTED = {
   "block_class_name": ("SandwichBlock",),
   "mlp_class_name": ("GatedMLP",),
@@ -83,6 +86,7 @@ def model_config(hf: dict) -> dict:
     "qk_norm": False,
     "qk_bias": bool(hf.get("qk_bias", True)),
     "rope_base": float(common.field(hf, "rope_base", float, default=50_000.0)),
+    "rope_table": True,
     "tie_embeddings": bool(hf.get("tie_embeddings", hf.get("tie_word_embeddings", True))),
     "max_seq_len": common.field(hf, "block_size", int, default=4096),
     "block_norm": "post",
@@ -125,11 +129,12 @@ def expected_shapes(hf: dict) -> tuple[dict, tuple[str, ...]]:
   s = _sizes(hf)
   cfg = model_config(hf)
   shapes = {"transformer.wte.weight": (s["V"], s["D"]), "transformer.ln_f.weight": (s["D"],)}
+  shapes[ROPE_TABLE] = (1, cfg["max_seq_len"], 1, s["H"] // 2, 2)
   shapes["transformer.adapter.weight"] = (s["D"], 2 * s["D"])
   for module, _, count in _stages(s):
     for i in range(count):
       shapes.update(_block_shapes(f"{module}.{i}", s, cfg["qk_bias"]))
-  optional = _IGNORED
+  optional = ()
   if cfg["tie_embeddings"]:
     optional += ("lm_head.weight",)  # Tied: saved or not, the embedding is used.
   else:
@@ -142,7 +147,7 @@ def _half_rotation(h: int) -> np.ndarray:
   return np.concatenate([np.arange(0, h, 2), np.arange(1, h, 2)])
 
 
-def _block_params(t: dict, prefix: str, s: dict, qk_bias: bool) -> dict:
+def _block_params(t: dict, prefix: str, s: dict, qk_bias: bool, table: np.ndarray) -> dict:
   d, n, k, h, f = s["D"], s["N"], s["K"], s["H"], s["F"]
   perm = _half_rotation(h)
   wqkv = t[f"{prefix}.attn.Wqkv.weight"]
@@ -153,6 +158,7 @@ def _block_params(t: dict, prefix: str, s: dict, qk_bias: bool) -> dict:
     "key": {"kernel": heads(kk, k)[:, perm].transpose(2, 0, 1)},
     "value": {"kernel": heads(v, k).transpose(2, 0, 1)},
     "out": {"kernel": t[f"{prefix}.attn.proj.weight"].T.reshape(n, h, d)},
+    "rope_table": table,
   }
   if qk_bias:
     bias = t[f"{prefix}.attn.qk_bias"]
@@ -183,9 +189,11 @@ def to_params(tensors: dict, hf: dict) -> dict:
     "final_norm": {"scale": t["transformer.ln_f.weight"]},
     "recurrence": {"inject": {"linear": {"kernel": t["transformer.adapter.weight"].T}}},
   }
+  table = t[ROPE_TABLE][0, :, 0]  # (block_size, H/2, 2): [..., 0] cos, [..., 1] sin.
   for module, scope, count in _stages(s):
     for i in range(count):
-      common.put(p, scope.format(i), _block_params(t, f"{module}.{i}", s, cfg["qk_bias"]))
+      block = _block_params(t, f"{module}.{i}", s, cfg["qk_bias"], table)
+      common.put(p, scope.format(i), block)
   if not cfg["tie_embeddings"]:
     p["head"] = {"kernel": t["lm_head.weight"].T}
   return {"params": p}

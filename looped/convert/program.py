@@ -45,8 +45,20 @@ def model_fields(config, folder: hf_folder.HFFolder) -> dict:
   if config.convert.num_recurrences:
     out["num_recurrences"] = config.convert.num_recurrences
   if config.convert.max_seq_len:
+    if fields.get("rope_table") and config.convert.max_seq_len > fields["max_seq_len"]:
+      cc.fail(
+        "convert.max_seq_len",
+        config.convert.max_seq_len,
+        f"the checkpoint's stored RoPE table holds {fields['max_seq_len']} positions",
+      )
     out["max_seq_len"] = config.convert.max_seq_len
   return out
+
+
+def _fit_rope_tables(params: dict, length: int) -> dict:
+  """Stored RoPE tables (model.rope_table) cut to the converted context's first `length` rows."""
+  cut = lambda path, x: x[:length] if getattr(path[-1], "key", None) == "rope_table" else x
+  return jax.tree_util.tree_map_with_path(cut, params)
 
 
 def _check(config) -> tuple[hf_folder.HFFolder, dict]:
@@ -98,7 +110,7 @@ def run(config, workdir: str) -> dict:
   cfg = model_lib.from_config(ml_collections.ConfigDict(fields))
   expected, _ = family.expected_shapes(folder.config)
   tensors = hf_folder.load(folder, sorted(expected))
-  params = family.to_params(tensors, folder.config)
+  params = _fit_rope_tables(family.to_params(tensors, folder.config), cfg.max_seq_len)
   model = LoopedLM(cfg)
   abstract = jax.eval_shape(
     lambda: init_params(model, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))

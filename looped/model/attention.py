@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from looped.model import pallas_attention
 from looped.model.config import ModelConfig
-from looped.model.layers import RMSNorm, projection, rope
+from looped.model.layers import RMSNorm, projection, rope, rope_table
 from looped.model.mixer_interface import KV, MixerContext, gqa_cache
 
 
@@ -114,8 +114,18 @@ class Attention(nn.Module):
     if cfg.qk_norm:
       q_BxTxNxH = RMSNorm(cfg.weight_dtype, cfg.qk_norm_eps, name="query_norm")(q_BxTxNxH)
       k_BxTxKxH = RMSNorm(cfg.weight_dtype, cfg.qk_norm_eps, name="key_norm")(k_BxTxKxH)
-    q_BxTxNxH = rope(q_BxTxNxH, positions_BxT, cfg.rope_base)
-    k_BxTxKxH = rope(k_BxTxKxH, positions_BxT, cfg.rope_base)
+    table_SxFx2 = None
+    if cfg.rope_table:  # A fixed table (a converted checkpoint's buffer): read, never trained.
+      init = lambda key, shape, dtype: rope_table(shape[0], cfg.head_dim, cfg.rope_base)
+      table_SxFx2 = self.param(
+        "rope_table",
+        nn.with_logical_partitioning(init, (None, None, None)),
+        (cfg.max_seq_len, cfg.head_dim // 2, 2),
+        jnp.float32,
+      )
+      table_SxFx2 = jax.lax.stop_gradient(table_SxFx2)
+    q_BxTxNxH = rope(q_BxTxNxH, positions_BxT, cfg.rope_base, table_SxFx2)
+    k_BxTxKxH = rope(k_BxTxKxH, positions_BxT, cfg.rope_base, table_SxFx2)
     own = (k_BxTxKxH, v_BxTxKxH)
 
     if cfg.attention_impl == "pallas" and pallas_attention.handles(ctx):  # Flash / paged.

@@ -71,6 +71,11 @@ class ModelConfig:
   prelude_norm: bool = field(True, "RMSNorm on the prelude output e before injection.")
   qk_norm: bool = field(True, "RMSNorm on queries and keys per head.")
   rope_base: float = field(10000.0, "RoPE base frequency.", gt=1.0)
+  rope_table: bool = field(
+    False,
+    "GQA layers read RoPE cos/sin from a stored [max_seq_len, head_dim/2, 2] param "
+    "(rope_table, not trained; a converted checkpoint's table) instead of computing them.",
+  )
   tie_embeddings: bool = field(True, "LM head reuses the embedding matrix.")
   max_seq_len: int = field(512, "Longest sequence (positions) the model is used with.", min=1)
   init_std: float = field(
@@ -219,16 +224,18 @@ def validate(config, prefix: str = "model") -> None:
   cc.divides(config, p + "num_heads", get("num_kv_heads"), p + "num_kv_heads")
   if get("head_dim") % 2:
     cc.fail(p + "head_dim", get("head_dim"), "must be even (RoPE rotates pairs)")
-  if get("qk_bias"):
+  gqa_only = (("qk_bias", "biases GQA queries and keys"), ("rope_table", "is read by GQA only"))
+  for name, what in gqa_only:
+    if not get(name):
+      continue
     for stage in STAGES:
       pattern, count = tuple(get(f"{stage}_mixers")), get(f"num_{stage}_layers")
       others = sorted({pattern[i % len(pattern)] for i in range(count)} - {"gqa"})
       if others:
         cc.fail(
-          p + "qk_bias",
+          p + name,
           True,
-          f"biases GQA queries and keys, so every layer must be GQA, but {p}{stage}_mixers has "
-          f"{others[0]} layers",
+          f"{what}, so every layer must be GQA, but {p}{stage}_mixers has {others[0]} layers",
         )
   _check_value_embed_layers(get, p)
   if get("core_out_proj") and get("core_out_norm") == "every":

@@ -66,13 +66,33 @@ class RMSNorm(nn.Module):
     return (y * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x_BxTxNxH: jax.Array, positions_BxT: jax.Array, base: float) -> jax.Array:
-  """Rotary position embedding (rotate-half convention), computed in float32."""
-  half = x_BxTxNxH.shape[-1] // 2
+def rope_table(length: int, head_dim: int, base: float) -> jax.Array:
+  """[length, head_dim/2, 2] (cos, sin) of rope's angles at positions 0..length-1."""
+  half = head_dim // 2
   inv_freq_F = 1.0 / (base ** (jnp.arange(half, dtype=jnp.float32) / half))
-  angles_BxTxF = positions_BxT[..., None].astype(jnp.float32) * inv_freq_F
-  sin = jnp.sin(angles_BxTxF)[:, :, None, :]
-  cos = jnp.cos(angles_BxTxF)[:, :, None, :]
+  angles_SxF = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq_F
+  return jnp.stack([jnp.cos(angles_SxF), jnp.sin(angles_SxF)], axis=-1)
+
+
+def rope(
+  x_BxTxNxH: jax.Array,
+  positions_BxT: jax.Array,
+  base: float,
+  table_SxFx2: jax.Array | None = None,
+) -> jax.Array:
+  """Rotary position embedding (rotate-half convention), computed in float32. With a table
+  (rope_table's layout), cos and sin are read from it at the positions rather than computed:
+  a checkpoint's stored table (e.g. rounded to bfloat16) is then used as its reference uses it."""
+  if table_SxFx2 is None:
+    half = x_BxTxNxH.shape[-1] // 2
+    inv_freq_F = 1.0 / (base ** (jnp.arange(half, dtype=jnp.float32) / half))
+    angles_BxTxF = positions_BxT[..., None].astype(jnp.float32) * inv_freq_F
+    sin = jnp.sin(angles_BxTxF)[:, :, None, :]
+    cos = jnp.cos(angles_BxTxF)[:, :, None, :]
+  else:
+    # Clipped: a position past the table (padding beyond max_seq_len) reads its last row, not NaN.
+    cs_BxTxFx2 = jnp.take(table_SxFx2.astype(jnp.float32), positions_BxT, axis=0, mode="clip")
+    cos, sin = cs_BxTxFx2[:, :, None, :, 0], cs_BxTxFx2[:, :, None, :, 1]
   x1, x2 = jnp.split(x_BxTxNxH.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x_BxTxNxH.dtype)

@@ -17,8 +17,12 @@ def learning_rate_schedule(train_cfg) -> optax.Schedule:
 
 
 def make_optimizer(train_cfg) -> optax.GradientTransformation:
-  # Norm scales, injection decay rates and other vectors are not weight-decayed.
-  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+  # Norm scales, injection decay rates and other vectors are not weight-decayed, nor a fixed
+  # RoPE table (model.rope_table: it gets no gradient, so decay alone would move it).
+  fixed = lambda path: any(getattr(k, "key", None) == "rope_table" for k in path)
+  decay_mask = lambda params: jax.tree_util.tree_map_with_path(
+    lambda path, p: p.ndim >= 2 and not fixed(path), params
+  )
   chain = []
   if train_cfg.grad_clip > 0:
     chain.append(optax.clip_by_global_norm(train_cfg.grad_clip))
