@@ -14,6 +14,10 @@ tests/model_block_prefill_test.py (130 -> 84 s, jax 0.10.2). XLA's own passes (f
 are the same, so the tests check the same programs; floats can differ in their last bits
 (LLVM's instruction choices), and the generated code is slower.
 
+The server tests (tests/server_*_test.py) run without that cache: they run the engine in a
+thread of the test process beside the test's own JAX work, and writing an executable to the
+cache there crashed the process twice (a segfault in `executable.serialize()`, jax 0.10.2).
+
 `--cpu-durations=N` prints the N tests that used the most CPU: CI's budget is CPU-bound (2
 cores), and wall-clock durations swing with whatever else runs, while the CPU seconds a test
 spends (its process plus the subprocesses it waits for) do not.
@@ -70,6 +74,23 @@ def pytest_configure(config):
     jax.config.update(
       "jax_compilation_cache_max_size", int(_CACHE_ENV["JAX_COMPILATION_CACHE_MAX_SIZE"])
     )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_compilation_cache_beside_an_engine_thread(request):
+  """Module-scoped, so it is in place before a TestCase's setUpClass starts a server."""
+  if not os.path.basename(str(request.path)).startswith("server_"):
+    yield
+    return
+  import jax
+  from jax.experimental.compilation_cache import compilation_cache
+
+  enabled = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  compilation_cache.reset_cache()  # The cache's use is decided once per process otherwise.
+  yield
+  jax.config.update("jax_enable_compilation_cache", enabled)
+  compilation_cache.reset_cache()
 
 
 def pytest_unconfigure(config):
