@@ -47,7 +47,7 @@ class EngineMeshTest(testing.TempDirTestCase):
     env = testing.fake_cpu_devices_env(8)
     paths = [REPO, os.path.join(REPO, "tests"), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(paths)
-    proc = subprocess.run(
+    run = lambda: subprocess.run(
       [sys.executable, os.path.join(REPO, "tests", "engine_mesh_worker.py"), out],
       cwd=REPO,
       env=env,
@@ -55,6 +55,10 @@ class EngineMeshTest(testing.TempDirTestCase):
       text=True,
       timeout=900,
     )
+    proc = run()
+    if proc.returncode and testing.XLA_CPU_COLLECTIVE_TIMEOUT in proc.stderr:
+      print("engine_mesh_worker: XLA:CPU collective deadlock; running it again")
+      proc = run()
     if proc.returncode:
       raise AssertionError(f"engine_mesh_worker failed:\n{proc.stderr[-4000:]}")
     with open(out) as f:

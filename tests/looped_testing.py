@@ -48,18 +48,23 @@ TINY_RUN_OVERRIDES = {
 }
 
 
+# What XLA:CPU prints when it ends a process whose devices waited too long in a collective.
+XLA_CPU_COLLECTIVE_TIMEOUT = "Termination timeout for"
+
+
 def fake_cpu_devices_env(count: int) -> dict:
   """The environment of a subprocess whose CPU backend is `count` fake devices.
 
-  XLA:CPU runs each fake device's part of a collective on a thread and ends the process when a
-  participant is 40 s late (xla_cpu_collective_call_terminate_timeout_seconds): on two loaded
-  cores (CI runs two test workers beside the subprocess) 8 devices were that late, so the limit
-  is raised; a deadlock still ends the run, after 15 minutes.
+  XLA:CPU runs each fake device on threads of its own and may start two independent collectives
+  in a different order on different devices; on two loaded cores it then deadlocked (5 of 8
+  devices in a collective permute, 3 in an all-reduce, jax 0.10.2) and ended the process after
+  its collective timeout (40 s by default). The timeout is raised to 120 s so that slowness
+  under load is not taken for that; the tests run a worker that ended so once more.
   """
   flags = [
     *os.environ.get("XLA_FLAGS", "").split(),  # The test run's own (tests/conftest.py).
     f"--xla_force_host_platform_device_count={count}",
-    "--xla_cpu_collective_call_terminate_timeout_seconds=900",
+    "--xla_cpu_collective_call_terminate_timeout_seconds=120",
   ]
   return dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
 
