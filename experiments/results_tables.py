@@ -300,32 +300,36 @@ def recipe_curves() -> str:
   return recipe_table.curves_table(_results("recipe_curves", "curves_s0"))
 
 
+# Runs of the KV-policy table (experiments/results/kv_policies/): (regime, run).
+_KV_POLICY_RUNS = (("default", "default_s0"), ("`:fixed`", "fixed_s0"))
+
+
 def kv_policies() -> str:
-  """Each KV-sharing policy's exact-decode gap and bytes, the default model's three stages
-  (experiments/results/kv_policies/default_s0): `final` is the report's own exact gap, the
-  unshared cache the reference every gap is measured against."""
-  models = _report("kv_policies/default_s0")["models"]
-  r = len(next(iter(next(iter(models.values()))["kv_policies"].values()))["reads"])
+  """Each KV-sharing policy's exact-decode gap and bytes for the default model's and the
+  `:fixed` variant's three stages, seed 0 (experiments/results/kv_policies/): `final` is the
+  report's own exact gap, the unshared cache the reference every gap is measured against."""
   lines = [
-    "| model | KV policy | c(r), r = 1..R | cached recurrences | KV B/token (bf16) | "
+    "| regime | model | KV policy | c(r), r = 1..R | cached recurrences | KV B/token (bf16) | "
     "ppl shared exact | gap exact [95% CI] |",
-    "|---|---|---|---|---:|---:|---:|",
+    "|---|---|---|---|---|---:|---:|---:|",
   ]
-  for name, m in models.items():
-    kv = m["kv_bytes_per_token"]
-    rows = [("final", " ".join([str(r)] * r), str(r), kv["shared"], m)]
-    for policy, p in m["kv_policies"].items():
-      reads, cached = " ".join(map(str, p["reads"])), " ".join(map(str, p["cached"]))
-      rows.append((policy, reads, cached, p["kv_bytes_per_token"], p))
-    for policy, reads, cached, nbytes, p in rows:
+  for regime, run in _KV_POLICY_RUNS:
+    for name, m in _report(f"kv_policies/{run}")["models"].items():
+      kv, policies = m["kv_bytes_per_token"], m["kv_policies"]
+      r = len(next(iter(policies.values()))["reads"])
+      rows = [("final", " ".join([str(r)] * r), str(r), kv["shared"], m)]
+      for policy, p in policies.items():
+        reads, cached = " ".join(map(str, p["reads"])), " ".join(map(str, p["cached"]))
+        rows.append((policy, reads, cached, p["kv_bytes_per_token"], p))
+      for policy, reads, cached, nbytes, p in rows:
+        lines.append(
+          f"| {regime} | {_MODEL_NAMES[name]} | {policy} | {reads} | {cached} | {nbytes:,.0f} | "
+          f"{p['ppl_shared_exact_subset']:.3f} | {_gap2(p['gap_exact'], p['gap_exact_ci95'])} |"
+        )
       lines.append(
-        f"| {_MODEL_NAMES[name]} | {policy} | {reads} | {cached} | {nbytes:,.0f} | "
-        f"{p['ppl_shared_exact_subset']:.3f} | {_gap2(p['gap_exact'], p['gap_exact_ci95'])} |"
+        f"| {regime} | {_MODEL_NAMES[name]} | unshared | - | all {r} | {kv['unshared']:,.0f} | "
+        f"{m['ppl_unshared_subset']:.3f} | 0 |"
       )
-    lines.append(
-      f"| {_MODEL_NAMES[name]} | unshared | - | all {r} | {kv['unshared']:,.0f} | "
-      f"{m['ppl_unshared_subset']:.3f} | 0 |"
-    )
   return "\n".join(lines)
 
 
