@@ -170,15 +170,11 @@ class EngineLogitsTest(parameterized.TestCase):
       want = np.stack([ref[i][p] for p in range(first, end)])
       # Raw pages agree to float32 summation order. In a format, a last-bit difference before
       # rounding can move a stored value by one quantum (MLA's batch-dependent matmuls do), and
-      # every later position of the request reads it (seen: 1.5e-3 in fp8 from one flip); so
-      # most logits agree to float noise and none by 1e-2, while a moved block boundary
-      # changes logits by ~1e-1 (and every later one).
-      if kv_format is None:
-        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
-      else:
-        diff = np.abs(got - want)
-        self.assertLess(float(np.median(diff)), 1e-5)
-        self.assertLess(float(diff.max()), 1e-2)
+      # every later position of the request reads it (seen: 1.5e-3 in fp8 from one flip, and
+      # from an early flip most positions of a request); a moved block boundary changes logits
+      # by ~1e-1.
+      atol = 1e-5 if kv_format is None else 1e-2
+      np.testing.assert_allclose(got, want, atol=atol, rtol=0)
       # The engine's greedy tokens are the argmax of its logits at the sampled positions.
       last = [logits[p].argmax() for p in range(r.prompt_len - 1, end)]
       self.assertEqual(g.tokens, [int(t) for t in last])
