@@ -225,8 +225,8 @@ class MeshTrainingTest(testing.TempDirTestCase):
 
 
 class BeNiceOnMeshTest(absltest.TestCase):
-  """configs/benice.py:smoke (without its KV-format and block columns) on data=2 x fsdp=2 x
-  tensor=2 reports the 1-device perplexities to 1e-4."""
+  """configs/benice.py:smoke (without its KV-format and block columns) on data=2 x fsdp=4
+  reports the 1-device perplexities to 1e-4 (tests/mesh_worker.py says why not tensor=2)."""
 
   def test_report_matches_the_one_device_report(self):
     with tempfile.TemporaryDirectory() as root:
