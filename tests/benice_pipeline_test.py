@@ -153,16 +153,17 @@ class StageConfigTest(testing.TempDirTestCase):
     with self.assertRaisesRegex(config_checks.ConfigError, r"train.weight_decay"):
       stages.begin(stage_dir, stage_cfg)
 
-  def test_parent_digest_recorded_with_observation_fields_is_the_same_parent(self):
-    # A pretraining record written while those fields still counted holds them, and its child
-    # recorded the digest over that record.
+  def _child_of_an_older_parent_record(self, edit):
+    """A pretraining record changed by `edit` (as an older version wrote it) and a finetuning
+    child that recorded the digest over that record: (config, pretrain dir, parent as today's
+    run computes it, child dir, child record, the old digest)."""
     config = benice_config.get_config("smoke")
     pretrain_dir = os.path.join(self.tmp, "pretrain")
     stages.begin(pretrain_dir, stages.stage_config(config, stages.PRETRAIN))
     path = os.path.join(pretrain_dir, "stage_config.json")
     with open(path) as f:
       recorded = json.load(f)
-    recorded["train"].update(profile_steps=0, profile_skip_steps=1, peak_tflops=0.0, dry_run=False)
+    edit(recorded)
     with open(path, "w") as f:
       json.dump(recorded, f)
     parent = stages.pretrain_parent(config, pretrain_dir)
@@ -176,32 +177,24 @@ class StageConfigTest(testing.TempDirTestCase):
     record["parent"]["fingerprint"] = old_digest
     with open(child, "w") as f:
       json.dump(record, f)
+    return config, pretrain_dir, parent, finetune_dir, record, old_digest
+
+  def test_parent_digest_recorded_with_observation_fields_is_the_same_parent(self):
+    # A pretraining record written while those fields still counted holds them.
+    observed = dict(profile_steps=0, profile_skip_steps=1, peak_tflops=0.0, dry_run=False)
+    config, pretrain_dir, parent, finetune_dir, _, _ = self._child_of_an_older_parent_record(
+      lambda r: r["train"].update(observed)
+    )
     stages.check_parent(stages.FINETUNE, finetune_dir, parent)
     stages.begin(pretrain_dir, stages.stage_config(config, stages.PRETRAIN))  # It resumes.
 
   def test_parent_recorded_under_an_older_digest_is_the_same_parent(self):
     # A post-training stage recorded its parent's digest over the pretraining's record as then
     # written (with scan_unroll); today's digest strips it. Both name the same parent.
-    config = benice_config.get_config("smoke")
-    pretrain_dir = os.path.join(self.tmp, "pretrain")
-    stages.begin(pretrain_dir, stages.stage_config(config, stages.PRETRAIN))
-    path = os.path.join(pretrain_dir, "stage_config.json")
-    with open(path) as f:
-      recorded = json.load(f)
-    recorded["model"]["scan_unroll"] = 1
-    with open(path, "w") as f:
-      json.dump(recorded, f)
-    parent = stages.pretrain_parent(config, pretrain_dir)
-    old_digest = hashlib.sha256(json.dumps(recorded, sort_keys=True).encode()).hexdigest()[:16]
-    self.assertNotEqual(old_digest, parent["fingerprint"])
-    finetune_dir = os.path.join(self.tmp, "finetune")
-    stages.begin(finetune_dir, stages.stage_config(config, stages.FINETUNE), parent)
+    _, _, parent, finetune_dir, record, old_digest = self._child_of_an_older_parent_record(
+      lambda r: r["model"].update(scan_unroll=1)
+    )
     child = os.path.join(finetune_dir, "stage_config.json")
-    with open(child) as f:
-      record = json.load(f)
-    record["parent"]["fingerprint"] = old_digest
-    with open(child, "w") as f:
-      json.dump(record, f)
     stages.check_parent(stages.FINETUNE, finetune_dir, parent)
     # Another digest, or another step, is another parent.
     record["parent"]["fingerprint"] = "0" * 16
