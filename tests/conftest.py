@@ -18,6 +18,11 @@ The server tests (tests/server_*_test.py) run without that cache: they run the e
 thread of the test process beside the test's own JAX work, and writing an executable to the
 cache there crashed the process twice (a segfault in `executable.serialize()`, jax 0.10.2).
 
+A test whose xdist worker dies under it (a segfault inside XLA: four times in five full runs
+since 2026-12-04, always in compilation or `executable.serialize()`, in a different test each
+time) runs once more on a fresh worker, shown as R and listed at the end of the run; a second
+crash, or any failure that is not a crash, fails as usual.
+
 `--cpu-durations=N` prints the N tests that used the most CPU: CI's budget is CPU-bound (2
 cores), and wall-clock durations swing with whatever else runs, while the CPU seconds a test
 spends (its process plus the subprocesses it waits for) do not.
@@ -25,6 +30,7 @@ spends (its process plus the subprocesses it waits for) do not.
 
 from __future__ import annotations
 
+import collections
 import os
 import resource
 import shutil
@@ -93,6 +99,24 @@ def _no_compilation_cache_beside_an_engine_thread(request):
   compilation_cache.reset_cache()
 
 
+_CRASHED = collections.Counter()  # nodeid -> crashes (in the xdist controller).
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_handlecrashitem(crashitem, report, sched):
+  """xdist: a test that crashed its worker the first time is scheduled once more."""
+  _CRASHED[crashitem] += 1
+  if _CRASHED[crashitem] == 1:
+    sched.mark_test_pending(crashitem)
+    report.outcome = "rerun"
+
+
+def pytest_report_teststatus(report, config):
+  if report.outcome == "rerun":
+    return "rerun", "R", "RERUN"
+  return None
+
+
 def pytest_unconfigure(config):
   path = getattr(config, "_looped_xla_cache", None)
   if path:
@@ -130,6 +154,10 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_terminal_summary(terminalreporter, config):
+  if _CRASHED:
+    terminalreporter.section("tests whose worker crashed (run once more)")
+    for nodeid, crashes in _CRASHED.items():
+      terminalreporter.write_line(f"{nodeid}: {crashes} crash(es)")
   n = config.getoption("--cpu-durations")
   if not n or not _CPU_S:
     return
