@@ -1,11 +1,11 @@
 """Importing public looped checkpoints (Hugging Face layout) as LoopedLM checkpoints, and
-exporting LoopedLM checkpoints as Parcae folders.
+exporting LoopedLM checkpoints as Parcae, Huginn or Ouro folders.
 
 hf_folder.py reads the folder (torch_bin.py its pytorch_model.bin, safely); one module per
 family maps its config and weights (huginn.py, ouro.py, parcae.py); program.py is the `convert`
-program (configs/convert.py, docs/convert.md). parcae_export.py inverts parcae.py's mapping,
-torch_save.py writes torch.save's format without torch, export.py is the `export` program
-(configs/export.py).
+program (configs/convert.py, docs/convert.md). parcae_export.py, huginn_export.py and
+ouro_export.py invert their family's mapping, torch_save.py writes torch.save's format without
+torch, export.py is the `export` program (configs/export.py).
 """
 
 from looped.convert import huginn, ouro, parcae

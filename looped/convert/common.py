@@ -1,5 +1,6 @@
 """What every family module shares: reading config.json fields, one-line errors, checking the
-checkpoint's tensor names and shapes against the config, and building the params tree."""
+checkpoint's tensor names and shapes against the config, and building the params tree; for
+export, refusing a model field a family cannot express and checking the written shapes."""
 
 from __future__ import annotations
 
@@ -66,3 +67,33 @@ def put(tree: dict, scope: str, value: dict) -> None:
   for name in parents:
     tree = tree.setdefault(name, {})
   tree[leaf] = value
+
+
+def refuse_export(family: str, name: str, value, why: str):
+  raise cc.ConfigError(f"model.{name} = {value!r} cannot be exported to {family}: {why}.")
+
+
+def require_fields(cfg, family: str, required: dict) -> None:
+  """ConfigError naming the first model field of `cfg` whose value is not the one `required`
+  ({field: (value, why)}) gives, then the first stage with a mixer other than attention."""
+  for name, (value, why) in required.items():
+    if getattr(cfg, name) != value:
+      refuse_export(family, name, getattr(cfg, name), f"{why} (needs {value!r})")
+  for stage in ("prelude", "core", "coda"):
+    mixers = getattr(cfg, f"{stage}_mixers")
+    if any(m != "gqa" for m in mixers):
+      refuse_export(family, f"{stage}_mixers", mixers, f"{family}'s layers are all attention")
+
+
+def torch_rows(kernel_DxMxH):
+  """A LoopedLM [D, heads, H] projection kernel as a torch Linear's rows: [heads, H, D]."""
+  return kernel_DxMxH.transpose(1, 2, 0)
+
+
+def check_export_shapes(family: str, out: dict, expected: dict) -> None:
+  """ValueError naming the first exported tensor whose shape is not the one the family's
+  converter expects, or that is missing or extra: a mapping bug fails here, not in torch."""
+  for name in sorted(expected.keys() | out.keys()):
+    got = tuple(out[name].shape) if name in out else None
+    if got != (tuple(expected[name]) if name in expected else None):
+      raise ValueError(f"exported {name}: shape {got}, {family}'s {expected.get(name)}")

@@ -22,7 +22,8 @@ class ConvertConfig:
   max_seq_len: int = field(0, "Longest sequence recorded for the model (0: config.json's).", min=0)
 
 
-EXPORT_FAMILIES = ("parcae",)  # Families export writes (looped/convert/export.py).
+# Families export writes (looped/convert/export.py); 'auto': the one model.injection names.
+EXPORT_FAMILIES = ("parcae", "huginn", "ouro", "auto")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +35,10 @@ class ExportConfig:
   )
   step: int = field(-1, "Checkpoint step to export (-1: the latest).", min=-1)
   family: str = field(
-    "parcae", "Folder layout written (Parcae's public code).", choices=EXPORT_FAMILIES
+    "parcae",
+    "Folder layout written, read by that family's public code ('auto': by model.injection, "
+    "diagonal -> parcae, linear -> huginn, none -> ouro).",
+    choices=EXPORT_FAMILIES,
   )
   torch_bin: bool = field(
     True, "Also write pytorch_model.bin (what Parcae's from_pretrained reads) beside safetensors."

@@ -24,6 +24,7 @@ import numpy as np
 from looped import config_checks as cc
 from looped.convert import parcae
 
+FAMILY = "Parcae"
 _MAX_BACKPROP_DEPTH = 256  # mean_backprop_depth values tried for the value-embedding rule.
 
 
