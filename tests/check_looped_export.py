@@ -1,14 +1,15 @@
 """Outside CI: looped models exported to the Huginn and Ouro families (configs/export.py,
 export.family) run in each family's own public code with looped's logits.
 
-For each family, two models are exported by the export program: the tiny folder its public code
-wrote (tests/testdata/{huginn,ouro}_tiny) converted to a looped checkpoint, and a random looped
-model the family expresses (tests/convert_export_looped_test.py's fields, every param
-0.5 N(0, 1); Huginn's computing its RoPE angles, model.rope_table=False, as a model trained by
-looped does). A Python with torch and transformers then imports the family's modeling file (as
-tests/make_looped_references.py does, as a package beside its config module), loads the
-exported folder with the class's own `from_pretrained` (model.safetensors; no missing or
-unexpected tensor) and computes the logits from the same tokens at R = 2 and 4: Huginn's
+For each family, three models are exported by the export program: the tiny folder its public code
+wrote (tests/testdata/{huginn,ouro}_tiny) converted to a looped checkpoint; a random looped model
+the family expresses (tests/convert_export_looped_test.py's fields, every param 0.5 N(0, 1);
+Huginn's computing its RoPE angles, model.rope_table=False, as a model trained by looped does); and
+a model initialized and trained by looped's trainer (configs/pretrain.py:smoke with the family's
+fields, TRAINED, --train_steps steps). A Python with torch and transformers then imports the
+family's modeling file (as tests/make_looped_references.py does, as a package beside its config
+module), loads the exported folder with the class's own `from_pretrained` (model.safetensors; no
+missing or unexpected tensor) and computes the logits from the same tokens at R = 2 and 4: Huginn's
 `forward(input_ids, input_states=h_0, num_steps=R)` from the same h_0 as looped, Ouro's
 `forward(input_ids, exit_at_step=R - 1)` with total_ut_steps = R. Prints the maximum absolute
 difference from looped's logits and the logits' maximum magnitude; fails above 1e-4.
@@ -81,8 +82,52 @@ def _export(checkpoint: str, out: str, family: str) -> None:
   programs.run(config, out)
 
 
-def _models(family: str, tmp: str, seed: int):
-  """(name, ModelConfig, params, checkpoint dir) of the converted tiny and the random model."""
+# Model fields over configs/pretrain.py:smoke's (width 64, 2 heads of 32) each family expresses.
+TRAINED = {
+  "huginn": {
+    "num_kv_heads": 2,
+    "injection": "linear",
+    "block_norm": "post",
+    "prelude_norm": False,
+    "qk_norm": False,
+    "qk_bias": True,
+    "embed_scale": 8.0,  # sqrt(d_model)
+    "core_out_norm": "final",
+    "state_init_std": (2 / 5) ** 0.5,  # sqrt(2 / 5 D) * sqrt(D)
+    "rope_base": 50000.0,
+  },
+  "ouro": {
+    "num_prelude_layers": 0,
+    "num_coda_layers": 0,
+    "injection": "none",
+    "state_init": "embed",
+    "block_norm": "sandwich",
+    "core_out_norm": "every",
+    "exit_gate": True,
+    "prelude_norm": False,
+    "qk_norm": False,
+  },
+}
+
+
+def _recorded(workdir: str):
+  """(ModelConfig, params) of the checkpoint in `workdir`, from its record."""
+  import ml_collections
+
+  import looped_testing as testing
+  from looped.checkpoints import model_record
+  from looped.model import from_config
+
+  fields = model_record.read(workdir)["model"]
+  model_cfg = ml_collections.ConfigDict(
+    {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
+  )
+  return from_config(model_cfg), testing.saved_params(model_cfg, workdir)
+
+
+def _models(family: str, tmp: str, seed: int, train_steps: int):
+  """(name, ModelConfig, params, checkpoint dir): the converted tiny folder, a random looped
+  model, and a model trained by the trainer (configs/pretrain.py:smoke, `train_steps` steps)."""
   import convert_export_looped_test as looped_test
   import convert_export_test as parcae_test
 
@@ -95,6 +140,14 @@ def _models(family: str, tmp: str, seed: int):
   ckpt = os.path.join(tmp, f"{family}_random")
   parcae_test.write_checkpoint(ckpt, cfg, params)
   yield "random looped", cfg, params, ckpt
+  if not train_steps:
+    return
+  trained = os.path.join(tmp, f"{family}_trained")
+  command = [sys.executable, "-m", "looped.main", "--config=configs/pretrain.py:smoke"]
+  command += [f"--workdir={trained}", f"--config.train.num_steps={train_steps}"]
+  command += [f"--config.model.{k}={v}" for k, v in TRAINED[family].items()]
+  subprocess.run(command, check=True, cwd=os.path.dirname(_HERE), capture_output=True)
+  yield f"trained {train_steps} steps", *_recorded(trained), trained
 
 
 def looped_side(args) -> int:
@@ -110,11 +163,11 @@ def looped_side(args) -> int:
   worst = 0.0
   for family in ("huginn", "ouro"):
     modeling_file = getattr(args, f"{family}_modeling_file")
-    for name, cfg, params, ckpt in _models(family, tmp, args.seed):
+    for name, cfg, params, ckpt in _models(family, tmp, args.seed, args.train_steps):
       folder = ckpt + "_exported"
       _export(ckpt, folder, family)
       rng = np.random.default_rng(args.seed)
-      ids = rng.integers(0, 300, (2, 24)).astype(np.int32)  # The tokenizers' ids (< vocab_size).
+      ids = rng.integers(0, min(300, cfg.vocab_size), (2, 24)).astype(np.int32)
       std = cfg.state_init_std if cfg.state_init == "like_init" else 1.0
       state0 = (std * rng.standard_normal((2, 24, cfg.d_model))).astype(np.float32)
       inputs, out = os.path.join(tmp, "inputs.npz"), os.path.join(tmp, "reference.npz")
@@ -146,6 +199,7 @@ def main() -> int:
   p.add_argument("--huginn_modeling_file", required=True, help="raven_modeling_minimal.py")
   p.add_argument("--ouro_modeling_file", required=True, help="modeling_ouro.py")
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--train_steps", type=int, default=20, help="0: no trained model")
   return looped_side(p.parse_args())
 
 
