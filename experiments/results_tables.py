@@ -300,8 +300,12 @@ def recipe_curves() -> str:
   return recipe_table.curves_table(_results("recipe_curves", "curves_s0"))
 
 
-# Runs of the KV-policy table (experiments/results/kv_policies/): (regime, run).
-_KV_POLICY_RUNS = (("default", "default_s0"), ("`:fixed`", "fixed_s0"))
+# Runs of the KV-policy table (experiments/results/kv_policies/): (regime, run, model names).
+_KV_POLICY_RUNS = (
+  ("default", "default_s0", _MODEL_NAMES),
+  ("`:fixed`", "fixed_s0", _MODEL_NAMES),
+  ("tiny Parcae", "parcae_tiny_s0", {"zero_shot": "converted (random weights)"}),
+)
 
 
 def kv_policies() -> str:
@@ -313,7 +317,7 @@ def kv_policies() -> str:
     "ppl shared exact | gap exact [95% CI] |",
     "|---|---|---|---|---|---:|---:|---:|",
   ]
-  for regime, run in _KV_POLICY_RUNS:
+  for regime, run, model_names in _KV_POLICY_RUNS:
     for name, m in _report(f"kv_policies/{run}")["models"].items():
       kv, policies = m["kv_bytes_per_token"], m["kv_policies"]
       r = len(next(iter(policies.values()))["reads"])
@@ -323,11 +327,11 @@ def kv_policies() -> str:
         rows.append((policy, reads, cached, p["kv_bytes_per_token"], p))
       for policy, reads, cached, nbytes, p in rows:
         lines.append(
-          f"| {regime} | {_MODEL_NAMES[name]} | {policy} | {reads} | {cached} | {nbytes:,.0f} | "
+          f"| {regime} | {model_names[name]} | {policy} | {reads} | {cached} | {nbytes:,.0f} | "
           f"{p['ppl_shared_exact_subset']:.3f} | {_gap2(p['gap_exact'], p['gap_exact_ci95'])} |"
         )
       lines.append(
-        f"| {regime} | {_MODEL_NAMES[name]} | unshared | - | all {r} | {kv['unshared']:,.0f} | "
+        f"| {regime} | {model_names[name]} | unshared | - | all {r} | {kv['unshared']:,.0f} | "
         f"{m['ppl_unshared_subset']:.3f} | 0 |"
       )
   return "\n".join(lines)
