@@ -27,6 +27,7 @@ from looped.model.looped_lm import LoopedLM
 from looped.scheduler import pages as pages_lib
 from looped.scheduler import replay
 from looped.scheduler import scheduler as scheduler_lib
+from pallas_kernels import platform
 
 
 def pages_for_budget(
@@ -47,6 +48,25 @@ def pages_for_budget(
 
 # The gen and serve configs' default prefill block (their comments say why).
 DEFAULT_PREFILL_BLOCK = 32
+
+ATTENTION_IMPLS = ("auto", "xla", "pallas")  # EngineConfig.attention_impl.
+
+
+def attention_impl(requested: str, mesh_shape: tuple[int, ...]) -> str:
+  """The attention an engine's calls run (EngineConfig.attention_impl resolved): 'auto' is
+  'pallas' on GPU / TPU with a one-device mesh, else 'xla'. ValueError on a value not in
+  ATTENTION_IMPLS, or 'pallas' on a mesh of several devices (the kernel is not partitioned)."""
+  if requested not in ATTENTION_IMPLS:
+    raise ValueError(f"attention_impl = {requested!r}: expected one of {ATTENTION_IMPLS}.")
+  one_device = max(mesh_shape) == 1
+  if requested == "pallas" and not one_device:
+    raise ValueError(
+      f"attention_impl = 'pallas' runs on one device; mesh_shape = {tuple(mesh_shape)} needs "
+      "'xla' (or 'auto')."
+    )
+  if requested == "auto":
+    return "pallas" if one_device and platform.platform() in ("gpu", "tpu") else "xla"
+  return requested
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -99,6 +119,10 @@ class EngineConfig:
   # Logical axis -> mesh axes, as config.mesh_rules (configs/pretrain.py:mesh_rules); needed by
   # a mesh of more than one device.
   mesh_rules: tuple = ()
+  # How a step's GQA layers read the pages: 'pallas' through pallas_kernels.paged_decode (no
+  # dense gather; interpret mode on CPU), 'xla' from a dense gather, 'auto' the kernel on GPU /
+  # TPU with a one-device mesh, else XLA (docs/engine.md: what still gathers).
+  attention_impl: str = "auto"
 
 
 class Engine:
@@ -121,6 +145,7 @@ class Engine:
       raise ValueError(f"kv_policy {c.kv_policy!r}: KDA core layers share as 'final' only.")
     if c.num_pages < 1:
       raise ValueError(f"num_pages = {c.num_pages}: the KV budget holds no page.")
+    self.attention_impl = attention_impl(c.attention_impl, c.mesh_shape)
     self.model = model
     self.engine_config = config
     self.max_model_len = c.max_model_len or model.cfg.max_seq_len
@@ -182,6 +207,7 @@ class Engine:
       top_logprobs=c.top_logprobs,
       mesh=self.mesh,
       kv_policy=c.kv_policy,
+      attention_impl=self.attention_impl,
     )
     self.page_bytes = c.page_size * paged_cache.bytes_per_token(
       model.cfg, c.share_kv, c.kv_format, c.kv_policy
