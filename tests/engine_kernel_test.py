@@ -51,16 +51,18 @@ def _generate(cfg, params, requests, attention_impl: str, **overrides):
 
 
 class EngineKernelTest(parameterized.TestCase):
-  @parameterized.parameters((True, None), (False, None), (False, "nvfp4"))
-  def test_kernel_engine_equals_gather_engine(self, share_kv, kv_format):
+  @parameterized.parameters(
+    (True, None, "final"), (False, None, "final"), (True, "nvfp4", "stride2")
+  )
+  def test_kernel_engine_equals_gather_engine(self, share_kv, kv_format, kv_policy):
     """Same tokens, and logits within 1e-5 raw / 1e-2 in a format (engine_test's bounds: a
     last-bit flip before rounding moves a stored value by a quantum). In a format only the
-    one-token calls use the kernel (paged_cache.kernel_layers), which the chunks' reads of
-    their own tokens through the format then meet in the pages."""
+    one-token calls read pages by the kernel (paged_cache.kernel_layers); the chunks gather.
+    stride2 (R = 3) keeps two copies of the shared core: pages and page table lead with them."""
     params = engine_test._params()
     rng = np.random.default_rng(1)
     requests = engine_test._requests(4, rng, vocab=CFG.vocab_size, max_new=(3, 5), prefixes=1)
-    kw = dict(share_kv=share_kv, kv_format=kv_format)
+    kw = dict(share_kv=share_kv, kv_format=kv_format, kv_policy=kv_policy)
     engine, gens, got = _generate(CFG, params, requests, "pallas", **kw)
     self.assertEqual(engine.executor.attention_impl, "pallas")
     summary = engine.summary(gens)
