@@ -14,13 +14,15 @@ from unittest import mock
 import engine_test
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 from absl.testing import absltest, parameterized
 from jax._src.pallas.mosaic import tpu_info
 
+from looped import config_checks
+from looped.engine import checks, paged_cache
 from looped.engine import engine as engine_lib
 from looped.engine import executor as executor_lib
-from looped.engine import paged_cache
 from looped.engine.engine import Engine, EngineConfig
 from looped.model import init_params
 from looped.model.looped_lm import LoopedLM
@@ -84,6 +86,8 @@ class EngineKernelTest(parameterized.TestCase):
     the kernel on a multi-device mesh are refused, naming the field."""
     resolve = engine_lib.attention_impl
     self.assertEqual(resolve("auto", (1, 1, 1)), "xla")  # CPU here.
+    default = Engine(LoopedLM(CFG), None, EngineConfig(share_kv=True, num_pages=4))
+    self.assertEqual(default.executor.attention_impl, "xla")
     for device in ("gpu", "tpu"):
       with mock.patch.object(platform, "platform", lambda device=device: device):
         self.assertEqual(resolve("auto", (1, 1, 1)), "pallas")
@@ -94,6 +98,14 @@ class EngineKernelTest(parameterized.TestCase):
       Engine(LoopedLM(CFG), None, EngineConfig(share_kv=True, num_pages=4, attention_impl="triton"))
     with self.assertRaisesRegex(ValueError, "attention_impl = 'pallas' runs on one device"):
       resolve("pallas", (1, 2, 1))
+    # The programs' check, before anything is restored or compiled.
+    config = ml_collections.ConfigDict({"gen": {"attention_impl": "pallas"}})
+    self.assertEqual(checks.check_attention_impl(config, "gen", (1, 1, 1)), "pallas")
+    with self.assertRaisesRegex(
+      config_checks.ConfigError,
+      r"config.gen.attention_impl = 'pallas' is invalid: the paged kernel runs on one device",
+    ):
+      checks.check_attention_impl(config, "gen", (2, 1, 1))
 
   def test_kernel_layers(self):
     """GQA layers read pages by the kernel; MLA layers, and a KV format's multi-token chunks,

@@ -19,6 +19,7 @@ import numpy as np
 
 from looped.engine import padding as padding_lib
 from looped.engine import paged_cache
+from looped.engine.config import ATTENTION_IMPLS
 from looped.engine.executor import ModelExecutor, RequestState, powers_of_two
 from looped.engine.mesh import EngineMesh
 from looped.engine.requests import Generation, GenRequest
@@ -48,8 +49,6 @@ def pages_for_budget(
 
 # The gen and serve configs' default prefill block (their comments say why).
 DEFAULT_PREFILL_BLOCK = 32
-
-ATTENTION_IMPLS = ("auto", "xla", "pallas")  # EngineConfig.attention_impl.
 
 
 def attention_impl(requested: str, mesh_shape: tuple[int, ...]) -> str:

@@ -18,9 +18,11 @@ is not a function of a page.
 
 A step gathers each row's pages through its page table (and its state from its slot) into a
 dense `KVCache` (the model's own decode path then runs unchanged), and scatters the new tokens'
-entries back into their pages (and the new state into its slot).
-This dense-gather path is the first implementation; pallas_kernels.paged_decode reads pages
-directly but is not wired in yet.
+entries back into their pages (and the new state into its slot). With the engine's
+attention_impl 'pallas' the layers `kernel_layers` names (GQA; in a KV format only in one-token
+calls) are not gathered: the cache holds their pools and the page table (a PagedKV), attention
+reads them with pallas_kernels.paged_decode, and the model writes the new tokens' entries into
+the pages (kv_cache.write_chunk), which scatter then takes as they are.
 """
 
 from __future__ import annotations
