@@ -9,6 +9,7 @@ kernel's custom calls in it, as tests/pallas_lowering_test.py lowers the kernels
 """
 
 import dataclasses
+import re
 from unittest import mock
 
 import engine_test
@@ -183,6 +184,13 @@ class EngineStepLoweringTest(parameterized.TestCase):
     share_kv, kv_format, tokens = case
     text = _step_text("pallas", target, share_kv, kv_format, tokens)
     self.assertEqual(text.count(_CALL[target]), _GQA_LAYERS)
+
+  def test_copies_read_the_whole_pool(self):
+    """Unshared, the core's kernels read the pool of all R = 3 recurrences' pages (21 = 3 x 7,
+    a table per recurrence), never a recurrence's slice of it (a copy as a kernel operand)."""
+    text = _step_text("pallas", "cuda", False, None, 1)
+    self.assertGreater(text.count("tensor<21x4x1x32xf32>"), 0)  # (The text is long to print.)
+    self.assertIsNone(re.search(r"dynamic_slice[^\n]*-> tensor<1x7x4x1x32xf32>", text))
 
   @parameterized.parameters("cuda", "tpu")
   def test_xla_step_has_no_kernel(self, target):

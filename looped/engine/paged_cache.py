@@ -153,10 +153,14 @@ def gather(
 
   def as_paged(entry, axis):
     table = page_table_BxP.astype(jnp.int32)
-    if axis:  # The table leads with the pages' copies axis too, so slicing a copy slices it.
-      lead = jax.tree.leaves(entry)[0].shape[0]
-      table = jnp.broadcast_to(table, (lead, b, p))
-    return PagedKV(entry[0], entry[1], table)
+    k, v = entry
+    if axis:  # Copies in one pool, a table per copy (mixer_interface.PagedKV).
+      copies, pages_per_copy = jax.tree.leaves(entry)[0].shape[:2]
+      offset_C = jnp.arange(copies, dtype=jnp.int32) * pages_per_copy
+      table = table[None] + offset_C[:, None, None]
+      merge = lambda x: x.reshape(copies * pages_per_copy, *x.shape[2:])
+      k, v = jax.tree.map(merge, k), jax.tree.map(merge, v)
+    return PagedKV(k, v, table)
 
   def one(stage):
     axis = _batch_axis(stage, share_kv, slotted)
@@ -225,8 +229,9 @@ def scatter(
       return slot_leaf.at[(slice(None),) * axis + (slot_B,)].set(new)
 
     def write_entry(entry, dense, write=write, write_state=write_state):
-      if isinstance(dense, PagedKV):
-        return (dense.k_pages, dense.v_pages)
+      if isinstance(dense, PagedKV):  # Copies' pools back to [copies, pages, ...].
+        split = lambda new, old: new.reshape(old.shape)
+        return jax.tree.map(split, (dense.k_pages, dense.v_pages), entry)
       return jax.tree.map(write_state if isinstance(entry, KDAState) else write, entry, dense)
 
     out[stage] = [

@@ -158,19 +158,27 @@ def token_pages(page_table_BxP, start_B, num_new_B, t: int, page_size: int, scra
 
 
 def _write_pages(paged: PagedKV, new: tuple, start_B, num_new_B) -> PagedKV:
-  """A paged entry with the chunk's K/V (raw or quantized, [B, T, ...] leaves) written into
-  its pages; padding tokens go to the pool's last (scratch) page."""
+  """A paged entry with the chunk's K/V (raw or quantized, [(C,) B, T, ...] leaves: C copies
+  with a [C, B, P] table) written into its pages; padding tokens go to the pool's last page
+  (a scratch page, never read as a real slot)."""
   pool = jax.tree.leaves(paged.k_pages)[0]
-  t = jax.tree.leaves(new)[0].shape[1]
+  table = paged.page_table_BxP
+  copies = table.shape[0] if table.ndim == 3 else 1
+  b = table.shape[-2]
+  rows = lambda x: x.reshape(copies * b, *x.shape[table.ndim - 1 :])  # [(C,) B, ...] -> [C*B, ...]
+  t = rows(jax.tree.leaves(new)[0]).shape[1]
   page_BxT, slot_BxT = token_pages(
-    paged.page_table_BxP, start_B, num_new_B, t, paged.page_size, pool.shape[0] - 1
+    table.reshape(copies * b, -1),
+    jnp.tile(start_B, copies),
+    jnp.tile(num_new_B, copies),
+    t,
+    paged.page_size,
+    pool.shape[0] - 1,
   )
-  write = lambda pages, x: pages.at[page_BxT, slot_BxT].set(x.astype(pages.dtype))
+  write = lambda pages, x: pages.at[page_BxT, slot_BxT].set(rows(x).astype(pages.dtype))
   k_new, v_new = new
   return PagedKV(
-    jax.tree.map(write, paged.k_pages, k_new),
-    jax.tree.map(write, paged.v_pages, v_new),
-    paged.page_table_BxP,
+    jax.tree.map(write, paged.k_pages, k_new), jax.tree.map(write, paged.v_pages, v_new), table
   )
 
 
@@ -198,8 +206,8 @@ def write_chunk(cache: KVCache, new: dict, num_tokens, slotted_core: bool = Fals
   def write_one(name, kv, kv_new):
     if is_state(kv):
       return kv_new
-    if isinstance(kv, PagedKV):
-      return (jax.vmap(write_paged) if slotted(name) else write_paged)(kv, kv_new)
+    if isinstance(kv, PagedKV):  # Copies, if any, lead its table and the chunk's entries.
+      return write_paged(kv, kv_new)
     write_entry = jax.vmap(write) if slotted(name) else write
     return _constrain_entry(jax.tree.map(write_entry, kv, kv_new))
 

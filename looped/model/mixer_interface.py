@@ -95,8 +95,12 @@ class PagedKV:
   (raw arrays, or QuantizedKV as kv_cache stores tokens) whose last page is a scratch page, and
   each row's page table [B, P] (slot s of row b lies at page_table_BxP[b, s // page_size],
   s % page_size). Attention reads it with pallas_kernels.paged_decode (pallas_attention.py);
-  kv_cache.write_chunk writes the new tokens into their pages. Leading copies axes (per
-  recurrence, a KV policy's copies) lead every leaf, the page table's included."""
+  kv_cache.write_chunk writes the new tokens into their pages.
+
+  A layer cached in C copies (per recurrence, a KV policy's copies) keeps them in one pool of
+  C x pages (copy c's pages from c x pages on) and a table per copy, [C, B, P]: reading copy c
+  indexes the table (`copy`) and never slices the pool, which as a kernel operand would be
+  copied whole."""
 
   k_pages: Any
   v_pages: Any
@@ -110,6 +114,10 @@ class PagedKV:
   def num_slots(self) -> int:
     """Slots each row's page table spans (a dense cache's max_len)."""
     return self.page_table_BxP.shape[-1] * self.page_size
+
+  def copy(self, i) -> PagedKV:
+    """Copy i of a layer cached in several copies: the same pools, copy i's page table."""
+    return PagedKV(self.k_pages, self.v_pages, self.page_table_BxP[i])
 
 
 jax.tree_util.register_dataclass(
