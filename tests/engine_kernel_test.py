@@ -94,6 +94,8 @@ class EngineKernelTest(parameterized.TestCase):
         self.assertEqual(resolve("auto", (1, 1, 1)), "pallas")
         self.assertEqual(resolve("auto", (1, 2, 1)), "xla")
         self.assertEqual(resolve("xla", (1, 1, 1)), "xla")
+        # Pages below Triton's 16-row dot operands stay on XLA on a GPU.
+        self.assertEqual(resolve("auto", (1, 1, 1), 8), "xla" if device == "gpu" else "pallas")
     self.assertEqual(resolve("pallas", (1, 1, 1)), "pallas")
     with self.assertRaisesRegex(ValueError, "attention_impl = 'triton': expected one of"):
       Engine(LoopedLM(CFG), None, EngineConfig(share_kv=True, num_pages=4, attention_impl="triton"))
@@ -122,16 +124,19 @@ class EngineKernelTest(parameterized.TestCase):
 S = jax.ShapeDtypeStruct
 
 
-def _step_text(attention_impl: str, target: str, share_kv: bool, kv_format, tokens: int) -> str:
+def _step_text(
+  attention_impl: str, target: str, share_kv: bool, kv_format, tokens: int, cfg=CFG
+) -> str:
   """The engine's whole jitted step (executor.compiled_call) on abstract inputs, lowered for
   `target` ('cuda' / 'tpu' with the platform mocked as pallas_lowering_test does, or 'cpu')."""
-  cfg = dataclasses.replace(CFG, scan_unroll=1)  # The core's layers once in the scan body.
+  cfg = dataclasses.replace(cfg, scan_unroll=1)  # The core's layers once in the scan body.
   rows, columns, num_pages, page_size = 2, 2, 6, 4  # A 7-page pool: not a power of two.
   params = jax.eval_shape(
     lambda: init_params(LoopedLM(cfg), jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))
   )
+  slots = rows if paged_cache.has_state(cfg) else 0  # KDA layers' state slots.
   pages = jax.eval_shape(
-    lambda: paged_cache.init_pages(cfg, num_pages, page_size, share_kv, kv_format)
+    lambda: paged_cache.init_pages(cfg, num_pages, page_size, share_kv, kv_format, slots)
   )
   i32, f32 = jnp.int32, jnp.float32
   row = lambda dtype: S((rows,), dtype)
@@ -195,6 +200,15 @@ class EngineStepLoweringTest(parameterized.TestCase):
   @parameterized.parameters("cuda", "tpu")
   def test_xla_step_has_no_kernel(self, target):
     self.assertEqual(_step_text("xla", target, True, None, 1).count(_CALL[target]), 0)
+
+  def test_hybrids_run_the_kernel_on_their_gqa_layers(self):
+    """A KDA core (state slots) and an MLA core (gathered latents) between GQA prelude and
+    coda: the kernel in the prelude and coda only."""
+    kda = dataclasses.replace(CFG, core_mixers=("kda",))
+    mla = dataclasses.replace(CFG, core_mixers=("mla",), mla_kv_rank=32, mla_rope_dim=32)
+    for cfg in (kda, mla):
+      text = _step_text("pallas", "cuda", False, None, 8, cfg)
+      self.assertEqual(text.count(_CALL["cuda"]), 2)
 
   def test_a_format_chunk_gathers(self):
     """A multi-token chunk in a KV format keeps the XLA gather (kernel_layers)."""

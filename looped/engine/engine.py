@@ -51,10 +51,16 @@ def pages_for_budget(
 DEFAULT_PREFILL_BLOCK = 32
 
 
-def attention_impl(requested: str, mesh_shape: tuple[int, ...]) -> str:
+# Smallest page on which 'auto' picks the kernel on GPU: a page tile is a dot operand, and
+# Triton's dot wants at least 16 rows (paged_decode pads queries and own tokens, not pages).
+MIN_GPU_KERNEL_PAGE = 16
+
+
+def attention_impl(requested: str, mesh_shape: tuple[int, ...], page_size: int = 16) -> str:
   """The attention an engine's calls run (EngineConfig.attention_impl resolved): 'auto' is
-  'pallas' on GPU / TPU with a one-device mesh, else 'xla'. ValueError on a value not in
-  ATTENTION_IMPLS, or 'pallas' on a mesh of several devices (the kernel is not partitioned)."""
+  'pallas' on TPU, and on GPU with pages of at least MIN_GPU_KERNEL_PAGE tokens, with a
+  one-device mesh; else 'xla'. ValueError on a value not in ATTENTION_IMPLS, or 'pallas' on a
+  mesh of several devices (the kernel is not partitioned)."""
   if requested not in ATTENTION_IMPLS:
     raise ValueError(f"attention_impl = {requested!r}: expected one of {ATTENTION_IMPLS}.")
   one_device = max(mesh_shape) == 1
@@ -64,7 +70,9 @@ def attention_impl(requested: str, mesh_shape: tuple[int, ...]) -> str:
       "'xla' (or 'auto')."
     )
   if requested == "auto":
-    return "pallas" if one_device and platform.platform() in ("gpu", "tpu") else "xla"
+    device = platform.platform()
+    kernel = device == "tpu" or (device == "gpu" and page_size >= MIN_GPU_KERNEL_PAGE)
+    return "pallas" if one_device and kernel else "xla"
   return requested
 
 
@@ -119,8 +127,8 @@ class EngineConfig:
   # a mesh of more than one device.
   mesh_rules: tuple = ()
   # How a step's GQA layers read the pages: 'pallas' through pallas_kernels.paged_decode (no
-  # dense gather; interpret mode on CPU), 'xla' from a dense gather, 'auto' the kernel on GPU /
-  # TPU with a one-device mesh, else XLA (docs/engine.md: what still gathers).
+  # dense gather; interpret mode on CPU), 'xla' from a dense gather, 'auto' the kernel on TPU
+  # and GPU (pages of >= 16 tokens) with a one-device mesh, else XLA (docs/engine.md).
   attention_impl: str = "auto"
 
 
@@ -144,7 +152,7 @@ class Engine:
       raise ValueError(f"kv_policy {c.kv_policy!r}: KDA core layers share as 'final' only.")
     if c.num_pages < 1:
       raise ValueError(f"num_pages = {c.num_pages}: the KV budget holds no page.")
-    self.attention_impl = attention_impl(c.attention_impl, c.mesh_shape)
+    self.attention_impl = attention_impl(c.attention_impl, c.mesh_shape, c.page_size)
     self.model = model
     self.engine_config = config
     self.max_model_len = c.max_model_len or model.cfg.max_seq_len
