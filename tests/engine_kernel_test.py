@@ -94,8 +94,11 @@ class EngineKernelTest(parameterized.TestCase):
         self.assertEqual(resolve("auto", (1, 1, 1)), "pallas")
         self.assertEqual(resolve("auto", (1, 2, 1)), "xla")
         self.assertEqual(resolve("xla", (1, 1, 1)), "xla")
-        # Pages below Triton's 16-row dot operands stay on XLA on a GPU.
-        self.assertEqual(resolve("auto", (1, 1, 1), 8), "xla" if device == "gpu" else "pallas")
+        # Page tiles Triton does not take stay on XLA on a GPU: under 16 rows (its dot
+        # operands), or not a power of two.
+        for page_size, head_dim in ((8, 128), (24, 128), (16, 96)):
+          want = "xla" if device == "gpu" else "pallas"
+          self.assertEqual(resolve("auto", (1, 1, 1), page_size, head_dim), want)
     self.assertEqual(resolve("pallas", (1, 1, 1)), "pallas")
     with self.assertRaisesRegex(ValueError, "attention_impl = 'triton': expected one of"):
       Engine(LoopedLM(CFG), None, EngineConfig(share_kv=True, num_pages=4, attention_impl="triton"))

@@ -23,8 +23,8 @@ KV_POLICY_VALUES = (
 ATTENTION_IMPLS = ("auto", "xla", "pallas")
 ATTENTION_IMPL_DOC = (
   "How GQA layers read the KV pages: 'pallas' (pallas_kernels.paged_decode through page "
-  "tables), 'xla' (a dense gather), 'auto' (the kernel on TPU, and GPU with page_size >= 16, "
-  "on one device; else XLA)."
+  "tables), 'xla' (a dense gather), 'auto' (the kernel on TPU, and GPU with power-of-two "
+  "page_size >= 16 and head_dim, on one device; else XLA)."
 )
 # gen.prefill_block and serve.prefill_block: why the default is 32.
 PREFILL_BLOCK_DOC = (

@@ -56,11 +56,18 @@ DEFAULT_PREFILL_BLOCK = 32
 MIN_GPU_KERNEL_PAGE = 16
 
 
-def attention_impl(requested: str, mesh_shape: tuple[int, ...], page_size: int = 16) -> str:
+def _power_of_two(n: int) -> bool:
+  return n > 0 and n & (n - 1) == 0
+
+
+def attention_impl(
+  requested: str, mesh_shape: tuple[int, ...], page_size: int = 16, head_dim: int = 128
+) -> str:
   """The attention an engine's calls run (EngineConfig.attention_impl resolved): 'auto' is
-  'pallas' on TPU, and on GPU with pages of at least MIN_GPU_KERNEL_PAGE tokens, with a
-  one-device mesh; else 'xla'. ValueError on a value not in ATTENTION_IMPLS, or 'pallas' on a
-  mesh of several devices (the kernel is not partitioned)."""
+  'pallas' on TPU, and on GPU when a page tile [page_size, head_dim] is one Triton takes (both
+  powers of two, page_size >= MIN_GPU_KERNEL_PAGE), with a one-device mesh; else 'xla'.
+  ValueError on a value not in ATTENTION_IMPLS, or 'pallas' on a mesh of several devices (the
+  kernel is not partitioned)."""
   if requested not in ATTENTION_IMPLS:
     raise ValueError(f"attention_impl = {requested!r}: expected one of {ATTENTION_IMPLS}.")
   one_device = max(mesh_shape) == 1
@@ -71,7 +78,8 @@ def attention_impl(requested: str, mesh_shape: tuple[int, ...], page_size: int =
     )
   if requested == "auto":
     device = platform.platform()
-    kernel = device == "tpu" or (device == "gpu" and page_size >= MIN_GPU_KERNEL_PAGE)
+    tiles = page_size >= MIN_GPU_KERNEL_PAGE and _power_of_two(page_size * head_dim)
+    kernel = device == "tpu" or (device == "gpu" and tiles)
     return "pallas" if one_device and kernel else "xla"
   return requested
 
@@ -128,7 +136,8 @@ class EngineConfig:
   mesh_rules: tuple = ()
   # How a step's GQA layers read the pages: 'pallas' through pallas_kernels.paged_decode (no
   # dense gather; interpret mode on CPU), 'xla' from a dense gather, 'auto' the kernel on TPU
-  # and GPU (pages of >= 16 tokens) with a one-device mesh, else XLA (docs/engine.md).
+  # and GPU (page tiles Triton takes: attention_impl) with a one-device mesh, else XLA
+  # (docs/engine.md).
   attention_impl: str = "auto"
 
 
@@ -152,7 +161,9 @@ class Engine:
       raise ValueError(f"kv_policy {c.kv_policy!r}: KDA core layers share as 'final' only.")
     if c.num_pages < 1:
       raise ValueError(f"num_pages = {c.num_pages}: the KV budget holds no page.")
-    self.attention_impl = attention_impl(c.attention_impl, c.mesh_shape, c.page_size)
+    self.attention_impl = attention_impl(
+      c.attention_impl, c.mesh_shape, c.page_size, model.cfg.head_dim
+    )
     self.model = model
     self.engine_config = config
     self.max_model_len = c.max_model_len or model.cfg.max_seq_len
