@@ -180,9 +180,12 @@ def paged_decode(
     min_rows = 1 if interpret else _MIN_ROWS[platform.platform()]
 
   # q -> [B, K, rows, H] with row m = t * G + g; own K/V -> [B, K, T, H]; both padded to
-  # min_rows (padded rows are dropped, padded own keys are masked by u < T).
+  # min_rows (padded rows are dropped, padded own keys are masked by u < T), and through
+  # Triton to a power of two, as its tiles must be (a chunk of T = 12 with G = 2: 32 rows).
   rows = t * group
   rows_pad, t_pad = max(rows, min_rows), max(t, min_rows)
+  if variant == "generic" and not interpret and platform.platform() == "gpu":
+    rows_pad, t_pad = pl.next_power_of_2(rows_pad), pl.next_power_of_2(t_pad)
   q = (
     q_BxTxNxH.reshape(b, t, kv_heads, group, d)
     .transpose(0, 2, 1, 3, 4)

@@ -130,6 +130,10 @@ class GenerateProgramTest(absltest.TestCase):
     )
     self._fails(_gen_config(self.train_dir, **{"gen.prompts": "x", "gen.top_p": 0.0}), "gen.top_p")
     self._fails(
+      _gen_config(self.train_dir, **{"gen.prompts": "x", "gen.attention_impl": "triton"}),
+      "config.gen.attention_impl = 'triton'",
+    )
+    self._fails(
       _gen_config(self.train_dir, **{"gen.prompts": "x", "gen.kv_policy": "stride9"}),
       r"config.gen.kv_policy = 'stride9' is invalid: stride's number must be in \[1, R = ",
     )

@@ -103,6 +103,15 @@ class _LoweringCases(parameterized.TestCase):
     # fwd, dq, and the key-tile kernel for the own K/V's in-block reads (no past gradient).
     self.assertEqual(type(self).calls(grads, q, kv, kv, past, past), 3)
 
+  @parameterized.parameters((3, 3), (12, 2), (24, 1))
+  def test_paged_decode_chunk(self, t, group):
+    """Chunks whose query rows (T x G) or own tokens are not a power of two (Triton pads)."""
+    q, kv = S((2, t, 2 * group, 64), jnp.bfloat16), S((2, t, 2, 64), jnp.bfloat16)
+    table, lengths = S((2, 2), jnp.int32), S((2,), jnp.int32)
+    decode = lambda *a: pallas_kernels.paged_decode(*a, interpret=False)
+    pages = _pages("bf16", pages=7, page_size=16, heads=2, d=64)
+    self.assertEqual(type(self).calls(decode, q, kv, kv, pages, pages, table, lengths), 1)
+
   @parameterized.parameters("bf16", "fp8", "mxfp8", "nvfp4")
   def test_paged_decode(self, fmt):
     q, kv = S((4, 1, 16, 128), jnp.bfloat16), S((4, 1, 4, 128), jnp.bfloat16)

@@ -56,3 +56,16 @@ def check_prefill_block(config, section: str) -> int:
       f"must be at most max_num_batched_tokens ({budget}): a block is never split across steps",
     )
   return block
+
+
+def check_attention_impl(config, section: str, mesh_shape) -> str:
+  """`{section}.attention_impl` on the mesh: the paged kernel runs on one device
+  (looped.engine.engine.attention_impl)."""
+  name = cc.get(config, f"{section}.attention_impl")
+  if name == "pallas" and max(mesh_shape) > 1:
+    cc.fail(
+      f"{section}.attention_impl",
+      name,
+      f"the paged kernel runs on one device; a mesh of {tuple(mesh_shape)} needs 'xla' or 'auto'",
+    )
+  return name

@@ -19,6 +19,13 @@ KV_POLICY_VALUES = (
   "a policy of looped/model/kv_policy.py for model.num_recurrences, e.g. 'final', "
   "'first', 'stride2', 'keep_last2', 'huginn_mod2'"
 )
+# EngineConfig.attention_impl, gen.attention_impl and serve.attention_impl.
+ATTENTION_IMPLS = ("auto", "xla", "pallas")
+ATTENTION_IMPL_DOC = (
+  "How GQA layers read the KV pages: 'pallas' (pallas_kernels.paged_decode through page "
+  "tables), 'xla' (a dense gather), 'auto' (the kernel on TPU, and GPU with power-of-two "
+  "page_size >= 16 and head_dim, on one device; else XLA)."
+)
 # gen.prefill_block and serve.prefill_block: why the default is 32.
 PREFILL_BLOCK_DOC = (
   "Prefill block (docs/design.md §3): prompt tokens per call, 1 = exact shared decode; <= "
@@ -61,6 +68,7 @@ class GenConfig:
     PREFILL_BLOCK_DOC,
     min=1,
   )
+  attention_impl: str = field("auto", ATTENTION_IMPL_DOC, choices=ATTENTION_IMPLS)
   max_new_tokens: int = field(64, "Tokens generated per prompt at most.", min=1)
   temperature: float = field(
     0.0, "0: greedy; > 0: sample from softmax(logits / temperature).", min=0.0

@@ -19,6 +19,7 @@ import numpy as np
 
 from looped.engine import padding as padding_lib
 from looped.engine import paged_cache
+from looped.engine.config import ATTENTION_IMPLS
 from looped.engine.executor import ModelExecutor, RequestState, powers_of_two
 from looped.engine.mesh import EngineMesh
 from looped.engine.requests import Generation, GenRequest
@@ -27,6 +28,7 @@ from looped.model.looped_lm import LoopedLM
 from looped.scheduler import pages as pages_lib
 from looped.scheduler import replay
 from looped.scheduler import scheduler as scheduler_lib
+from pallas_kernels import platform
 
 
 def pages_for_budget(
@@ -47,6 +49,39 @@ def pages_for_budget(
 
 # The gen and serve configs' default prefill block (their comments say why).
 DEFAULT_PREFILL_BLOCK = 32
+
+
+# Smallest page on which 'auto' picks the kernel on GPU: a page tile is a dot operand, and
+# Triton's dot wants at least 16 rows (paged_decode pads queries and own tokens, not pages).
+MIN_GPU_KERNEL_PAGE = 16
+
+
+def _power_of_two(n: int) -> bool:
+  return n > 0 and n & (n - 1) == 0
+
+
+def attention_impl(
+  requested: str, mesh_shape: tuple[int, ...], page_size: int = 16, head_dim: int = 128
+) -> str:
+  """The attention an engine's calls run (EngineConfig.attention_impl resolved): 'auto' is
+  'pallas' on TPU, and on GPU when a page tile [page_size, head_dim] is one Triton takes (both
+  powers of two, page_size >= MIN_GPU_KERNEL_PAGE), with a one-device mesh; else 'xla'.
+  ValueError on a value not in ATTENTION_IMPLS, or 'pallas' on a mesh of several devices (the
+  kernel is not partitioned)."""
+  if requested not in ATTENTION_IMPLS:
+    raise ValueError(f"attention_impl = {requested!r}: expected one of {ATTENTION_IMPLS}.")
+  one_device = max(mesh_shape) == 1
+  if requested == "pallas" and not one_device:
+    raise ValueError(
+      f"attention_impl = 'pallas' runs on one device; mesh_shape = {tuple(mesh_shape)} needs "
+      "'xla' (or 'auto')."
+    )
+  if requested == "auto":
+    device = platform.platform()
+    tiles = page_size >= MIN_GPU_KERNEL_PAGE and _power_of_two(page_size * head_dim)
+    kernel = device == "tpu" or (device == "gpu" and tiles)
+    return "pallas" if one_device and kernel else "xla"
+  return requested
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -99,6 +134,11 @@ class EngineConfig:
   # Logical axis -> mesh axes, as config.mesh_rules (configs/pretrain.py:mesh_rules); needed by
   # a mesh of more than one device.
   mesh_rules: tuple = ()
+  # How a step's GQA layers read the pages: 'pallas' through pallas_kernels.paged_decode (no
+  # dense gather; interpret mode on CPU), 'xla' from a dense gather, 'auto' the kernel on TPU
+  # and GPU (page tiles Triton takes: attention_impl) with a one-device mesh, else XLA
+  # (docs/engine.md).
+  attention_impl: str = "auto"
 
 
 class Engine:
@@ -121,6 +161,9 @@ class Engine:
       raise ValueError(f"kv_policy {c.kv_policy!r}: KDA core layers share as 'final' only.")
     if c.num_pages < 1:
       raise ValueError(f"num_pages = {c.num_pages}: the KV budget holds no page.")
+    self.attention_impl = attention_impl(
+      c.attention_impl, c.mesh_shape, c.page_size, model.cfg.head_dim
+    )
     self.model = model
     self.engine_config = config
     self.max_model_len = c.max_model_len or model.cfg.max_seq_len
@@ -182,6 +225,7 @@ class Engine:
       top_logprobs=c.top_logprobs,
       mesh=self.mesh,
       kv_policy=c.kv_policy,
+      attention_impl=self.attention_impl,
     )
     self.page_bytes = c.page_size * paged_cache.bytes_per_token(
       model.cfg, c.share_kv, c.kv_format, c.kv_policy

@@ -66,6 +66,7 @@ def _call_fn(
   return_logits: bool,
   top_logprobs: int,
   kv_policy: str,
+  attention_impl: str,
   params,
   pages,
   tokens_BxT,
@@ -82,8 +83,11 @@ def _call_fn(
 ):
   b, t = tokens_BxT.shape
   slotted = paged_cache.slotted_core(model.cfg, share_kv, kv_policy)
+  kernel = None
+  if attention_impl == "pallas":  # These layers read the pages through paged_decode.
+    kernel = paged_cache.kernel_layers(model.cfg, share_kv, kv_format, kv_policy, t)
   cache = paged_cache.gather(
-    pages, page_table_BxP, context_B, share_kv, kv_format, slot_B, kv_policy, slotted
+    pages, page_table_BxP, context_B, share_kv, kv_format, slot_B, kv_policy, slotted, kernel
   )
   logits_BxTxV, aux = model.apply(params, tokens_BxT, cache=cache, num_new_B=num_new_B)
   pages = paged_cache.scatter(
@@ -111,17 +115,32 @@ def compiled_call(
   top_logprobs: int = 0,
   mesh: EngineMesh | None = None,
   kv_policy: str = "final",
+  attention_impl: str = "xla",
 ) -> Callable:
-  """The jitted model call for a model, layout (sharing and its KV policy) and mesh (None: one
-  device); shared by engines so each shape compiles once. Call it inside mesh.context()."""
+  """The jitted model call for a model, layout (sharing and its KV policy), mesh (None: one
+  device) and attention ('xla': pages gathered into a dense cache; 'pallas': GQA layers read
+  them with pallas_kernels.paged_decode, paged_cache.kernel_layers); shared by engines so each
+  shape compiles once. Call it inside mesh.context()."""
   mesh = mesh or EngineMesh.create(cfg)
-  return _compiled_call(cfg, share_kv, kv_format, logits, top_logprobs, mesh, kv_policy)
+  return _compiled_call(
+    cfg, share_kv, kv_format, logits, top_logprobs, mesh, kv_policy, attention_impl
+  )
 
 
 @functools.lru_cache(maxsize=32)
-def _compiled_call(cfg, share_kv, kv_format, logits, top_logprobs, mesh, kv_policy) -> Callable:
+def _compiled_call(
+  cfg, share_kv, kv_format, logits, top_logprobs, mesh, kv_policy, attention_impl
+) -> Callable:
   call = functools.partial(
-    _call_fn, LoopedLM(cfg), mesh, share_kv, kv_format, logits, top_logprobs, kv_policy
+    _call_fn,
+    LoopedLM(cfg),
+    mesh,
+    share_kv,
+    kv_format,
+    logits,
+    top_logprobs,
+    kv_policy,
+    attention_impl,
   )
   return jax.jit(call, donate_argnums=(1,))
 
@@ -199,12 +218,14 @@ class ModelExecutor:
     top_logprobs: int = 0,
     mesh: EngineMesh | None = None,
     kv_policy: str = "final",
+    attention_impl: str = "xla",
   ):
     """padding: the padded call shapes (rows, tokens, page-table columns). top_logprobs: k > 0
     makes every call also compute, per position, the logprob of the next token and the k most
     likely ones, kept for requests with position_logprobs. mesh: where params and pages are
     placed and the calls run (looped.engine.mesh; None: one device). kv_policy: the shared
-    core's KV-sharing policy (looped/model/kv_policy.py), its pages from the same layout."""
+    core's KV-sharing policy (looped/model/kv_policy.py), its pages from the same layout.
+    attention_impl: 'xla' or 'pallas', how the calls read the pages (compiled_call)."""
     self.model = model
     self.mesh = mesh or EngineMesh.create(model.cfg)
     self.params = self.mesh.place_params(model, params)
@@ -225,8 +246,16 @@ class ModelExecutor:
     # Per step: rows, tokens needed, tokens computed (padding included), call shapes, seconds.
     self.step_log: list[dict] = []
     self.top_logprobs = top_logprobs
+    self.attention_impl = attention_impl
     self._call = compiled_call(
-      model.cfg, share_kv, kv_format, record_logits, top_logprobs, self.mesh, kv_policy
+      model.cfg,
+      share_kv,
+      kv_format,
+      record_logits,
+      top_logprobs,
+      self.mesh,
+      kv_policy,
+      attention_impl,
     )
 
   def add(self, request: GenRequest) -> None:

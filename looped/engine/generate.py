@@ -120,7 +120,8 @@ def validate(config, chosen: tuple[str, ...] = ()) -> None:
   cfg, fmt = checks.check_model_and_format(config, "gen", model_cfg)
   policy = checks.check_kv_policy(config, "gen", cfg)
   checks.check_prefill_block(config, "gen")
-  mesh_lib.from_config(config, cfg)
+  mesh_shape, _ = mesh_lib.from_config(config, cfg)
+  checks.check_attention_impl(config, "gen", mesh_shape)
   page_size, max_new = config.gen.page_size, config.gen.max_new_tokens
   stops = cc.get(config, "gen.stop_strings")
   if isinstance(stops, str) or not all(isinstance(s, str) and s for s in stops):
@@ -210,6 +211,7 @@ def run(config, workdir: str, chosen: tuple[str, ...] = ()) -> dict[str, Any]:
       max_num_seqs=g.max_num_seqs,
       prefill_block=g.prefill_block,
       max_model_len=cfg.max_seq_len,
+      attention_impl=g.attention_impl,
       mesh_shape=mesh_shape,
       mesh_rules=mesh_rules,
     ),

@@ -18,9 +18,11 @@ is not a function of a page.
 
 A step gathers each row's pages through its page table (and its state from its slot) into a
 dense `KVCache` (the model's own decode path then runs unchanged), and scatters the new tokens'
-entries back into their pages (and the new state into its slot).
-This dense-gather path is the first implementation; pallas_kernels.paged_decode reads pages
-directly but is not wired in yet.
+entries back into their pages (and the new state into its slot). With the engine's
+attention_impl 'pallas' the layers `kernel_layers` names (GQA; in a KV format only in one-token
+calls) are not gathered: the cache holds their pools and the page table (a PagedKV), attention
+reads them with pallas_kernels.paged_decode, and the model writes the new tokens' entries into
+the pages (kv_cache.write_chunk), which scatter then takes as they are.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from looped.model.cache_layout import STAGES
 from looped.model.config import ModelConfig
 from looped.model.kda import KDAState
 from looped.model.kv_cache import KVCache
+from looped.model.mixer_interface import PagedKV
 
 
 def check_model(cfg: ModelConfig) -> None:
@@ -111,6 +114,25 @@ def _batch_axis(stage: str, share_kv: bool, slotted: bool = False) -> int:
   return 1 if lead else 0
 
 
+def kernel_layers(
+  cfg: ModelConfig, share_kv: bool, kv_format: str | None, kv_policy: str, tokens: int
+) -> dict:
+  """{stage: (bool per layer)}: which layers a call of `tokens` new tokens per row reads
+  straight from the pages with pallas_kernels.paged_decode instead of a dense gather.
+
+  GQA layers do, raw or in any KV format, except a chunk of more than one token in a KV
+  format: there the chunk's own earlier tokens are read through the format (looped_lm's
+  CacheAndOwnChunk), which the kernel, reading the own chunk raw, does not do. MLA's latent
+  cache and KDA's state slots are gathered as before.
+  """
+  layout = cache_layout.cache_layout(cfg, share_kv, kv_policy)
+  kernel = kv_format is None or tokens == 1
+  return {
+    stage: tuple(kernel and layer.mixer == "gqa" for layer in layout.stage(stage))
+    for stage in STAGES
+  }
+
+
 def gather(
   pages: dict,
   page_table_BxP: jax.Array,
@@ -120,11 +142,25 @@ def gather(
   slot_B: jax.Array | None = None,
   kv_policy: str = "final",
   slotted: bool = False,
+  paged: dict | None = None,
 ) -> KVCache:
   """Dense cache of each row's pages (slots = P * page_size), with length_B = context_B, and of
   each row's state slot (slot_B; a zero state for a row starting at position 0). kv_policy and
-  slotted (slotted_core): the shared core's policy and whether its pages lead with copies."""
+  slotted (slotted_core): the shared core's policy and whether its pages lead with copies.
+  paged ({stage: bool per layer}, kernel_layers): layers passed as their pages and the page
+  table (a PagedKV, read by the kernel) instead of gathered."""
   b, p = page_table_BxP.shape
+
+  def as_paged(entry, axis):
+    table = page_table_BxP.astype(jnp.int32)
+    k, v = entry
+    if axis:  # Copies in one pool, a table per copy (mixer_interface.PagedKV).
+      copies, pages_per_copy = jax.tree.leaves(entry)[0].shape[:2]
+      offset_C = jnp.arange(copies, dtype=jnp.int32) * pages_per_copy
+      table = table[None] + offset_C[:, None, None]
+      merge = lambda x: x.reshape(copies * pages_per_copy, *x.shape[2:])
+      k, v = jax.tree.map(merge, k), jax.tree.map(merge, v)
+    return PagedKV(k, v, table)
 
   def one(stage):
     axis = _batch_axis(stage, share_kv, slotted)
@@ -139,8 +175,12 @@ def gather(
       fresh = (context_B == 0).reshape((1,) * axis + (b,) + (1,) * (g.ndim - axis - 1))
       return jnp.where(fresh, 0.0, g)
 
+    kernel = paged[stage] if paged else (False,) * len(pages[stage])
     return [
-      jax.tree.map(state if isinstance(entry, KDAState) else leaf, entry) for entry in pages[stage]
+      as_paged(entry, axis)
+      if read
+      else jax.tree.map(state if isinstance(entry, KDAState) else leaf, entry)
+      for entry, read in zip(pages[stage], kernel, strict=True)
     ]
 
   layers = {stage: one(stage) for stage in STAGES}
@@ -163,16 +203,14 @@ def scatter(
   and each row's new state into its state slot slot_B[b].
 
   Slots j >= num_new_b of the num_slots-wide window (padding) go to the scratch page; padding
-  rows' slot_B is the scratch slot.
+  rows' slot_B is the scratch slot. A layer the model read as pages (PagedKV) had its new
+  entries written into them by the model (kv_cache.write_chunk): its pages are taken as they are.
   """
   page_size = _page_size(pages, share_kv, slotted)
-  j_T = jnp.arange(num_slots)
-  pos_BxT = context_B[:, None] + j_T[None, :]
-  col_BxT = jnp.clip(pos_BxT // page_size, 0, page_table_BxP.shape[1] - 1)
-  page_BxT = jnp.take_along_axis(page_table_BxP, col_BxT, axis=1)
   num_pages = _num_pages(pages, share_kv, slotted)
-  page_BxT = jnp.where(j_T[None, :] < num_new_B[:, None], page_BxT, num_pages - 1)
-  slot_BxT = pos_BxT % page_size
+  page_BxT, slot_BxT = kv_cache_lib.token_pages(
+    page_table_BxP, context_B, num_new_B, num_slots, page_size, num_pages - 1
+  )
 
   def window(x, axis):  # [.., B, S, ...] -> [.., B, T, ...] at each row's context.
     fn = lambda row, c: jax.lax.dynamic_slice_in_dim(row, c, num_slots, axis=axis)
@@ -190,8 +228,14 @@ def scatter(
     def write_state(slot_leaf, new, axis=axis):
       return slot_leaf.at[(slice(None),) * axis + (slot_B,)].set(new)
 
+    def write_entry(entry, dense, write=write, write_state=write_state):
+      if isinstance(dense, PagedKV):  # Copies' pools back to [copies, pages, ...].
+        split = lambda new, old: new.reshape(old.shape)
+        return jax.tree.map(split, (dense.k_pages, dense.v_pages), entry)
+      return jax.tree.map(write_state if isinstance(entry, KDAState) else write, entry, dense)
+
     out[stage] = [
-      jax.tree.map(write_state if isinstance(entry, KDAState) else write, entry, dense)
+      write_entry(entry, dense)
       for entry, dense in zip(pages[stage], cache.layers[stage], strict=True)
     ]
   return out

@@ -4,7 +4,7 @@ The layer (mixer_interface.SequenceMixer) returns post-RoPE keys and values as i
 its `MixerContext` says what the new tokens attend to (docs/design.md §3): nothing past (causal
 within the chunk), a function of its own K/V (Jacobi and BeNice! passes), or the cache (decode,
 chunked prefill). `attend` is the reference math; attention_impl='pallas' routes through
-pallas_attention.py instead.
+pallas_attention.py instead, and so does a past held as pages (mixer_interface.PagedKV).
 """
 
 from __future__ import annotations
@@ -128,7 +128,9 @@ class Attention(nn.Module):
     k_BxTxKxH = rope(k_BxTxKxH, positions_BxT, cfg.rope_base, table_SxFx2)
     own = (k_BxTxKxH, v_BxTxKxH)
 
-    if cfg.attention_impl == "pallas" and pallas_attention.handles(ctx):  # Flash / paged.
+    # Flash / paged kernels; a page pool as the past (the engine's) is only read by the kernel.
+    kernel = cfg.attention_impl == "pallas" and pallas_attention.handles(ctx)
+    if kernel or pallas_attention.is_paged(ctx):
       out_BxTxNxH = pallas_attention.attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, ctx)
     else:
       past = ctx.past(own) if callable(ctx.past) else ctx.past

@@ -30,6 +30,7 @@ from looped.model import cache_layout, mixers
 from looped.model import kv_policy as kv_policy_lib
 from looped.model.config import ModelConfig
 from looped.model.kda import KDAState
+from looped.model.mixer_interface import PagedKV
 
 
 @flax.struct.dataclass
@@ -48,6 +49,8 @@ class KVCache:
     """Slots of the per-token entries (0 when every layer keeps a recurrent state)."""
     for entries in self.layers.values():
       for entry in entries:
+        if isinstance(entry, PagedKV):
+          return entry.num_slots
         if not isinstance(entry, KDAState):
           return entry[0].shape[-3]
     return 0
@@ -142,12 +145,50 @@ def _constrain_entry(kv):
   return tuple(one(x) for x in kv)
 
 
+def token_pages(page_table_BxP, start_B, num_new_B, t: int, page_size: int, scratch_page: int):
+  """Where a paged cache stores token j < t of row b (position start_b + j): (page_BxT,
+  slot_BxT), through the row's page table. Tokens j >= num_new_b (padding) go to the scratch
+  page, so they never overwrite a real slot."""
+  j_T = jnp.arange(t)
+  pos_BxT = start_B[:, None] + j_T[None, :]
+  col_BxT = jnp.clip(pos_BxT // page_size, 0, page_table_BxP.shape[1] - 1)
+  page_BxT = jnp.take_along_axis(page_table_BxP, col_BxT, axis=1)
+  page_BxT = jnp.where(j_T[None, :] < num_new_B[:, None], page_BxT, scratch_page)
+  return page_BxT, pos_BxT % page_size
+
+
+def _write_pages(paged: PagedKV, new: tuple, start_B, num_new_B) -> PagedKV:
+  """A paged entry with the chunk's K/V (raw or quantized, [(C,) B, T, ...] leaves: C copies
+  with a [C, B, P] table) written into its pages; padding tokens go to the pool's last page
+  (a scratch page, never read as a real slot)."""
+  pool = jax.tree.leaves(paged.k_pages)[0]
+  table = paged.page_table_BxP
+  copies = table.shape[0] if table.ndim == 3 else 1
+  b = table.shape[-2]
+  rows = lambda x: x.reshape(copies * b, *x.shape[table.ndim - 1 :])  # [(C,) B, ...] -> [C*B, ...]
+  t = rows(jax.tree.leaves(new)[0]).shape[1]
+  page_BxT, slot_BxT = token_pages(
+    table.reshape(copies * b, -1),
+    jnp.tile(start_B, copies),
+    jnp.tile(num_new_B, copies),
+    t,
+    paged.page_size,
+    pool.shape[0] - 1,
+  )
+  write = lambda pages, x: pages.at[page_BxT, slot_BxT].set(rows(x).astype(pages.dtype))
+  k_new, v_new = new
+  return PagedKV(
+    jax.tree.map(write, paged.k_pages, k_new), jax.tree.map(write, paged.v_pages, v_new), table
+  )
+
+
 def write_chunk(cache: KVCache, new: dict, num_tokens, slotted_core: bool = False) -> KVCache:
   """Appends the chunk's raw K/V (same structure as cache.layers, T slots), advances length
   by num_tokens (an int, or per row [B]: a padded row's real tokens). slotted_core: the shared
   core's entries lead with the KV policy's copies (cache_layout's lead).
 
-  KDA layers' new entries are their states after the chunk, which replace the old ones.
+  KDA layers' new entries are their states after the chunk, which replace the old ones. A
+  paged entry (PagedKV) gets the chunk's entries written into its pages through its table.
   """
   is_state = lambda x: isinstance(x, KDAState)
   if cache.kv_format is not None:
@@ -159,13 +200,20 @@ def write_chunk(cache: KVCache, new: dict, num_tokens, slotted_core: bool = Fals
   slotted = lambda name: (
     cache_layout.per_recurrence(name, cache.share_kv) or (name == "core" and slotted_core)
   )
+  num_B = jnp.broadcast_to(jnp.asarray(num_tokens, jnp.int32), cache.length_B.shape)
+  write_paged = lambda old, chunk: _write_pages(old, chunk, cache.length_B, num_B)
+
+  def write_one(name, kv, kv_new):
+    if is_state(kv):
+      return kv_new
+    if isinstance(kv, PagedKV):  # Copies, if any, lead its table and the chunk's entries.
+      return write_paged(kv, kv_new)
+    write_entry = jax.vmap(write) if slotted(name) else write
+    return _constrain_entry(jax.tree.map(write_entry, kv, kv_new))
+
   layers = {}
   for name, kvs in cache.layers.items():
-    write_entry = jax.vmap(write) if slotted(name) else write
-    layers[name] = [
-      kv_new if is_state(kv) else _constrain_entry(jax.tree.map(write_entry, kv, kv_new))
-      for kv, kv_new in zip(kvs, new[name], strict=True)
-    ]
+    layers[name] = [write_one(name, kv, kv_new) for kv, kv_new in zip(kvs, new[name], strict=True)]
   return cache.replace(length_B=cache.length_B + num_tokens, layers=layers)
 
 

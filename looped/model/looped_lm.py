@@ -32,7 +32,7 @@ from looped.model.injection import Injection
 from looped.model.kda import KDAState
 from looped.model.kv_cache import KVCache, write_chunk
 from looped.model.layers import Mlp, RMSNorm, normal_init, projection
-from looped.model.mixer_interface import KV, CacheAndOwnChunk, MixerContext
+from looped.model.mixer_interface import KV, CacheAndOwnChunk, MixerContext, PagedKV
 
 
 def causal_mask(t: int, batch: int) -> jax.Array:
@@ -185,7 +185,13 @@ class Recurrence(nn.Module):
       segment_ids_BxT=bcast.get("segment_ids"), tail_segment_ids_BxW=bcast.get("tail_segment_ids")
     )
     if self.decode:
-      past = xs["past"][layer] if "past" in xs else _read_copy(bcast["shared_kv"][layer], xs)
+      if "past" in xs:  # Unshared: this recurrence's cache (of a paged entry: its table).
+        past = xs["past"][layer]
+        pools = bcast.get("paged_pools", {}).get(layer)
+        if pools is not None:
+          past = PagedKV(*pools, past)
+      else:
+        past = _read_copy(bcast["shared_kv"][layer], xs)
       if "quantize_own" in bcast:
         past = _with_own_chunk(past, bcast["quantize_own"])
       return MixerContext(
@@ -228,6 +234,8 @@ def _read_copy(entry, xs):
   several (leading copies axis); the entry itself when it caches one."""
   if "read_slot" not in xs:
     return entry
+  if isinstance(entry, PagedKV):  # One pool for the copies: index the table only.
+    return entry.copy(xs["read_slot"])
   return jax.tree.map(lambda a: a[xs["read_slot"]], entry)
 
 
@@ -546,13 +554,21 @@ class LoopedLM(nn.Module):
     if cache.share_kv:  # Recurrence r reads the copy of its policy's c(r).
       policy, policy_xs = _policy_inputs(cfg, cache.kv_policy, parallel=False)
       xs.update(policy_xs)
-    if not cache.share_kv:
-      xs["past"] = cache.layers["core"]  # Unshared: recurrence r reads its own cached K/V.
+    paged_pools = {}
+    if not cache.share_kv:  # Unshared: recurrence r reads its own cached K/V.
+      # A paged entry keeps every recurrence's pages in one pool: only its tables are scanned.
+      core = cache.layers["core"]
+      xs["past"] = [e.page_table_BxP if isinstance(e, PagedKV) else e for e in core]
+      paged_pools = {
+        i: (e.k_pages, e.v_pages) for i, e in enumerate(core) if isinstance(e, PagedKV)
+      }
     bcast = self._broadcasts(
       tokens_BxT, e_BxTxD, positions_BxT, self_mask_BxTxT, past_mask_BxTxS, shared_kv, read_past
     )
     if quantize_own is not None:
       bcast["quantize_own"] = quantize_own
+    if paged_pools:
+      bcast["paged_pools"] = paged_pools
     if num_new_B is not None:
       bcast["num_new_B"] = num_new_B
     if segments:

@@ -89,6 +89,43 @@ class CacheAndOwnChunk:
 
 
 @dataclasses.dataclass(frozen=True)
+class PagedKV:
+  """A decode context's past held as pages and read through page tables, not as a dense cache
+  (the engine's pool, looped/engine/paged_cache.py): K and V page pools [pages, page_size, K, H]
+  (raw arrays, or QuantizedKV as kv_cache stores tokens) whose last page is a scratch page, and
+  each row's page table [B, P] (slot s of row b lies at page_table_BxP[b, s // page_size],
+  s % page_size). Attention reads it with pallas_kernels.paged_decode (pallas_attention.py);
+  kv_cache.write_chunk writes the new tokens into their pages.
+
+  A layer cached in C copies (per recurrence, a KV policy's copies) keeps them in one pool of
+  C x pages (copy c's pages from c x pages on) and a table per copy, [C, B, P]: reading copy c
+  indexes the table (`copy`) and never slices the pool, which as a kernel operand would be
+  copied whole."""
+
+  k_pages: Any
+  v_pages: Any
+  page_table_BxP: jax.Array
+
+  @property
+  def page_size(self) -> int:
+    return jax.tree.leaves(self.k_pages)[0].shape[-3]
+
+  @property
+  def num_slots(self) -> int:
+    """Slots each row's page table spans (a dense cache's max_len)."""
+    return self.page_table_BxP.shape[-1] * self.page_size
+
+  def copy(self, i) -> PagedKV:
+    """Copy i of a layer cached in several copies: the same pools, copy i's page table."""
+    return PagedKV(self.k_pages, self.v_pages, self.page_table_BxP[i])
+
+
+jax.tree_util.register_dataclass(
+  PagedKV, data_fields=["k_pages", "v_pages", "page_table_BxP"], meta_fields=[]
+)
+
+
+@dataclasses.dataclass(frozen=True)
 class MixerCache:
   """What one layer of a mixer caches.
 

@@ -10,7 +10,8 @@ LoopedLM (looped_lm.py) builds three kinds of MixerContext; each maps onto one k
                       block's reads, which the kernel takes raw)
   past is a cache     decode / chunked prefill: slots < length, then the new chunk causally
                       -> paged_decode over the cache viewed as pages, still packed in its KV
-                      format (dequantized inside the kernel; read_past is not applied)
+                      format (dequantized inside the kernel; read_past is not applied); a
+                      PagedKV past (the engine's pool) is read through its own page tables
 The boolean masks are therefore not read, except for the decode lengths (the first row of the
 past mask, a prefix of the cache); a context with other masks needs attention_impl='xla'.
 Document masking: parallel contexts pass ctx.segment_ids_BxT to shared_attention (past and own
@@ -25,18 +26,25 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from looped import kv_quant
-from looped.model.mixer_interface import CacheAndOwnChunk, MixerContext
+from looped.model.mixer_interface import CacheAndOwnChunk, MixerContext, PagedKV
 
 _PAGE_SIZES = (64, 32, 16, 8, 4, 2, 1)
 
 
-def _as_pages(x, page_size: int) -> pallas_kernels.PackedKV:
-  """A [B, S, ...] cache entry (raw array or per-token QuantizedKV) as [B*S/page, page, ...]."""
-  pages = lambda a: a.reshape(a.shape[0] * a.shape[1] // page_size, page_size, *a.shape[2:])
+def _packed(x, pages=lambda a: a) -> pallas_kernels.PackedKV:
+  """A cache entry (raw array or per-token QuantizedKV) as the kernel's PackedKV, each leaf
+  passed through `pages` (a reshape into pages, or none for a pool already paged)."""
   if isinstance(x, kv_quant.QuantizedKV):
     leaves = [None if a is None else pages(a) for a in (x.data, x.scale, x.tensor_scale)]
     return pallas_kernels.PackedKV(*leaves, fmt=x.fmt)
   return pallas_kernels.PackedKV(pages(x))
+
+
+def _as_pages(x, page_size: int) -> pallas_kernels.PackedKV:
+  """A [B, S, ...] cache entry (raw array or per-token QuantizedKV) as [B*S/page, page, ...]."""
+  return _packed(
+    x, lambda a: a.reshape(a.shape[0] * a.shape[1] // page_size, page_size, *a.shape[2:])
+  )
 
 
 def _decode(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, ctx: MixerContext) -> jax.Array:
@@ -48,24 +56,31 @@ def _decode(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, ctx: MixerContext) -> jax.Array:
         "chunk reads its own earlier tokens through the format, which needs attention_impl='xla'."
       )
     past = past.cache
-  cache_k, cache_v = past
-  b, s = ctx.past_mask_BxTxS.shape[0], jax.tree.leaves(cache_k)[0].shape[1]
-  page_size = next(p for p in _PAGE_SIZES if s % p == 0)
-  page_table_BxP = jnp.arange(b * s // page_size, dtype=jnp.int32).reshape(b, s // page_size)
+  # The cache's slots are a prefix of each row: the first row of the past mask counts them
+  # (with a KV format and one token, the own-chunk columns after them are all False).
   lengths_B = jnp.sum(ctx.past_mask_BxTxS[:, 0, :], axis=-1, dtype=jnp.int32)
+  if isinstance(past, PagedKV):  # The engine's pool, read through the rows' page tables.
+    k_pages, v_pages = _packed(past.k_pages), _packed(past.v_pages)
+    page_table_BxP = past.page_table_BxP
+  else:  # A dense cache viewed as pages with an identity page table.
+    cache_k, cache_v = past
+    b, s = ctx.past_mask_BxTxS.shape[0], jax.tree.leaves(cache_k)[0].shape[1]
+    page_size = next(p for p in _PAGE_SIZES if s % p == 0)
+    page_table_BxP = jnp.arange(b * s // page_size, dtype=jnp.int32).reshape(b, s // page_size)
+    k_pages, v_pages = _as_pages(cache_k, page_size), _as_pages(cache_v, page_size)
   return pallas_kernels.paged_decode(
-    q_BxTxNxH,
-    k_BxTxKxH,
-    v_BxTxKxH,
-    _as_pages(cache_k, page_size),
-    _as_pages(cache_v, page_size),
-    page_table_BxP,
-    lengths_B,
+    q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, k_pages, v_pages, page_table_BxP, lengths_B
   )
 
 
 def _is_decode(ctx: MixerContext) -> bool:
   return ctx.past is not None and (not callable(ctx.past) or isinstance(ctx.past, CacheAndOwnChunk))
+
+
+def is_paged(ctx: MixerContext) -> bool:
+  """Whether ctx's past is a page pool (PagedKV), which only the kernel reads."""
+  past = ctx.past.cache if isinstance(ctx.past, CacheAndOwnChunk) else ctx.past
+  return isinstance(past, PagedKV)
 
 
 def handles(ctx: MixerContext) -> bool:
@@ -75,6 +90,8 @@ def handles(ctx: MixerContext) -> bool:
 
 def attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, ctx: MixerContext) -> jax.Array:
   """The attention output for ctx, as `attention.attend` computes it with ctx's masks."""
+  if is_paged(ctx) and not handles(ctx):
+    raise ValueError("A paged past (PagedKV) is read by paged_decode, without document masking.")
   if ctx.past is None:
     past_k, past_v = k_BxTxKxH, v_BxTxKxH
   elif callable(ctx.past) and not isinstance(ctx.past, CacheAndOwnChunk):

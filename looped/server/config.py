@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from looped.engine.config import KV_FORMATS, KV_POLICY_DOC, KV_POLICY_VALUES, PREFILL_BLOCK_DOC
+from looped.engine.config import (
+  ATTENTION_IMPL_DOC,
+  ATTENTION_IMPLS,
+  KV_FORMATS,
+  KV_POLICY_DOC,
+  KV_POLICY_VALUES,
+  PREFILL_BLOCK_DOC,
+)
 from looped.schema import field
 
 _BUCKETS = "a tuple of positive integers (empty: powers of two)"
@@ -43,6 +50,7 @@ class ServeConfig:
     PREFILL_BLOCK_DOC,
     min=1,
   )
+  attention_impl: str = field("auto", ATTENTION_IMPL_DOC, choices=ATTENTION_IMPLS)
   row_buckets: tuple[int, ...] = field(
     (), "Padded batch rows, one compilation each; reaches max_num_seqs.", by_hand=_BUCKETS
   )

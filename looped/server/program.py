@@ -69,7 +69,8 @@ def validate(config, chosen: tuple[str, ...] = ()) -> None:
   tokenizers.get(data_cfg)
   _buckets(config, "serve.row_buckets", config.serve.max_num_seqs)
   block = checks.check_prefill_block(config, "serve")
-  mesh_lib.from_config(config, cfg)
+  mesh_shape, _ = mesh_lib.from_config(config, cfg)
+  checks.check_attention_impl(config, "serve", mesh_shape)
   _buckets(config, "serve.token_buckets", min(block, config.serve.max_num_batched_tokens))
   _buckets(config, "serve.column_buckets", None)
   s = config.serve
@@ -119,6 +120,7 @@ def build(config, chosen: tuple[str, ...] = ()) -> tuple[Any, EngineLoop]:
       row_buckets=_buckets(config, "serve.row_buckets", None) or None,
       token_buckets=_buckets(config, "serve.token_buckets", None) or None,
       column_buckets=_buckets(config, "serve.column_buckets", None) or None,
+      attention_impl=s.attention_impl,
       mesh_shape=mesh_shape,
       mesh_rules=mesh_rules,
     ),
