@@ -12,7 +12,12 @@ its expensive passes (added to XLA_FLAGS unless it names an optimization level a
 programs are tiny, so compiling is most of their cost, and level 0 alone took 35% less CPU for
 tests/model_block_prefill_test.py (130 -> 84 s, jax 0.10.2). XLA's own passes (fusion, layout)
 are the same, so the tests check the same programs; floats can differ in their last bits
-(LLVM's instruction choices), and the generated code is slower.
+(LLVM's instruction choices), and the generated code is slower. It also turns off XLA:CPU's MLIR
+fusion emitters (the LLVM IR ones generate the same fusions), splits no module for parallel
+codegen and leaves dots to XLA rather than XNNPACK: compiling is ~55% of a test's CPU time
+(cProfile of tests/document_mask_test.py), and these flags took that file from 49.6 to 27.9
+CPU-s and tests/kda_test.py + tests/mixers_test.py (`-n 2`) from 139 to 91 user-s (2026-12-05,
+jax 0.10.2; the fusion emitters alone: 49.6 -> 29.5).
 
 The server tests (tests/server_*_test.py) run without that cache: they run the engine in a
 thread of the test process beside the test's own JAX work, and writing an executable to the
@@ -47,7 +52,13 @@ _CACHE_ENV = {
   "JAX_COMPILATION_CACHE_MAX_SIZE": str(64 << 30),
 }
 
-_OPT_FLAG = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+_OPT_FLAG = (
+  "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+  # XLA:CPU's older LLVM IR emitters compile these small fusions in far less time than its MLIR
+  # fusion emitters; one codegen module and no XNNPACK rewrites (measured below).
+  " --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1"
+  " --xla_cpu_use_xnnpack=false"
+)
 
 _CPU_S = {}  # nodeid -> CPU seconds of its setup, call and teardown (read where reports land).
 _START = {}  # nodeid -> CPU seconds when its setup began (in the process that runs it).
