@@ -303,14 +303,16 @@ def recipe_curves() -> str:
 # Runs of the KV-policy table (experiments/results/kv_policies/): (regime, run, model names).
 _KV_POLICY_RUNS = (
   ("default", "default_s0", _MODEL_NAMES),
-  ("`:fixed`", "fixed_s0", _MODEL_NAMES),
+  ("`:fixed` seed 0", "fixed_s0", _MODEL_NAMES),
+  ("`:fixed` seed 1", "fixed_s1", _MODEL_NAMES),
   ("tiny Parcae", "parcae_tiny_s0", {"zero_shot": "converted (random weights)"}),
 )
 
 
 def kv_policies() -> str:
   """Each KV-sharing policy's exact-decode gap and bytes for the default model's and the
-  `:fixed` variant's three stages, seed 0 (experiments/results/kv_policies/): `final` is the
+  `:fixed` variant's three stages (seeds 0 and 1) and the converted tiny Parcae
+  (experiments/results/kv_policies/): `final` is the
   report's own exact gap, the unshared cache the reference every gap is measured against."""
   lines = [
     "| regime | model | KV policy | c(r), r = 1..R | cached recurrences | KV B/token (bf16) | "
