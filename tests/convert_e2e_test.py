@@ -149,11 +149,14 @@ class ConvertEndToEndTest(testing.TempDirTestCase):
     self.assertEqual(kv["unshared"], 2 * kv["shared"])  # Every layer looped, R = 2.
 
   def test_parcae(self):
-    # Value embeddings in the cached values, C before the coda: generation's pages and the
-    # pipeline's shared evaluation run on them (post-training is the other families' path).
+    # Value embeddings in the cached values, C before the coda: generation's pages, BeNice!
+    # post-training (the value-embedding tables and C train with the rest) and the pipeline's
+    # shared evaluation run on them.
     converted = self._convert("parcae")
     self._generate_is_greedy_shared_decode(converted, "<|end_text|>")
-    self._benice(converted, ("zero_shot",))
+    report = self._benice(converted, ("zero_shot", "benice"))
+    tuned = report["models"]["benice"]["ppl_unshared_eval"]
+    self.assertNotAlmostEqual(tuned, report["models"]["zero_shot"]["ppl_unshared_eval"], 3)
 
 
 if __name__ == "__main__":
