@@ -3,10 +3,15 @@ each family's own PyTorch code): convert -> configs/generate.py samples with the
 tokenizer, the tokens of exact shared greedy decoding -> the BeNice! pipeline
 (configs/benice.py:smoke with pipeline.pretrain_workdir) post-trains the converted model and
 evaluates it, the zero-shot perplexity being the converted params' own (Ouro's at a loop count
-chosen as on the command line)."""
+chosen as on the command line). The converted Parcae is also served (configs/serve.py, a
+process): its greedy completions over HTTP are the generate program's texts."""
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import engine_reference
 import jax
@@ -26,9 +31,12 @@ from looped.data import tokenizers
 from looped.engine.requests import GenRequest
 from looped.engine.sampling import SamplingParams
 from looped.model import LoopedLM, from_config
+from looped.server import client
 
 _DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "testdata")
 _PROMPTS = ("def main(", "the loop")
+_BLOCK = 16  # Generation's and the server's prefill block (one block holds each prompt).
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A few post-training steps on tiny data; no KV formats or samples (tests elsewhere).
 _SMALL = {
   "data.max_documents": 40,
@@ -70,6 +78,7 @@ class ConvertEndToEndTest(testing.TempDirTestCase):
     testing.set_field(config, "gen.prompts", _PROMPTS)
     config.gen.max_new_tokens = 6
     config.gen.stop_at_eos = False
+    config.gen.prefill_block = _BLOCK
     result = programs.run(config, os.path.join(self.tmp, "gen"))
     tok = tokenizers.HuggingFaceTokenizer(os.path.join(converted, "tokenizer.json"))
     self.assertEqual((tok.eos_id, tok.vocab_size), (tok.tokenizer.token_to_id(eos), 300))
@@ -85,6 +94,54 @@ class ConvertEndToEndTest(testing.TempDirTestCase):
         model.cfg, params, [request], share_kv=True, block=config.gen.prefill_block
       )
       self.assertEqual(list(gen.tokens), greedy, prompt)
+    return result["generations"]
+
+  def _serves_the_generated_text(self, converted: str, generations):
+    """configs/serve.py on the converted dir, as a process: its greedy completions over HTTP
+    are the generate program's texts; SIGTERM ends it with every page free."""
+    workdir = os.path.join(self.tmp, "serve")
+    proc = subprocess.Popen(
+      [
+        sys.executable,
+        "-m",
+        "looped.main",
+        "--config=configs/serve.py",
+        f"--workdir={workdir}",
+        f"--config.serve.checkpoint={converted}",
+        # Few call shapes to warm up (one row; 1 or 16 tokens).
+        "--config.serve.max_num_seqs=1",
+        "--config.serve.max_num_batched_tokens=16",
+        f"--config.serve.prefill_block={_BLOCK}",
+        "--config.serve.token_buckets=(16,)",
+      ],
+      cwd=_REPO,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    try:
+      info_path = os.path.join(workdir, "server.json")
+      deadline = time.monotonic() + 240
+      while not os.path.exists(info_path):
+        self.assertIsNone(proc.poll(), "the server exited before it started")
+        self.assertLess(time.monotonic(), deadline, "no server.json")
+        time.sleep(0.1)
+      with open(info_path) as f:
+        url = json.load(f)["url"]
+      for prompt, gen in zip(_PROMPTS, generations):
+        body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        status, reply = client.request(url + "/v1/completions", "POST", body, timeout_s=240)
+        self.assertEqual(status, 200, reply)
+        self.assertEqual(reply["choices"][0]["text"], gen.text, prompt)
+      proc.send_signal(signal.SIGTERM)
+      output, _ = proc.communicate(timeout=240)
+      self.assertEqual(proc.returncode, 0, output)
+      with open(os.path.join(workdir, "server_stats.json")) as f:
+        self.assertEqual(json.load(f)["pages_in_use_at_end"], 0)
+    finally:
+      if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
 
   def _benice(self, converted: str, models: tuple[str, ...], recurrences: int = 0) -> dict:
     """The pipeline from the converted dir (at `recurrences`, as --config.model.num_recurrences
@@ -153,7 +210,8 @@ class ConvertEndToEndTest(testing.TempDirTestCase):
     # post-training (the value-embedding tables and C train with the rest) and the pipeline's
     # shared evaluation run on them.
     converted = self._convert("parcae")
-    self._generate_is_greedy_shared_decode(converted, "<|end_text|>")
+    generations = self._generate_is_greedy_shared_decode(converted, "<|end_text|>")
+    self._serves_the_generated_text(converted, generations)
     report = self._benice(converted, ("zero_shot", "benice"))
     tuned = report["models"]["benice"]["ppl_unshared_eval"]
     self.assertNotAlmostEqual(tuned, report["models"]["zero_shot"]["ppl_unshared_eval"], 3)
