@@ -47,9 +47,10 @@ import pytest
 _CACHE_ENV = {
   "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",  # Tiny test programs too.
   "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
-  # A size limit turns on jax's file lock around every read and write of an entry; without it a
-  # process can read an executable another is still writing (a crashed xdist worker in CI).
-  "JAX_COMPILATION_CACHE_MAX_SIZE": str(64 << 30),
+  # No size limit: with one, jax locks the directory and, on every write, reads the size and
+  # access time of every entry (quadratic in the run's thousands of entries: about a fifth of
+  # the suite's CPU). An entry read while another process still writes it is truncated, fails
+  # to decompress, and jax compiles the program again (a warning, never a wrong executable).
 }
 
 _OPT_FLAG = (
@@ -88,9 +89,6 @@ def pytest_configure(config):
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    jax.config.update(
-      "jax_compilation_cache_max_size", int(_CACHE_ENV["JAX_COMPILATION_CACHE_MAX_SIZE"])
-    )
 
 
 @pytest.fixture(scope="module", autouse=True)
