@@ -168,15 +168,24 @@ def _gap2(gap: float | None, ci) -> str:
 
 
 # Runs of the block prefill table (experiments/results/block_prefill/): (regime, run).
-_BLOCK_PREFILL_RUNS = (("default", "default_s0"), ("`:fixed`", "fixed_s0"))
+# Runs of the block-prefill table (experiments/results/block_prefill/): (regime, run, names).
+_BLOCK_PREFILL_RUNS = (
+  ("default", "default_s0", _MODEL_NAMES),
+  ("`:fixed`", "fixed_s0", _MODEL_NAMES),
+  ("`:fixed`", "fixed_s0_benice_c16", {"benice": "BeNice! trained with C = 16 reads"}),
+)
 
 
 def block_prefill() -> str:
-  """Block prefill gaps of the default model and the `:fixed` variant, seed 0: C = 1 is exact
+  """Block prefill gaps of the default model and the `:fixed` variant, seed 0 (and BeNice!
+  trained with block reads, benice.prefill_block = 16, from the same pretraining): C = 1 is exact
   shared decode (gap_exact); every gap over the same 128 rows, vs their unshared perplexity."""
-  runs = {regime: _report(f"block_prefill/{run}")["models"] for regime, run in _BLOCK_PREFILL_RUNS}
-  blocks = block_sizes(m for models in runs.values() for m in models.values())
-  sub = next(iter(runs["default"].values()))["decode_subset"]
+  runs = [
+    (regime, names, _report(f"block_prefill/{run}")["models"])
+    for regime, run, names in _BLOCK_PREFILL_RUNS
+  ]
+  blocks = block_sizes(m for _, _, models in runs for m in models.values())
+  sub = next(iter(runs[0][2].values()))["decode_subset"]
   t = sub["tokens"] // sub["rows"]  # Tokens per row: a block of C >= t is the whole row.
   lines = [
     f"| regime | model | ppl unshared ({sub['rows']} rows) | gap C=1 (exact decode) [95% CI] | "
@@ -184,14 +193,14 @@ def block_prefill() -> str:
     + " |",
     "|---|---|---:|---:|" + "---:|" * len(blocks),
   ]
-  for regime, models in runs.items():
+  for regime, names, models in runs:
     for name, m in models.items():
       gaps = [
         _gap2(m.get("gap_block", {}).get(str(c)), m.get("gap_block_ci95", {}).get(str(c)))
         for c in blocks
       ]
       lines.append(
-        f"| {regime} | {_MODEL_NAMES[name]} | {m['ppl_unshared_subset']:.3f} | "
+        f"| {regime} | {names[name]} | {m['ppl_unshared_subset']:.3f} | "
         f"{_gap2(m['gap_exact'], m['gap_exact_ci95'])} | " + " | ".join(gaps) + " |"
       )
   return "\n".join(lines)
