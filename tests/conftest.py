@@ -23,10 +23,11 @@ The server tests (tests/server_*_test.py) run without that cache: they run the e
 thread of the test process beside the test's own JAX work, and writing an executable to the
 cache there crashed the process twice (a segfault in `executable.serialize()`, jax 0.10.2).
 
-A test whose xdist worker dies under it (a segfault inside XLA: four times in five full runs
-since 2026-12-04, always in compilation or `executable.serialize()`, in a different test each
-time) runs once more on a fresh worker, shown as R and listed at the end of the run; a second
-crash, or any failure that is not a crash, fails as usual.
+A test whose xdist worker dies under it runs once more on a fresh worker, shown as R and listed
+at the end of the run; a second crash, or any failure that is not a crash, fails as usual. Five
+full runs of 2026-12-04/05 lost six workers to a segfault inside XLA, always in compilation or
+`executable.serialize()`, mostly in two tests that pass alone (the crash depends on what the
+worker ran before); the two full runs since the fusion-emitter flags below lost none.
 
 `--cpu-durations=N` prints the N tests that used the most CPU: CI's budget is CPU-bound (2
 cores), and wall-clock durations swing with whatever else runs, while the CPU seconds a test
