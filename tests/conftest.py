@@ -27,7 +27,7 @@ A test whose xdist worker dies under it runs once more on a fresh worker, shown 
 at the end of the run; a second crash, or any failure that is not a crash, fails as usual. Five
 full runs of 2026-12-04/05 lost six workers to a segfault inside XLA, always in compilation or
 `executable.serialize()`, mostly in two tests that pass alone (the crash depends on what the
-worker ran before); the two full runs since the fusion-emitter flags below lost none.
+worker ran before); the two full runs since the fusion-emitter flags above lost none.
 
 `--cpu-durations=N` prints the N tests that used the most CPU: CI's budget is CPU-bound (2
 cores), and wall-clock durations swing with whatever else runs, while the CPU seconds a test
