@@ -9,9 +9,6 @@ process): its greedy completions over HTTP are the generate program's texts."""
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
 
 import engine_reference
 import jax
@@ -100,13 +97,10 @@ class ConvertEndToEndTest(testing.TempDirTestCase):
     """configs/serve.py on the converted dir, as a process: its greedy completions over HTTP
     are the generate program's texts; SIGTERM ends it with every page free."""
     workdir = os.path.join(self.tmp, "serve")
-    proc = subprocess.Popen(
+    proc, info = testing.start_server(
+      workdir,
       [
-        sys.executable,
-        "-m",
-        "looped.main",
         "--config=configs/serve.py",
-        f"--workdir={workdir}",
         f"--config.serve.checkpoint={converted}",
         # Few call shapes to warm up (one row; 1 or 16 tokens).
         "--config.serve.max_num_seqs=1",
@@ -114,20 +108,9 @@ class ConvertEndToEndTest(testing.TempDirTestCase):
         f"--config.serve.prefill_block={_BLOCK}",
         "--config.serve.token_buckets=(16,)",
       ],
-      cwd=_REPO,
-      stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT,
-      text=True,
     )
     try:
-      info_path = os.path.join(workdir, "server.json")
-      deadline = time.monotonic() + 240
-      while not os.path.exists(info_path):
-        self.assertIsNone(proc.poll(), "the server exited before it started")
-        self.assertLess(time.monotonic(), deadline, "no server.json")
-        time.sleep(0.1)
-      with open(info_path) as f:
-        url = json.load(f)["url"]
+      url = info["url"]
       for prompt, gen in zip(_PROMPTS, generations):
         body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
         status, reply = client.request(url + "/v1/completions", "POST", body, timeout_s=240)

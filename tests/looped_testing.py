@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import tempfile
+import time
 
 from absl.testing import absltest
 
@@ -173,3 +175,28 @@ def tracked_files(repo: str) -> list[str]:
       for f in files
     ]
   return [p for p in out if os.path.isfile(os.path.join(repo, p))]
+
+
+def start_server(workdir: str, flags: list[str], timeout_s: float = 240) -> tuple:
+  """`python -m looped.main --config=configs/serve.py...` as a process in the repository root,
+  started with `flags` into `workdir`; (process, the server.json it wrote) once it serves.
+  AssertionError if it exits first or writes none in `timeout_s`. The caller ends the process."""
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.Popen(
+    [sys.executable, "-m", "looped.main", f"--workdir={workdir}", *flags],
+    cwd=repo,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+  )
+  info_path = os.path.join(workdir, "server.json")
+  deadline = time.monotonic() + timeout_s
+  while not os.path.exists(info_path):
+    if proc.poll() is not None:
+      raise AssertionError(f"the server exited before it started:\n{proc.communicate()[0]}")
+    if time.monotonic() > deadline:
+      proc.kill()
+      raise AssertionError(f"no server.json in {timeout_s} s:\n{proc.communicate()[0]}")
+    time.sleep(0.1)
+  with open(info_path) as f:
+    return proc, json.load(f)

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 
 from absl.testing import absltest
 
@@ -93,13 +92,10 @@ class ServerProgramTest(absltest.TestCase):
 
   def test_sigterm_drains_the_stream_in_flight_and_exits(self):
     workdir = os.path.join(self._tmp.name, "serve")
-    proc = subprocess.Popen(
+    proc, info = testing.start_server(
+      workdir,
       [
-        sys.executable,
-        "-m",
-        "looped.main",
         "--config=configs/serve.py:smoke",
-        f"--workdir={workdir}",
         f"--config.serve.checkpoint={self.train_dir}",
         "--config.model.max_seq_len=32",
         "--config.serve.max_num_seqs=1",
@@ -108,20 +104,9 @@ class ServerProgramTest(absltest.TestCase):
         "--config.serve.prefill_block=16",
         "--config.serve.token_buckets=(16,)",
       ],
-      cwd=REPO,
-      stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT,
-      text=True,
+      timeout_s=_TIMEOUT_S,
     )
     try:
-      info_path = os.path.join(workdir, "server.json")
-      deadline = time.monotonic() + _TIMEOUT_S
-      while not os.path.exists(info_path):
-        self.assertIsNone(proc.poll(), "the server exited before it started")
-        self.assertLess(time.monotonic(), deadline, "no server.json")
-        time.sleep(0.1)
-      with open(info_path) as f:
-        info = json.load(f)
       self.assertEqual((info["host"], info["pid"], info["model"]), ("127.0.0.1", proc.pid, "train"))
       url = info["url"]
       self.assertEqual(client.request(url + "/health"), (200, {"status": "ok"}))
