@@ -5,6 +5,7 @@ calibrated on them.
       --hardware_out=/tmp/cpu_hw.json
   python benchmarks/engine.py --requests=8 --reps=3 --grid_layouts unshared   # quicker
   python benchmarks/engine.py --skip_grid --block_sweep 16 32 64 --out=/tmp/engine_tput.json
+  python benchmarks/engine.py --skip_grid --before=50d9b9d --out=/tmp/engine_before_after.json
 
 Model: configs/pretrain.py's default (d 128, P/B/C = 1/2/1, R = 4, 4 query / 2 KV heads of 32),
 random weights (speed does not depend on them), float32, KV pages of 16 tokens.
@@ -36,13 +37,21 @@ random weights (speed does not depend on them), float32, KV pages of 16 tokens.
 4. Replay: the scheduler with the fitted engine pricing on workload 1's requests (the schedule
    does not depend on time, all requests arrive at once, so the steps are the engine's), predicted
    vs measured busy time and the median per-step error.
+5. Before and after (--before=REV): the engine of an earlier commit on the "mixed" workload, in
+   the same run: that commit's tree (`git archive`, so the clone needs its history) runs its own
+   benchmarks/engine.py in a subprocess with these workload flags, --before_runs times, the first
+   before this engine's throughput and the others after it, so a drift in the machine's load
+   shows as a spread between them. 50d9b9d is the engine before block prefill and split calls
+   (shared chunks token by token, every step padded to rows x its longest chunk).
 """
 
 import argparse
 import dataclasses
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -197,6 +206,84 @@ def _throughput_layout(model, params, workload, requests, share, budget, args, s
         flush=True,
       )
   return rows
+
+
+def before_run(rev: str, args, index: int) -> list[dict]:
+  """Throughput rows of the mixed workload measured by commit `rev`'s own engine benchmark."""
+  commit = subprocess.run(
+    ["git", "-C", _REPO, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
+    capture_output=True,
+    text=True,
+  )
+  if commit.returncode:
+    raise SystemExit(f"--before={rev}: no such commit in {_REPO} (a shallow clone lacks history).")
+  with tempfile.TemporaryDirectory() as tree:
+    archive = subprocess.run(["git", "-C", _REPO, "archive", rev], capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", tree], input=archive.stdout, check=True)
+    out = os.path.join(tree, "before.json")
+    # Its grid cannot be skipped: the smallest one it fits (two shapes, one pass).
+    flags = ["--grid_layouts", "unshared", "--grid_rows", "1", "--grid_tokens", "1", "6"]
+    flags += ["--grid_context", "0", "--reps", "1", "--out", out]
+    for name in ("requests", "new_tokens", "budget_bytes", "max_num_seqs"):
+      flags += [f"--{name}", str(getattr(args, name))]
+    for name in ("max_num_batched_tokens", "max_model_len", "throughput_reps"):
+      flags += [f"--{name}", str(getattr(args, name))]
+    env = {**os.environ, "PYTHONPATH": tree}  # Its own looped, ahead of the installed one.
+    print(f"before ({rev}, run {index + 1}/{args.before_runs}):", flush=True)
+    start = time.perf_counter()
+    subprocess.run(
+      [sys.executable, os.path.join(tree, "benchmarks", "engine.py"), *flags],
+      env=env,
+      cwd=tree,
+      check=True,
+    )
+    with open(out) as f:
+      rows = json.load(f)["throughput"]
+  for r in rows:
+    r.update(revision=rev, run=index, wall_s_total=time.perf_counter() - start)
+  return rows
+
+
+def report_before_after(before: list[dict], after: list[dict]) -> list[dict]:
+  """Prints and returns, per layout and seat count, the mixed workload's tokens/s before (each
+  run) and now, and the ratios the engine's acceptance reads."""
+  now = {(r["layout"], r["max_num_seqs"]): r for r in after if r["workload"] == "mixed"}
+  runs = sorted({r["run"] for r in before})
+  head = " | ".join(f"before run {i + 1}" for i in runs)
+  print(
+    f"| layout | max_num_seqs | {head} | now | now / before (median) | steps before | steps now "
+    "| padding waste now |"
+  )
+  print("|---|---:|" + "---:|" * (len(runs) + 5))
+  table = []
+  for key, r in now.items():
+    old = [b for b in before if (b["layout"], b["max_num_seqs"]) == key]
+    old_tps = [b["tokens_per_s"] for b in sorted(old, key=lambda b: b["run"])]
+    ratio = r["tokens_per_s"] / float(np.median(old_tps))
+    row = {
+      "layout": key[0],
+      "max_num_seqs": key[1],
+      "before_tokens_per_s": old_tps,
+      "tokens_per_s": r["tokens_per_s"],
+      "ratio_to_before_median": ratio,
+      "steps_before": [b["steps"] for b in old],
+      "steps": r["steps"],
+      "padding_waste": r["padding_waste"],
+    }
+    table.append(row)
+    cells = " | ".join(f"{x:.1f}" for x in old_tps)
+    print(
+      f"| {key[0]} | {key[1]} | {cells} | {r['tokens_per_s']:.1f} | {ratio:.2f}x | "
+      f"{'/'.join(str(s) for s in row['steps_before'])} | {r['steps']} | "
+      f"{r['padding_waste']:.2f} |"
+    )
+  batched = {k[0]: v for k, v in now.items() if k[1] > 1}
+  if {"shared", "unshared"} <= set(batched):
+    print(
+      f"shared batched / unshared batched now: "
+      f"{batched['shared']['tokens_per_s'] / batched['unshared']['tokens_per_s']:.2f}x"
+    )
+  return table
 
 
 def _grid_shapes(args):
@@ -485,6 +572,10 @@ def main():
   parser.add_argument("--throughput_reps", type=int, default=5, help="Timed runs (median).")
   parser.add_argument("--skip_throughput", action="store_true")
   parser.add_argument("--skip_grid", action="store_true", help="Throughput only (no fit).")
+  parser.add_argument(
+    "--before", default="", help="Also measure this commit's engine on the mixed workload."
+  )
+  parser.add_argument("--before_runs", type=int, default=2, help="Its runs: 1 before, rest after.")
   parser.add_argument("--out", default="", help="Write the results as JSON here.")
   parser.add_argument("--hardware_out", default="", help="Write the fitted profile (JSON) here.")
   parser.add_argument(
@@ -510,6 +601,11 @@ def main():
     f"{os.getloadavg()[0]:.1f}",
     flush=True,
   )
+  if args.before and (args.skip_throughput or args.refit):
+    parser.error("--before compares throughput: drop --skip_throughput / --refit.")
+  if args.before and args.before_runs < 1:
+    parser.error("--before_runs must be >= 1.")
+  before = before_run(args.before, args, 0) if args.before else []
   hw = None
   if args.refit:  # No measurement: the grid of an earlier run, restricted to --grid_layouts.
     with open(args.refit) as f:
@@ -558,6 +654,11 @@ def main():
         f"{share} | {r.get('padding_waste', 0):.2f} | {r['steps']} | {r['preemptions']} | "
         f"{r['hit_rate']:.2f} |"
       )
+  if args.before:
+    for i in range(1, args.before_runs):
+      before += before_run(args.before, args, i)
+    results["before"] = before
+    results["before_after"] = report_before_after(before, runs)
   if runs is not None and hw is not None:
     mixed = [r for r in runs if r.get("workload", "mixed") == "mixed"]
     results["replay"] = [replay_check(model_shape, hw, requests, r, args) for r in mixed]

@@ -76,9 +76,10 @@ def scrape(url: str) -> dict[str, float]:
   return out
 
 
-def percentiles(values) -> dict:
+def percentiles(values, qs=(50, 90)) -> dict:
+  """{"p50": ..., "p90": ...} (the percentiles qs) of values; {} for none."""
   a = np.asarray(values, np.float64)
-  return {"p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90))} if len(a) else {}
+  return {f"p{q}": float(np.percentile(a, q)) for q in qs} if len(a) else {}
 
 
 def stream_completion(url: str, body: dict, clock, timeout_s: float = 3600.0) -> dict:

@@ -1,34 +1,49 @@
-r"""Live replay of a Mooncake trace against the HTTP server, next to the simulator's prediction.
+r"""Live replay of a request trace against the HTTP server, next to the simulator's prediction.
 
   python -m looped.main --config=configs/pretrain.py:smoke --workdir=/tmp/replay_ckpt \
       --config.train.num_steps=20 --config.model.max_seq_len=256
   python benchmarks/serve_replay.py --checkpoint=/tmp/replay_ckpt --out=/tmp/serve_replay.json
+  # Multi-turn sessions on a model trained at a 1024-token context, a sweep (docs/server.md):
+  python -m looped.main --config=configs/benice.py:ctx1024 --workdir=/tmp/ctx1024
+  python benchmarks/serve_replay.py --checkpoint=/tmp/ctx1024/benice --trace=sessions \
+      --kv_budget_bytes 1.5e6 3e6 6e6 --kv_formats bf16 nvfp4 --repeats=3 \
+      --no-engine_alone --out=/tmp/serve_sweep.json
 
-For each layout (unshared, shared) at the same KV budget it starts `configs/serve.py` on the
-checkpoint in a subprocess, replays the first --num_requests requests of the trace over HTTP
-(streamed completions, at the trace's arrival times multiplied by --time_scale, at most
---clients in flight) and measures what a client sees. Prompts are synthesised from the trace's
-hash ids as the simulator keys pages: block j of a prompt is --block_tokens token ids drawn from
-a generator seeded by its hash id, so requests that share leading blocks share those tokens and
-hit the same prefix-cache pages. Lengths are scaled by --block_tokens / 512 (a Mooncake block is
-512 tokens), prompts truncated to --max_prompt_tokens and outputs to --max_output_tokens;
-`ignore_eos` keeps every output at its trace length, as the simulator assumes.
+The stream: the first --num_requests requests of a Mooncake trace (--trace: a JSONL path or
+the bundled `mooncake_conversation`), lengths scaled by --block_tokens / 512 (a Mooncake block is
+512 tokens), prompts truncated to --max_prompt_tokens and outputs to --max_output_tokens; or, with
+--trace=sessions, multi-turn sessions from looped/sim/sessions.py (--sessions: a JSON object of
+config.sessions fields over this script's defaults), whose later turns resend the whole history,
+in tokens and blocks of the generator's block_size, unscaled. Prompts are synthesised from the
+hash ids as the simulator keys pages: block j of a prompt is block_size token ids drawn from a
+generator seeded by its hash id, so requests that share leading blocks share those tokens and hit
+the same prefix-cache pages. `ignore_eos` keeps every output at its trace length, as the
+simulator assumes.
 
-A warm-up pass (different hash salt, so it leaves no reusable pages) first compiles the
-engine's step shapes. The measured pass then reports the server's prefix-cache hit rate (its
-/metrics counters, vLLM's definition: first admissions), requests and output tokens per second
-over the makespan (first arrival to last token), TTFT and TPOT percentiles from the client's
-clock (TTFT counts from the request's trace arrival, so time spent waiting for a free client
-counts too). Beside it: the simulator on the same request stream, page pool and scheduler
-limits, priced by the engine-calibrated CPU profile (--hardware, default cpu_2core). Prints a
-table and writes JSON with --out.
+The model: the checkpoint's record (a trainer workdir's model_config.json, a pipeline stage
+dir's stage_config.json) when it has one, served by configs/serve.py; else configs/serve.py:smoke's
+model at --max_model_len.
+
+The sweep: for each repeat, KV budget (--kv_budget_bytes), page format (--kv_formats; '' raw)
+and layout (unshared, shared), in that nesting, so a drift in the machine's load reaches every
+configuration alike, a fresh server (cold prefix cache) on the checkpoint in a subprocess. A
+warm-up pass (different hash salt, so it leaves no reusable pages) compiles the engine's step
+shapes; the measured pass reports the server's prefix-cache hit rate (its /metrics counters,
+vLLM's definition: first admissions), requests and output tokens per second over the makespan
+(first arrival to last token), TTFT and TPOT percentiles from the client's clock (TTFT counts
+from the request's trace arrival, so time spent waiting for a free client counts too), and
+preemptions; a run whose server still holds a page at the end fails. Beside each configuration:
+the simulator on the same request stream, page pool and scheduler limits, priced by the
+engine-calibrated CPU profile (--hardware, default cpu_2core). With --engine_alone, the same
+stream on Engine.generate in this process (no HTTP). Prints, per run, the table of the three,
+then the sweep's table (median [min-max] over repeats) and writes JSON with --out.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,19 +56,69 @@ sys.path.insert(0, _REPO)
 
 from benchmarks import serve_common  # noqa: E402
 from configs import serve as serve_config  # noqa: E402
+from looped.checkpoints import model_record  # noqa: E402
 from looped.engine.padding import Padding  # noqa: E402
 from looped.scheduler import pages as pages_lib  # noqa: E402
 from looped.scheduler import replay, scheduler  # noqa: E402
-from looped.sim import engine_cost, hardware, shape, traces  # noqa: E402
+from looped.sim import engine_cost, hardware, sessions, shape, traces  # noqa: E402
 from looped.sim import metrics as sim_metrics  # noqa: E402
+from looped.sim.config import SessionsConfig  # noqa: E402
 
 LAYOUTS = {"unshared": False, "shared": True}
 MOONCAKE_BLOCK = traces.MOONCAKE_BLOCK_SIZE
 BYTE_IDS = 256  # The bytes tokenizer: ids 0..255 are bytes, 256 is EOS (never in a prompt).
 
 
+# --trace=sessions: the generator's fields this script changes (a model of <= 1024 positions; a
+# few minutes of arrivals). --sessions overrides any config.sessions field.
+SESSION_DEFAULTS = {
+  "num_sessions": 24,
+  "session_rate_per_s": 0.4,
+  "min_turns": 2,
+  "max_turns": 6,
+  "shared_system_tokens": 128,
+  "min_context_tokens": 64,
+  "max_context_tokens": 384,
+  "min_input_tokens": 16,
+  "max_input_tokens": 96,
+  "min_output_tokens": 8,
+  "max_output_tokens": 32,
+  "min_think_s": 4.0,
+  "max_think_s": 16.0,
+  "max_prompt_tokens": 1024,
+  "block_size": 16,
+}
+
+
+def session_config(args) -> SessionsConfig:
+  """SESSION_DEFAULTS under --sessions (a JSON object of config.sessions fields)."""
+  try:
+    given = json.loads(args.sessions or "{}")
+  except json.JSONDecodeError as e:
+    raise SystemExit(f"--sessions is not a JSON object: {e.msg}") from None
+  names = {f.name for f in dataclasses.fields(SessionsConfig)}
+  if not isinstance(given, dict) or set(given) - names:
+    raise SystemExit(
+      f"--sessions: unknown fields {sorted(set(given) - names)}; known: {sorted(names)}"
+    )
+  cfg = SessionsConfig(**{**SESSION_DEFAULTS, **given})
+  sessions.check(cfg, "--sessions")
+  return cfg
+
+
 def scaled_requests(args) -> list[traces.Request]:
-  """The trace's first requests with lengths and times scaled (module docstring)."""
+  """The replayed stream (module docstring): sessions, or the Mooncake trace's first requests
+  with lengths and times scaled."""
+  if args.trace == "sessions":
+    out = sessions.generate(session_config(args))[: args.num_requests]
+    too_long = [r for r in out if r.prompt_len + r.output_len > args.max_model_len]
+    if too_long:
+      raise SystemExit(
+        f"--sessions: request {too_long[0].request_id} needs {too_long[0].prompt_len} + "
+        f"{too_long[0].output_len} tokens, beyond the model's {args.max_model_len}; lower "
+        "max_prompt_tokens."
+      )
+    return out
   raw = traces.load_mooncake(args.trace, time_scale=args.time_scale, max_requests=args.num_requests)
   out = []
   for r in raw:
@@ -84,14 +149,28 @@ def prompt_tokens(request: traces.Request, salt: int) -> list[int]:
   return tokens[: request.prompt_len]
 
 
-def start_server(args, share_kv: bool, workdir: str) -> tuple[subprocess.Popen, str]:
+def model_config(args):
+  """(config name, model ConfigDict): the checkpoint's recorded model under configs/serve.py, or
+  configs/serve.py:smoke's at --max_model_len for a workdir without a record."""
+  if model_record.read(args.checkpoint) is not None:
+    model, _ = model_record.model_and_data(serve_config.get_config(""), args.checkpoint)
+    return "configs/serve.py", model
+  model = serve_config.get_config("smoke").model
+  model.max_seq_len = args.max_model_len
+  return "configs/serve.py:smoke", model
+
+
+def start_server(args, share_kv: bool, kv_format: str, budget: float, workdir: str):
+  config, _ = model_config(args)
+  overrides = [] if config == "configs/serve.py" else [f"model.max_seq_len={args.max_model_len}"]
   return serve_common.start_server(
-    "configs/serve.py:smoke",
-    [
+    config,
+    overrides
+    + [
       f"serve.checkpoint={args.checkpoint}",
-      f"model.max_seq_len={args.max_model_len}",
       f"serve.share_kv={share_kv}",
-      f"serve.kv_budget_bytes={args.kv_budget_bytes}",
+      f"serve.kv_format={kv_format}",
+      f"serve.kv_budget_bytes={budget}",
       f"serve.page_size={args.page_size}",
       f"serve.max_num_seqs={args.max_num_seqs}",
       f"serve.max_num_batched_tokens={args.max_num_batched_tokens}",
@@ -102,12 +181,17 @@ def start_server(args, share_kv: bool, workdir: str) -> tuple[subprocess.Popen, 
       f"serve.column_buckets={tuple(args.column_buckets)}",
     ],
     workdir,
-    timeout_s=600,
+    compilation_cache=args.compilation_cache,
+    timeout_s=900,
   )
 
 
 scrape = serve_common.scrape
-_percentiles = serve_common.percentiles
+QS = (50, 90, 99)  # Percentiles of TTFT and TPOT reported.
+
+
+def _percentiles(values) -> dict:
+  return serve_common.percentiles(values, QS)
 
 
 def replay_http(url: str, requests, salt: int, clients: int) -> list[dict]:
@@ -147,11 +231,6 @@ def replay_http(url: str, requests, salt: int, clients: int) -> list[dict]:
   return results
 
 
-def _percentiles(values) -> dict:
-  a = np.asarray(values, np.float64)
-  return {"p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90))} if len(a) else {}
-
-
 def measured_summary(results, before: dict, after: dict) -> dict:
   delta = lambda name: after.get(name, 0.0) - before.get(name, 0.0)
   queries = delta("vllm:prefix_cache_queries_total")
@@ -182,11 +261,9 @@ def measured_summary(results, before: dict, after: dict) -> dict:
   }
 
 
-def simulate(args, requests, share_kv: bool, num_pages: int) -> dict:
+def simulate(args, requests, share_kv: bool, kv_format: str, num_pages: int) -> dict:
   """The simulator on the same stream, pool size and limits, priced by the engine profile."""
-  model = serve_config.get_config("smoke").model
-  model.max_seq_len = args.max_model_len
-  model_shape = shape.ModelShape.from_config(model)
+  model_shape = shape.ModelShape.from_config(model_config(args)[1])
   hw = hardware.load(args.hardware, args.hardware_json)
   config = scheduler.SchedulerConfig(
     args.page_size,
@@ -204,7 +281,7 @@ def simulate(args, requests, share_kv: bool, num_pages: int) -> dict:
     args.max_model_len,
   )
   executor = engine_cost.EngineCostExecutor(
-    model_shape, hw, padding, share_kv=share_kv, kv_format=None, weight_format="fp32"
+    model_shape, hw, padding, share_kv=share_kv, kv_format=kv_format or None, weight_format="fp32"
   )
   sched = scheduler.Scheduler(config, pages_lib.PagePool(num_pages), executor)
   replay.replay(requests, sched)
@@ -213,8 +290,8 @@ def simulate(args, requests, share_kv: bool, num_pages: int) -> dict:
     "hit_rate": run["hit_rate"],
     "requests_per_s": run["requests_per_s"],
     "output_tokens_per_s": run["output_tokens_per_s"],
-    "ttft_s": {k: run["ttft_s"][k] for k in ("p50", "p90")},
-    "tpot_s": {k: run["tpot_s"][k] for k in ("p50", "p90")},
+    "ttft_s": {f"p{q}": run["ttft_s"][f"p{q}"] for q in QS},
+    "tpot_s": {f"p{q}": run["tpot_s"][f"p{q}"] for q in QS},
     "preemptions": run["preemptions"],
     "makespan_s": run["makespan_s"],
     "busy_fraction": run["busy_fraction"],
@@ -224,7 +301,7 @@ def simulate(args, requests, share_kv: bool, num_pages: int) -> dict:
   }
 
 
-def engine_alone(args, requests, warmup, share_kv: bool, num_pages: int) -> dict:
+def engine_alone(args, requests, warmup, share_kv: bool, kv_format: str, num_pages: int) -> dict:
   """The same stream on the engine in this process, without HTTP: Engine.generate, whose clock
   is its measured step wall time (arrivals are admitted at step boundaries, as in the
   simulator). Separates the engine's own speed from the server's overhead."""
@@ -236,9 +313,7 @@ def engine_alone(args, requests, warmup, share_kv: bool, num_pages: int) -> dict
   from looped.model import config as model_lib
   from looped.model.looped_lm import LoopedLM
 
-  model_cfg = serve_config.get_config("smoke").model
-  model_cfg.max_seq_len = args.max_model_len
-  model = LoopedLM(model_lib.from_config(model_cfg))
+  model = LoopedLM(model_lib.from_config(model_config(args)[1]))
   params = restore.restore_params(model, args.checkpoint, -1, "checkpoint")
 
   def run(stream, salt):
@@ -247,6 +322,7 @@ def engine_alone(args, requests, warmup, share_kv: bool, num_pages: int) -> dict
       params,
       EngineConfig(
         share_kv=share_kv,
+        kv_format=kv_format or None,
         num_pages=num_pages,
         page_size=args.page_size,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -296,6 +372,7 @@ KINDS = ("measured", "engine", "simulated")  # Over HTTP; engine alone; simulato
 
 
 def table(runs: dict) -> str:
+  """One run's measured / engine / simulated columns per layout."""
   rows = [
     ("hit rate", lambda m: f"{m['hit_rate']:.3f}"),
     ("requests/s", lambda m: f"{m['requests_per_s']:.2f}"),
@@ -319,20 +396,123 @@ def table(runs: dict) -> str:
   return "\n".join(lines)
 
 
+# The sweep table's figures: (column, how to read it from a measured or simulated summary, format).
+FIGURES = (
+  ("hit rate", lambda m: m["hit_rate"], "{:.3f}"),
+  ("output tok/s", lambda m: m["output_tokens_per_s"], "{:.1f}"),
+  ("TTFT p50 (s)", lambda m: m["ttft_s"]["p50"], "{:.2f}"),
+  ("TTFT p90 (s)", lambda m: m["ttft_s"]["p90"], "{:.2f}"),
+  ("TTFT p99 (s)", lambda m: m["ttft_s"]["p99"], "{:.2f}"),
+  ("TPOT p50 (s)", lambda m: m["tpot_s"]["p50"], "{:.3f}"),
+  ("TPOT p90 (s)", lambda m: m["tpot_s"]["p90"], "{:.3f}"),
+  ("preemptions", lambda m: m["preemptions"], "{:.0f}"),
+)
+# Figures the simulator's prediction is compared on (measured / simulated in the table).
+PREDICTED = ("output tok/s", "TTFT p50 (s)", "TTFT p90 (s)")
+
+
+def _spread(values, fmt: str) -> str:
+  """median [min-max], or the one value."""
+  a = np.asarray(values, np.float64)
+  med = fmt.format(float(np.median(a)))
+  if len(a) == 1 or np.ptp(a) == 0:
+    return med
+  return f"{med} [{fmt.format(float(a.min()))}-{fmt.format(float(a.max()))}]"
+
+
+def sweep_table(configs: list[dict]) -> str:
+  """One row per (budget, format, layout): each figure's median [min-max] over the repeats, the
+  simulator's prediction and measured / simulated (median over repeats)."""
+  head = ["budget (MB)", "format", "layout", "pages", "runs"] + [name for name, _, _ in FIGURES]
+  head += [f"sim {name}" for name in PREDICTED] + [f"measured / sim {n}" for n in PREDICTED]
+  lines = ["| " + " | ".join(head) + " |", "|---|---|---|" + "---:|" * (len(head) - 3)]
+  for c in configs:
+    cells = [f"{c['budget'] / 1e6:g}", c["kv_format"] or "raw", c["layout"], str(c["num_pages"])]
+    cells.append(str(len(c["measured"])))
+    for _, get, fmt in FIGURES:
+      cells.append(_spread([get(m) for m in c["measured"]], fmt))
+    figures = {name: (get, fmt) for name, get, fmt in FIGURES}
+    for name in PREDICTED:
+      get, fmt = figures[name]
+      cells.append(fmt.format(get(c["simulated"])))
+    for name in PREDICTED:
+      get, _ = figures[name]
+      cells.append(f"{np.median([get(m) for m in c['measured']]) / get(c['simulated']):.2f}")
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def shared_vs_unshared(configs: list[dict]) -> str:
+  """Per (budget, format): shared's change over unshared on the paper's three figures, medians."""
+  by = {(c["budget"], c["kv_format"], c["layout"]): c for c in configs}
+  med = lambda c, get: float(np.median([get(m) for m in c["measured"]]))
+  lines = [
+    "| budget (MB) | format | hit rate unshared -> shared | change | output tok/s | TTFT p90 |",
+    "|---|---|---:|---:|---:|---:|",
+  ]
+  for (budget, fmt, layout), c in by.items():
+    if layout != "shared" or (budget, fmt, "unshared") not in by:
+      continue
+    u = by[(budget, fmt, "unshared")]
+    hits = med(u, lambda m: m["hit_rate"]), med(c, lambda m: m["hit_rate"])
+    hit = f"{hits[1] / hits[0] - 1:+.1%}" if hits[0] else "n/a"
+    tput = med(c, lambda m: m["output_tokens_per_s"]) / med(u, lambda m: m["output_tokens_per_s"])
+    p90 = med(c, lambda m: m["ttft_s"]["p90"]) / med(u, lambda m: m["ttft_s"]["p90"])
+    lines.append(
+      f"| {budget / 1e6:g} | {fmt or 'raw'} | {hits[0]:.3f} -> {hits[1]:.3f} | {hit} | "
+      f"{tput - 1:+.1%} | {p90 - 1:+.1%} |"
+    )
+  lines.append("(the paper, simulated: hit rate +31.4%, throughput +23.6%, TTFT p90 -83.6%)")
+  return "\n".join(lines)
+
+
+def run_once(args, requests, warmup, share: bool, kv_format: str, budget: float) -> dict:
+  """One fresh server: warm-up pass, measured pass; fails if a page is held at the end."""
+  with tempfile.TemporaryDirectory() as workdir:
+    proc, url = start_server(args, share, kv_format, budget, workdir)
+    try:
+      if warmup:
+        replay_http(url, warmup, salt=1, clients=args.clients)
+      load = os.getloadavg()[0]
+      before = scrape(url)
+      started = time.monotonic()
+      results = replay_http(url, requests, salt=2, clients=args.clients)
+      wall = time.monotonic() - started
+      after = scrape(url)
+    except BaseException:
+      serve_common.stop_server(proc, workdir)
+      print(open(os.path.join(workdir, "server.log")).read()[-4000:], file=sys.stderr)
+      raise
+    stats = serve_common.stop_server(proc, workdir)
+  held, at_exit = after.get("looped:kv_pages_used"), stats.get("pages_in_use_at_end")
+  if held != 0 or at_exit != 0:
+    raise RuntimeError(f"pages held at the end: /metrics {held}, at exit {at_exit}")
+  measured = measured_summary(results, before, after)
+  measured.update(wall_s=wall, load_average=load, pages_used_at_end=held, pages_at_exit=at_exit)
+  return {"measured": measured, "requests": results}
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument(
-    "--checkpoint", required=True, help="Trainer workdir of configs/pretrain.py:smoke."
+    "--checkpoint", required=True, help="Trainer workdir or stage dir (module docstring)."
   )
-  parser.add_argument("--trace", default="mooncake_conversation", help="Mooncake JSONL or alias.")
-  parser.add_argument("--num_requests", type=int, default=200)
+  parser.add_argument(
+    "--trace", default="mooncake_conversation", help="Mooncake JSONL, alias, or 'sessions'."
+  )
+  parser.add_argument("--sessions", default="", help="--trace=sessions: JSON of its fields.")
+  parser.add_argument("--num_requests", type=int, default=200, help="Requests replayed at most.")
   parser.add_argument("--warmup_requests", type=int, default=100, help="Compile pass (0: none).")
   parser.add_argument("--time_scale", type=float, default=0.5, help="Multiplies arrival times.")
   parser.add_argument("--block_tokens", type=int, default=4, help="Tokens per 512-token block.")
   parser.add_argument("--max_prompt_tokens", type=int, default=192)
   parser.add_argument("--max_output_tokens", type=int, default=16)
-  parser.add_argument("--max_model_len", type=int, default=256, help="The model's max_seq_len.")
-  parser.add_argument("--kv_budget_bytes", type=float, default=1.2e6)
+  parser.add_argument(
+    "--max_model_len", type=int, default=0, help="0: the record's max_seq_len (smoke: 256)."
+  )
+  parser.add_argument("--kv_budget_bytes", type=float, nargs="+", default=[1.2e6])
+  parser.add_argument("--kv_formats", nargs="+", default=[""], help="'' raw, or looped.kv_quant.")
+  parser.add_argument("--repeats", type=int, default=1, help="Runs of each configuration.")
   parser.add_argument("--page_size", type=int, default=4)
   parser.add_argument("--max_num_seqs", type=int, default=8)
   parser.add_argument("--prefill_block", type=int, default=32, help="serve.prefill_block.")
@@ -352,38 +532,84 @@ def main():
     default=True,
     help="Also replay the stream on the engine in this process, without HTTP.",
   )
+  parser.add_argument("--compilation_cache", default="", help="Servers' persistent JAX cache.")
   parser.add_argument("--out", default="", help="Write the results as JSON here.")
   args = parser.parse_args()
+  from looped import kv_quant
+
+  bad = [f for f in args.kv_formats if f and f not in kv_quant.FORMATS]
+  if bad:
+    parser.error(f"--kv_formats: unknown {bad}; known: '' (raw) and {kv_quant.FORMATS}.")
+  if args.repeats < 1 or any(b <= 0 for b in args.kv_budget_bytes):
+    parser.error("--repeats and every --kv_budget_bytes must be positive.")
+  if not os.path.isdir(args.checkpoint):
+    parser.error(f"--checkpoint={args.checkpoint}: no such directory.")
+  recorded = model_config(args)
+  if recorded[0] == "configs/serve.py":  # The record's context; a flag may only agree with it.
+    if args.max_model_len not in (0, recorded[1].max_seq_len):
+      parser.error(
+        f"--max_model_len={args.max_model_len}, but the checkpoint's model has max_seq_len = "
+        f"{recorded[1].max_seq_len}."
+      )
+    args.max_model_len = recorded[1].max_seq_len
+  args.max_model_len = args.max_model_len or 256
 
   requests = scaled_requests(args)
   warmup = requests[: args.warmup_requests]
-  runs = {}
-  for layout in args.layouts:
-    share = LAYOUTS[layout]
-    with tempfile.TemporaryDirectory() as workdir:
-      proc, url = start_server(args, share, workdir)
-      try:
-        if warmup:
-          replay_http(url, warmup, salt=1, clients=args.clients)
-        before = scrape(url)
-        started = time.monotonic()
-        results = replay_http(url, requests, salt=2, clients=args.clients)
-        wall = time.monotonic() - started
-        after = scrape(url)
-      finally:
-        serve_common.stop_server(proc, workdir)
-    measured = {**measured_summary(results, before, after), "wall_s": wall}
-    pages = int(measured["num_pages"])
-    runs[layout] = {
-      "measured": measured,
-      "simulated": simulate(args, requests, share, pages),
-      "requests": results,
-    }
-    if args.engine_alone:
-      runs[layout]["engine"] = engine_alone(args, requests, warmup, share, pages)
-    print(f"{layout}: measured {measured['hit_rate']:.3f} hit rate, {wall:.0f} s", flush=True)
-  text = table(runs)
-  print(text)
+  print(
+    f"stream: {len(requests)} requests over {requests[-1].arrival_s:.0f} s, mean prompt "
+    f"{np.mean([r.prompt_len for r in requests]):.0f} tokens, mean output "
+    f"{np.mean([r.output_len for r in requests]):.1f}; model max_seq_len {args.max_model_len}",
+    flush=True,
+  )
+  configs = {}  # (budget, format, layout) -> its runs and the simulator's prediction.
+  runs = []
+  for rep in range(args.repeats):
+    for budget in args.kv_budget_bytes:
+      for fmt in args.kv_formats:
+        group = {}
+        for layout in args.layouts:
+          share = LAYOUTS[layout]
+          run = run_once(args, requests, warmup, share, fmt, budget)
+          measured = run["measured"]
+          pages = int(measured["num_pages"])
+          key = (budget, fmt, layout)
+          if key not in configs:
+            configs[key] = {
+              "budget": budget,
+              "kv_format": fmt,
+              "layout": layout,
+              "num_pages": pages,
+              "measured": [],
+              "simulated": simulate(args, requests, share, fmt, pages),
+            }
+          configs[key]["measured"].append(measured)
+          group[layout] = {"measured": measured, "simulated": configs[key]["simulated"]}
+          if args.engine_alone:
+            group[layout]["engine"] = engine_alone(args, requests, warmup, share, fmt, pages)
+          runs.append(
+            {
+              "repeat": rep,
+              "budget": budget,
+              "kv_format": fmt,
+              "layout": layout,
+              **run,
+              **{k: v for k, v in group[layout].items() if k != "measured"},
+            }
+          )
+          print(
+            f"repeat {rep + 1}/{args.repeats}, {budget / 1e6:g} MB, {fmt or 'raw'}, {layout}: "
+            f"{pages} pages, hit rate {measured['hit_rate']:.3f}, "
+            f"{measured['output_tokens_per_s']:.1f} output tok/s, TTFT p90 "
+            f"{measured['ttft_s']['p90']:.2f} s, {measured['preemptions']:.0f} preemptions, "
+            f"{measured['wall_s']:.0f} s",
+            flush=True,
+          )
+        print(table(group), flush=True)
+  sweep = sweep_table(list(configs.values()))
+  versus = shared_vs_unshared(list(configs.values()))
+  print(sweep)
+  print(versus)
   if args.out:
     with open(args.out, "w") as f:
       json.dump(
@@ -395,8 +621,10 @@ def main():
             "mean_prompt_tokens": sum(r.prompt_len for r in requests) / len(requests),
             "mean_output_tokens": sum(r.output_len for r in requests) / len(requests),
           },
+          "configs": list(configs.values()),
           "runs": runs,
-          "table": text,
+          "table": sweep,
+          "shared_vs_unshared": versus,
         },
         f,
         indent=1,

@@ -12,7 +12,8 @@ non-contracting loop, linear injection and no prelude/coda layers, so the core's
 all the sequence mixing; its BeNice! reads the K/V after 3 Jacobi passes),
 `zero_shot` (pretraining and its zero-shot shareability evaluation only, no KV formats),
 `composition` (the composition table's scale: 300 pretraining and 100 post-training steps, exact
-decode on 32 rows, bf16 / fp8 / nvfp4 caches), and
+decode on 32 rows, bf16 / fp8 / nvfp4 caches), `ctx1024` (1024-token rows, the models the
+serving replay serves: docs/server.md), and
 at most one mixer: `gqa` (the default), `mla`, `kda` (every layer that mixer) or `hybrid` (KDA
 and MLA 3:1 over the distinct layers: prelude KDA, core KDA + MLA, coda KDA; docs/mixers.md).
 
@@ -49,6 +50,7 @@ VARIANTS = {
   "fixed": "the regime where sharing breaks: fixed depth, linear injection, no prelude/coda",
   "zero_shot": "pretraining and its zero-shot shareability evaluation only",
   "composition": "the composition table's smaller scale (docs/mixers.md): 300 + 100 steps",
+  "ctx1024": "1024-token rows (configs/pretrain.py); eval: exact decode on 2 rows, 3 formats",
   "gqa": "every layer grouped-query attention (the default)",
   "mla": "every layer multi-head latent attention (cached: latent + RoPE key)",
   "kda": "every layer Kimi delta attention (cached: a state per sequence)",
@@ -138,6 +140,10 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.eval.decode_batches = 2  # Exact decode on the first 32 rows; Jacobi passes on all 128.
     c.eval.kv_formats = ("bf16", "fp8", "nvfp4")  # Three cache formats.
     c.eval.samples = 0  # No sample rows.
+  if "ctx1024" in args:  # Models to serve at a 1024-token context (docs/server.md).
+    c.eval.decode_batches = 1  # Exact decode on the first eval batch: 2 rows of 1024 tokens.
+    c.eval.kv_formats = ("bf16", "fp8", "nvfp4")  # The formats the serving replay pages in.
+    c.eval.prefill_blocks = (16, 32, 64, 256)  # Block sizes, the engine's default 32 among them.
   if "zero_shot" in args:  # Pretraining and its zero-shot evaluation only (sweeps).
     c.pipeline.models = ("zero_shot",)  # Only the pretrained model.
     c.eval.kv_formats = ()  # No cache formats.

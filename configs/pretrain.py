@@ -4,7 +4,8 @@
   python -m looped.main --config=configs/pretrain.py:smoke --workdir=/tmp/smoke
 
 Args (comma-separated): `smoke` (tiny model, trains in seconds on a CPU), `fixed` (no
-stochastic depth: every recurrence runs for every sequence), and at most one paper size:
+stochastic depth: every recurrence runs for every sequence), `ctx1024` (1024-token rows, the
+default's tokens per step: a model to serve long multi-turn prompts), and at most one paper size:
 `parcae_140m`, `parcae_370m` (Parcae's shapes) or `huginn_width` (Huginn-0125's), each with
 2048- (Huginn: 4096-) token rows of a tokenised real corpus (see paper_size). Per-device memory
 of a size on a mesh, without the devices or the corpus (docs/scaling.md):
@@ -26,6 +27,7 @@ from looped.train.config import DepthConfig, TrainConfig
 VARIANTS = {
   "smoke": "tiny model, 60 steps, ~30 s on 2 CPU cores",
   "fixed": "no stochastic depth: every recurrence runs for every sequence",
+  "ctx1024": "1024-token rows (serving workloads): 2 rows a step, the default's tokens per step",
   "parcae_140m": "Parcae-small's shape (d 768, P/B/C 2/2/2, R 8), 2048-token rows, C4 (TFDS)",
   "parcae_370m": "Parcae-medium's shape (d 1024, P/B/C 4/4/4, R 8), 2048-token rows, C4 (TFDS)",
   "huginn_width": "Huginn-0125's width and depth (d 5280, 55 heads, P/B/C 2/4/2, R 32), C4",
@@ -175,6 +177,14 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     paper_size(c, size.pop())
   if "fixed" in args:
     c.depth.sampler = "fixed"  # Every recurrence runs for every sequence.
+  if "ctx1024" in args:  # A context long enough for multi-turn serving (docs/server.md).
+    if args & set(SIZES) or "smoke" in args:
+      raise ValueError("config variant ctx1024 is for the default model; drop smoke / the size.")
+    c.model.max_seq_len = 1024  # Positions the model is trained on and serves.
+    c.data.seq_len = 1024  # Tokens per training row.
+    c.data.batch_size = 2  # Rows per step: 2,048 tokens, as the default's 16 x 128.
+    c.data.eval_batch_size = 2  # Rows per validation batch.
+    c.data.num_eval_batches = 8  # 16,384 validation tokens, as the default's.
   return c
 
 
