@@ -56,6 +56,7 @@ sys.path.insert(0, _REPO)
 
 from benchmarks import serve_common  # noqa: E402
 from configs import serve as serve_config  # noqa: E402
+from looped import kv_quant  # noqa: E402
 from looped.checkpoints import model_record  # noqa: E402
 from looped.engine.padding import Padding  # noqa: E402
 from looped.scheduler import pages as pages_lib  # noqa: E402
@@ -492,7 +493,8 @@ def run_once(args, requests, warmup, share: bool, kv_format: str, budget: float)
   return {"measured": measured, "requests": results}
 
 
-def main():
+def parse_args(argv=None) -> argparse.Namespace:
+  """The flags, checked; --max_model_len resolved from the checkpoint's record."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument(
     "--checkpoint", required=True, help="Trainer workdir or stage dir (module docstring)."
@@ -534,9 +536,7 @@ def main():
   )
   parser.add_argument("--compilation_cache", default="", help="Servers' persistent JAX cache.")
   parser.add_argument("--out", default="", help="Write the results as JSON here.")
-  args = parser.parse_args()
-  from looped import kv_quant
-
+  args = parser.parse_args(argv)
   bad = [f for f in args.kv_formats if f and f not in kv_quant.FORMATS]
   if bad:
     parser.error(f"--kv_formats: unknown {bad}; known: '' (raw) and {kv_quant.FORMATS}.")
@@ -553,7 +553,11 @@ def main():
       )
     args.max_model_len = recorded[1].max_seq_len
   args.max_model_len = args.max_model_len or 256
+  return args
 
+
+def main():
+  args = parse_args()
   requests = scaled_requests(args)
   warmup = requests[: args.warmup_requests]
   print(

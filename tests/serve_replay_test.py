@@ -1,0 +1,183 @@
+"""benchmarks/serve_replay.py's logic without a server: flags and the checkpoint's model, the
+session stream and its synthesised prompts, one run's figures from client times and /metrics
+counters, and the sweep's tables."""
+
+import os
+import sys
+import tempfile
+
+from absl.testing import absltest
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _REPO)
+
+from benchmarks import serve_replay  # noqa: E402
+from configs import pretrain  # noqa: E402
+from looped.checkpoints import model_record  # noqa: E402
+
+
+def _checkpoint(max_seq_len: int | None) -> str:
+  """A directory holding a model record (max_seq_len given) or nothing (None)."""
+  path = tempfile.mkdtemp()
+  if max_seq_len is not None:
+    c = pretrain.get_config()
+    c.model.max_seq_len = max_seq_len
+    model_record.write(path, model_record.make(c.model, c.data))
+  return path
+
+
+class ServeReplayTest(absltest.TestCase):
+  def test_flags_and_the_checkpoints_model(self):
+    recorded = _checkpoint(1024)
+    args = serve_replay.parse_args([f"--checkpoint={recorded}"])
+    self.assertEqual(args.max_model_len, 1024)  # From the record.
+    config, model = serve_replay.model_config(args)
+    self.assertEqual((config, model.max_seq_len, model.d_model), ("configs/serve.py", 1024, 128))
+    bare = serve_replay.parse_args([f"--checkpoint={_checkpoint(None)}"])
+    self.assertEqual(bare.max_model_len, 256)  # A workdir without a record: the smoke model.
+    self.assertEqual(serve_replay.model_config(bare)[0], "configs/serve.py:smoke")
+    for bad, says in (
+      ([f"--checkpoint={recorded}", "--max_model_len=512"], "max_seq_len = 1024"),
+      ([f"--checkpoint={recorded}", "--kv_formats", "fp9"], "--kv_formats: unknown"),
+      ([f"--checkpoint={recorded}", "--repeats=0"], "--repeats"),
+      (["--checkpoint=/nonexistent/dir"], "no such directory"),
+    ):
+      with self.assertRaises(SystemExit), _Stderr() as e:
+        serve_replay.parse_args(bad)
+      self.assertIn(says, e.text)
+
+  def test_session_stream_and_prompts(self):
+    args = serve_replay.parse_args([f"--checkpoint={_checkpoint(1024)}", "--trace=sessions"])
+    requests = serve_replay.scaled_requests(args)
+    self.assertEqual(
+      [(r.arrival_s, r.prompt_len) for r in requests],
+      [(r.arrival_s, r.prompt_len) for r in serve_replay.scaled_requests(args)],
+    )  # Seeded.
+    self.assertGreater(len(requests), 40)
+    for r in requests:
+      self.assertLessEqual(r.prompt_len + r.output_len, 1024)
+      self.assertEqual(r.block_size, 16)
+    # Prompts share exactly the tokens of their common leading blocks.
+    a, b = (
+      requests[0],
+      next(r for r in requests[1:] if r.block_hashes[:1] == requests[0].block_hashes[:1]),
+    )
+    common = 0
+    while common < min(len(a.block_hashes), len(b.block_hashes)) and (
+      a.block_hashes[common] == b.block_hashes[common]
+    ):
+      common += 1
+    pa, pb = serve_replay.prompt_tokens(a, 2), serve_replay.prompt_tokens(b, 2)
+    self.assertEqual((len(pa), len(pb)), (a.prompt_len, b.prompt_len))
+    self.assertEqual(pa[: 16 * common], pb[: 16 * common])
+    self.assertNotEqual(pa[16 * common : 16 * common + 16], pb[16 * common : 16 * common + 16])
+    self.assertNotEqual(serve_replay.prompt_tokens(a, 1)[:16], pa[:16])  # Another salt.
+    # A history beyond the model's context is refused before any server starts.
+    tight = serve_replay.parse_args(
+      [
+        f"--checkpoint={_checkpoint(1024)}",
+        "--trace=sessions",
+        '--sessions={"max_prompt_tokens": 4096, "min_turns": 6, "min_input_tokens": 96}',
+      ]
+    )
+    with self.assertRaises(SystemExit) as e:
+      serve_replay.scaled_requests(tight)
+    self.assertIn("beyond the model's 1024", str(e.exception))
+    with self.assertRaises(SystemExit) as e:
+      serve_replay.session_config(
+        serve_replay.parse_args([f"--checkpoint={_checkpoint(1024)}", '--sessions={"turns": 3}'])
+      )
+    self.assertIn("unknown fields ['turns']", str(e.exception))
+
+  def test_measured_summary(self):
+    results = [
+      {"arrival": 0.0, "sent": 0.0, "tokens": [1.0, 1.5, 2.0], "output_len": 3},
+      {"arrival": 1.0, "sent": 1.5, "tokens": [3.0, 5.0], "output_len": 2},
+    ]
+    before = {"vllm:prefix_cache_queries_total": 100.0, "vllm:prefix_cache_hits_total": 10.0}
+    after = {
+      "vllm:prefix_cache_queries_total": 300.0,
+      "vllm:prefix_cache_hits_total": 110.0,
+      "vllm:num_preemptions_total": 4.0,
+      "looped:engine_steps": 8.0,
+      "looped:engine_busy_seconds": 2.5,
+      "looped:kv_pages_total": 80.0,
+    }
+    s = serve_replay.measured_summary(results, before, after)
+    self.assertAlmostEqual(s["hit_rate"], 0.5)
+    self.assertAlmostEqual(s["makespan_s"], 5.0)  # First arrival to last token.
+    self.assertAlmostEqual(s["output_tokens_per_s"], 1.0)
+    self.assertAlmostEqual(s["ttft_s"]["p50"], 1.5)  # TTFTs 1.0 and 2.0, from the arrival.
+    self.assertAlmostEqual(s["tpot_s"]["p90"], 1.85)  # TPOTs 0.5 and 2.0: 0.5 + 0.9 * 1.5.
+    self.assertEqual(set(s["ttft_s"]), {"p50", "p90", "p99"})
+    self.assertAlmostEqual(s["mean_step_s"], 2.5 / 8)
+    short = [dict(results[0], tokens=[1.0, 2.0])]
+    with self.assertRaisesRegex(RuntimeError, "streamed 2 of 3"):
+      serve_replay.measured_summary(short, before, after)
+
+  def test_sweep_tables(self):
+    def figures(hit, tps, p50, p90):
+      return {
+        "hit_rate": hit,
+        "output_tokens_per_s": tps,
+        "ttft_s": {"p50": p50, "p90": p90, "p99": p90},
+        "tpot_s": {"p50": 0.1, "p90": 0.2},
+        "preemptions": 3.0,
+      }
+
+    configs = [
+      {
+        "budget": 3e6,
+        "kv_format": "bf16",
+        "layout": "unshared",
+        "num_pages": 73,
+        "measured": [
+          figures(0.4, 20.0, 2.0, 4.0),
+          figures(0.4, 30.0, 6.0, 9.0),
+          figures(0.4, 22.0, 1.0, 5.0),
+        ],
+        "simulated": figures(0.4, 20.0, 2.0, 4.0),
+      },
+      {
+        "budget": 3e6,
+        "kv_format": "bf16",
+        "layout": "shared",
+        "num_pages": 183,
+        "measured": [
+          figures(0.6, 33.0, 1.0, 2.0),
+          figures(0.6, 33.0, 1.0, 2.0),
+          figures(0.6, 33.0, 1.0, 2.0),
+        ],
+        "simulated": figures(0.6, 30.0, 1.0, 2.5),
+      },
+    ]
+    text = serve_replay.sweep_table(configs)
+    # Median [min-max] over the runs; one value when they agree; measured / simulated medians.
+    self.assertIn(
+      "| 3 | bf16 | unshared | 73 | 3 | 0.400 | 22.0 [20.0-30.0] | 2.00 [1.00-6.00] | "
+      "5.00 [4.00-9.00] | 5.00 [4.00-9.00] | 0.100 | 0.200 | 3 | 20.0 | 2.00 | 4.00 | 1.10 | "
+      "1.00 | 1.25 |",
+      text,
+    )
+    self.assertIn("| 3 | bf16 | shared | 183 | 3 | 0.600 | 33.0 | 1.00 | 2.00 |", text)
+    versus = serve_replay.shared_vs_unshared(configs)
+    self.assertIn("| 3 | bf16 | 0.400 -> 0.600 | +50.0% | +50.0% | -60.0% |", versus)
+
+
+class _Stderr:
+  """Captures what argparse writes to stderr before it exits."""
+
+  def __enter__(self):
+    import io
+
+    self._old, sys.stderr = sys.stderr, io.StringIO()
+    return self
+
+  def __exit__(self, *exc):
+    self.text = sys.stderr.getvalue()
+    sys.stderr = self._old
+    return False
+
+
+if __name__ == "__main__":
+  absltest.main()
