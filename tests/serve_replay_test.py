@@ -125,31 +125,16 @@ class ServeReplayTest(absltest.TestCase):
         "preemptions": 3.0,
       }
 
+    def config(layout, pages, measured, simulated):
+      return {"budget": 3e6, "kv_format": "bf16", "layout": layout, "num_pages": pages} | {
+        "measured": [figures(*m) for m in measured],
+        "simulated": figures(*simulated),
+      }
+
+    unshared = [(0.4, 20.0, 2.0, 4.0), (0.4, 30.0, 6.0, 9.0), (0.4, 22.0, 1.0, 5.0)]
     configs = [
-      {
-        "budget": 3e6,
-        "kv_format": "bf16",
-        "layout": "unshared",
-        "num_pages": 73,
-        "measured": [
-          figures(0.4, 20.0, 2.0, 4.0),
-          figures(0.4, 30.0, 6.0, 9.0),
-          figures(0.4, 22.0, 1.0, 5.0),
-        ],
-        "simulated": figures(0.4, 20.0, 2.0, 4.0),
-      },
-      {
-        "budget": 3e6,
-        "kv_format": "bf16",
-        "layout": "shared",
-        "num_pages": 183,
-        "measured": [
-          figures(0.6, 33.0, 1.0, 2.0),
-          figures(0.6, 33.0, 1.0, 2.0),
-          figures(0.6, 33.0, 1.0, 2.0),
-        ],
-        "simulated": figures(0.6, 30.0, 1.0, 2.5),
-      },
+      config("unshared", 73, unshared, (0.4, 20.0, 2.0, 4.0)),
+      config("shared", 183, [(0.6, 33.0, 1.0, 2.0)] * 3, (0.6, 30.0, 1.0, 2.5)),
     ]
     text = serve_replay.sweep_table(configs)
     # Median [min-max] over the runs; one value when they agree; measured / simulated medians.
