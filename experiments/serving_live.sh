@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The live serving study at a 1024-token context (docs/server.md, "Multi-turn sessions at a
+# 1024-token context"): the `ctx1024` pipelines (the default stochastic-depth model and the
+# `:fixed` regime, so what is served has a measured sharing gap), the engine's CPU cost profile
+# fitted on this engine at that context, then the live replay sweep of the default pipeline's
+# BeNice! model over HTTP with the simulator's prediction, priced by that profile, beside each
+# configuration. Pipelines resume when rerun; the fit and the sweep start over.
+#
+#   bash experiments/serving_live.sh /tmp/serving_runs                 # everything
+#   bash experiments/serving_live.sh /tmp/serving_runs "fit sweep"     # models already trained
+#
+# The fit and the sweep run XLA with its default threads, as the servers do; run them on an
+# otherwise idle machine, one after the other, so the profile describes the sweep's conditions.
+set -euo pipefail
+R=${1:?usage: experiments/serving_live.sh RUNS_DIR [steps, default "train fit sweep"]}
+STEPS=" ${2:-train fit sweep} "
+PY=${PYTHON:-python}
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+mkdir -p "$R"
+cd "$ROOT"
+
+if [[ $STEPS == *" train "* ]]; then
+  for variant in ctx1024 ctx1024,fixed; do
+    w="$R/${variant/,/_}"
+    echo "== pipeline $variant -> $w ($(date))"
+    "$PY" -m looped.main --config=configs/benice.py:$variant --workdir="$w" >> "$w.log" 2>&1
+  done
+fi
+
+if [[ $STEPS == *" fit "* ]]; then
+  echo "== engine cost profile at 1024 positions ($(date))"
+  XLA_FLAGS="" "$PY" benchmarks/engine.py --skip_throughput --max_model_len=1024 \
+    --grid_rows 1 3 8 --grid_tokens 1 8 32 --grid_context 0 256 768 --reps 5 \
+    --grid_layouts unshared shared unshared_fp8 \
+    --hardware_out="$R/cpu_profile.json" --out="$R/engine_grid.json" > "$R/engine_grid.log" 2>&1
+fi
+
+if [[ $STEPS == *" sweep "* ]]; then
+  echo "== live replay sweep ($(date))"
+  "$PY" benchmarks/serve_replay.py --checkpoint="$R/ctx1024/benice" --trace=sessions \
+    --kv_budget_bytes 3e6 5e6 8e6 --kv_formats bf16 nvfp4 --repeats=3 \
+    --page_size=16 --row_buckets 2 8 --token_buckets 1 16 32 --column_buckets 16 32 64 \
+    --warmup_requests=16 --no-engine_alone --hardware_json="$R/cpu_profile.json" \
+    --compilation_cache="$R/serve_cache" --out="$R/serve_sweep.json" > "$R/serve_sweep.log" 2>&1
+fi
+echo "== done ($(date))"
