@@ -36,7 +36,9 @@ preemptions; a run whose server still holds a page at the end fails. Beside each
 the simulator on the same request stream, page pool and scheduler limits, priced by the
 engine-calibrated CPU profile (--hardware, default cpu_2core). With --engine_alone, the same
 stream on Engine.generate in this process (no HTTP). Prints, per run, the table of the three,
-then the sweep's table (median [min-max] over repeats) and writes JSON with --out.
+then the sweep's table (median [min-max] over repeats) and writes JSON with --out. Each finished
+run is also appended to OUT.runs.jsonl: rerun with the same flags, a stopped sweep resumes
+after its last finished run (more repeats, budgets or formats extend it).
 """
 
 import argparse
@@ -70,11 +72,12 @@ MOONCAKE_BLOCK = traces.MOONCAKE_BLOCK_SIZE
 BYTE_IDS = 256  # The bytes tokenizer: ids 0..255 are bytes, 256 is EOS (never in a prompt).
 
 
-# --trace=sessions: the generator's fields this script changes (a model of <= 1024 positions; a
-# few minutes of arrivals). --sessions overrides any config.sessions field.
+# --trace=sessions: the generator's fields this script changes: a model of <= 1024 positions, a
+# minute of arrivals (about 190 requests at 3.3 per second: more than the 2-core CPU engine keeps
+# up with unshared at a few MB of KV). --sessions overrides any config.sessions field.
 SESSION_DEFAULTS = {
-  "num_sessions": 24,
-  "session_rate_per_s": 0.4,
+  "num_sessions": 48,
+  "session_rate_per_s": 1.5,
   "min_turns": 2,
   "max_turns": 6,
   "shared_system_tokens": 128,
@@ -84,8 +87,8 @@ SESSION_DEFAULTS = {
   "max_input_tokens": 96,
   "min_output_tokens": 8,
   "max_output_tokens": 32,
-  "min_think_s": 4.0,
-  "max_think_s": 16.0,
+  "min_think_s": 2.0,
+  "max_think_s": 8.0,
   "max_prompt_tokens": 1024,
   "block_size": 16,
 }
@@ -556,6 +559,59 @@ def parse_args(argv=None) -> argparse.Namespace:
   return args
 
 
+# Flags that do not change what a run measures (a run's key holds its budget, format and
+# layout): a journal made under other values still resumes, and a sweep can be extended.
+_NOT_MEASURED = (
+  "out",
+  "repeats",
+  "kv_budget_bytes",
+  "kv_formats",
+  "layouts",
+  "compilation_cache",
+  "hardware",
+  "hardware_json",
+)
+
+
+class Journal:
+  """OUT.runs.jsonl: one line per finished run, so a sweep that is stopped resumes where it
+  stopped. Its first line holds the flags that define what is measured; a journal written under
+  other flags is refused (naming the first that differs) rather than mixed in."""
+
+  def __init__(self, out: str, args):
+    self.path = f"{out}.runs.jsonl" if out else ""
+    self.done: dict[tuple, dict] = {}
+    flags = {k: v for k, v in sorted(vars(args).items()) if k not in _NOT_MEASURED}
+    if not self.path:
+      return
+    if os.path.exists(self.path):
+      with open(self.path) as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+      recorded = lines[0]["flags"] if lines else flags
+      for k in sorted(set(recorded) | set(flags)):
+        if recorded.get(k) != flags.get(k):
+          raise SystemExit(
+            f"{self.path} holds runs made with --{k}={recorded.get(k)!r}, not "
+            f"{flags.get(k)!r}: pass another --out, or delete it to start over."
+          )
+      for line in lines[1:]:
+        self.done[tuple(line["key"])] = line["run"]
+      print(f"resuming: {len(self.done)} runs already in {self.path}", flush=True)
+    else:
+      self._append({"flags": flags})
+
+  def _append(self, record: dict) -> None:
+    with open(self.path, "a") as f:
+      f.write(json.dumps(record) + "\n")
+      f.flush()
+      os.fsync(f.fileno())
+
+  def record(self, key: tuple, run: dict) -> None:
+    self.done[key] = run
+    if self.path:
+      self._append({"key": list(key), "run": run})
+
+
 def main():
   args = parse_args()
   requests = scaled_requests(args)
@@ -566,6 +622,7 @@ def main():
     f"{np.mean([r.output_len for r in requests]):.1f}; model max_seq_len {args.max_model_len}",
     flush=True,
   )
+  journal = Journal(args.out, args)
   configs = {}  # (budget, format, layout) -> its runs and the simulator's prediction.
   runs = []
   for rep in range(args.repeats):
@@ -574,12 +631,18 @@ def main():
         group = {}
         for layout in args.layouts:
           share = LAYOUTS[layout]
-          run = run_once(args, requests, warmup, share, fmt, budget)
+          key = (rep, budget, fmt, layout)
+          run = journal.done.get(key)
+          if run is None:
+            run = run_once(args, requests, warmup, share, fmt, budget)
+            if args.engine_alone:
+              pages = int(run["measured"]["num_pages"])
+              run["engine"] = engine_alone(args, requests, warmup, share, fmt, pages)
+            journal.record(key, run)
           measured = run["measured"]
           pages = int(measured["num_pages"])
-          key = (budget, fmt, layout)
-          if key not in configs:
-            configs[key] = {
+          if key[1:] not in configs:
+            configs[key[1:]] = {
               "budget": budget,
               "kv_format": fmt,
               "layout": layout,
@@ -587,20 +650,11 @@ def main():
               "measured": [],
               "simulated": simulate(args, requests, share, fmt, pages),
             }
-          configs[key]["measured"].append(measured)
-          group[layout] = {"measured": measured, "simulated": configs[key]["simulated"]}
-          if args.engine_alone:
-            group[layout]["engine"] = engine_alone(args, requests, warmup, share, fmt, pages)
-          runs.append(
-            {
-              "repeat": rep,
-              "budget": budget,
-              "kv_format": fmt,
-              "layout": layout,
-              **run,
-              **{k: v for k, v in group[layout].items() if k != "measured"},
-            }
-          )
+          configs[key[1:]]["measured"].append(measured)
+          group[layout] = {"measured": measured, "simulated": configs[key[1:]]["simulated"]}
+          if "engine" in run:
+            group[layout]["engine"] = run["engine"]
+          runs.append({"repeat": rep, "budget": budget, "kv_format": fmt, "layout": layout, **run})
           print(
             f"repeat {rep + 1}/{args.repeats}, {budget / 1e6:g} MB, {fmt or 'raw'}, {layout}: "
             f"{pages} pages, hit rate {measured['hit_rate']:.3f}, "
@@ -615,7 +669,7 @@ def main():
   print(sweep)
   print(versus)
   if args.out:
-    with open(args.out, "w") as f:
+    with open(args.out + ".tmp", "w") as f:
       json.dump(
         {
           "args": vars(args),
@@ -633,6 +687,7 @@ def main():
         f,
         indent=1,
       )
+    os.replace(args.out + ".tmp", args.out)
 
 
 if __name__ == "__main__":

@@ -149,6 +149,34 @@ class ServeReplayTest(absltest.TestCase):
     self.assertIn("| 3 | bf16 | 0.400 -> 0.600 | +50.0% | +50.0% | -60.0% |", versus)
 
 
+class JournalTest(absltest.TestCase):
+  def test_resumes_and_refuses_other_flags(self):
+    out = os.path.join(tempfile.mkdtemp(), "sweep.json")
+    checkpoint = _checkpoint(1024)
+    args = serve_replay.parse_args([f"--checkpoint={checkpoint}", f"--out={out}"])
+    journal = serve_replay.Journal(args.out, args)
+    self.assertEqual(journal.done, {})
+    journal.record((0, 3e6, "bf16", "shared"), {"measured": {"hit_rate": 0.5}})
+    # The same flags, more repeats and budgets: resumes with the finished run.
+    more = serve_replay.parse_args(
+      [
+        f"--checkpoint={checkpoint}",
+        f"--out={out}",
+        "--repeats=3",
+        "--kv_budget_bytes",
+        "3e6",
+        "5e6",
+      ]
+    )
+    resumed = serve_replay.Journal(more.out, more)
+    self.assertEqual(resumed.done, {(0, 3e6, "bf16", "shared"): {"measured": {"hit_rate": 0.5}}})
+    # Another stream is not mixed in.
+    other = serve_replay.parse_args([f"--checkpoint={checkpoint}", f"--out={out}", "--clients=8"])
+    with self.assertRaises(SystemExit) as e:
+      serve_replay.Journal(other.out, other)
+    self.assertIn("--clients=32", str(e.exception))
+
+
 class _Stderr:
   """Captures what argparse writes to stderr before it exits."""
 
