@@ -403,6 +403,7 @@ def table(runs: dict) -> str:
 # The sweep table's figures: (column, how to read it from a measured or simulated summary, format).
 FIGURES = (
   ("hit rate", lambda m: m["hit_rate"], "{:.3f}"),
+  ("requests/s", lambda m: m["requests_per_s"], "{:.2f}"),
   ("output tok/s", lambda m: m["output_tokens_per_s"], "{:.1f}"),
   ("TTFT p50 (s)", lambda m: m["ttft_s"]["p50"], "{:.2f}"),
   ("TTFT p90 (s)", lambda m: m["ttft_s"]["p90"], "{:.2f}"),

@@ -8,6 +8,10 @@
 #
 #   bash experiments/serving_live.sh /tmp/serving_runs                 # everything
 #   bash experiments/serving_live.sh /tmp/serving_runs "fit sweep"     # models already trained
+#   bash experiments/serving_live.sh /tmp/serving_runs mooncake        # the Mooncake replay
+#
+# `mooncake` (not in the default steps): the bundled Mooncake conversation trace scaled to the
+# 1024-token model (32 tokens per 512-token block, prompts <= 960 tokens) at one budget, 3 repeats.
 #
 # The fit and the sweep run XLA with its default threads, as the servers do; run them on an
 # otherwise idle machine, one after the other, so the profile describes the sweep's conditions.
@@ -42,5 +46,14 @@ if [[ $STEPS == *" sweep "* ]]; then
     --page_size=16 --row_buckets 2 8 --token_buckets 1 16 32 --column_buckets 16 32 64 \
     --warmup_requests=16 --no-engine_alone --hardware_json="$R/cpu_profile.json" \
     --compilation_cache="$R/serve_cache" --out="$R/serve_sweep.json" > "$R/serve_sweep.log" 2>&1
+fi
+if [[ $STEPS == *" mooncake "* ]]; then
+  echo "== Mooncake replay ($(date))"
+  "$PY" benchmarks/serve_replay.py --checkpoint="$R/ctx1024/benice" --trace=mooncake_conversation \
+    --block_tokens=32 --max_prompt_tokens=960 --max_output_tokens=32 --num_requests=200 \
+    --kv_budget_bytes 3e6 --kv_formats bf16 --repeats=3 \
+    --page_size=16 --row_buckets 2 8 --token_buckets 1 16 32 --column_buckets 16 32 64 \
+    --warmup_requests=16 --no-engine_alone --hardware_json="$R/cpu_profile.json" \
+    --compilation_cache="$R/serve_cache" --out="$R/serve_mooncake.json" > "$R/serve_mooncake.log" 2>&1
 fi
 echo "== done ($(date))"

@@ -119,6 +119,7 @@ class ServeReplayTest(absltest.TestCase):
     def figures(hit, tps, p50, p90):
       return {
         "hit_rate": hit,
+        "requests_per_s": tps / 10,
         "output_tokens_per_s": tps,
         "ttft_s": {"p50": p50, "p90": p90, "p99": p90},
         "tpot_s": {"p50": 0.1, "p90": 0.2},
@@ -139,12 +140,12 @@ class ServeReplayTest(absltest.TestCase):
     text = serve_replay.sweep_table(configs)
     # Median [min-max] over the runs; one value when they agree; measured / simulated medians.
     self.assertIn(
-      "| 3 | bf16 | unshared | 73 | 3 | 0.400 | 22.0 [20.0-30.0] | 2.00 [1.00-6.00] | "
-      "5.00 [4.00-9.00] | 5.00 [4.00-9.00] | 0.100 | 0.200 | 3 | 20.0 | 2.00 | 4.00 | 1.10 | "
-      "1.00 | 1.25 |",
+      "| 3 | bf16 | unshared | 73 | 3 | 0.400 | 2.20 [2.00-3.00] | 22.0 [20.0-30.0] | "
+      "2.00 [1.00-6.00] | 5.00 [4.00-9.00] | 5.00 [4.00-9.00] | 0.100 | 0.200 | 3 | 20.0 | 2.00 | "
+      "4.00 | 1.10 | 1.00 | 1.25 |",
       text,
     )
-    self.assertIn("| 3 | bf16 | shared | 183 | 3 | 0.600 | 33.0 | 1.00 | 2.00 |", text)
+    self.assertIn("| 3 | bf16 | shared | 183 | 3 | 0.600 | 3.30 | 33.0 | 1.00 | 2.00 |", text)
     versus = serve_replay.shared_vs_unshared(configs)
     self.assertIn("| 3 | bf16 | 0.400 -> 0.600 | +50.0% | +50.0% | -60.0% |", versus)
 
