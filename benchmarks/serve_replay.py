@@ -447,6 +447,34 @@ def sweep_table(configs: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def prediction_errors(configs: list[dict]) -> dict:
+  """Per PREDICTED figure, over every measured run: the median of measured / simulated, the
+  median of |measured / simulated - 1| and the share of runs within 15% of the prediction."""
+  figures = {name: get for name, get, _ in FIGURES}
+  out = {}
+  for name in PREDICTED:
+    get = figures[name]
+    ratios = np.asarray(
+      [get(m) / get(c["simulated"]) for c in configs for m in c["measured"]], np.float64
+    )
+    errors = np.abs(ratios - 1)
+    out[name] = {
+      "median_ratio": float(np.median(ratios)),
+      "median_abs_error": float(np.median(errors)),
+      "within_15pct": float(np.mean(errors <= 0.15)),
+      "runs": len(ratios),
+    }
+  return out
+
+
+def prediction_line(errors: dict) -> str:
+  return "simulated vs measured, over runs: " + "; ".join(
+    f"{name}: median measured/sim {e['median_ratio']:.2f}, median |error| "
+    f"{e['median_abs_error']:.0%}, {e['within_15pct']:.0%} of {e['runs']} runs within 15%"
+    for name, e in errors.items()
+  )
+
+
 def shared_vs_unshared(configs: list[dict]) -> str:
   """Per (budget, format): shared's change over unshared on the paper's three figures, medians."""
   by = {(c["budget"], c["kv_format"], c["layout"]): c for c in configs}
@@ -667,7 +695,9 @@ def main():
         print(table(group), flush=True)
   sweep = sweep_table(list(configs.values()))
   versus = shared_vs_unshared(list(configs.values()))
+  errors = prediction_errors(list(configs.values()))
   print(sweep)
+  print(prediction_line(errors))
   print(versus)
   if args.out:
     with open(args.out + ".tmp", "w") as f:
@@ -683,6 +713,7 @@ def main():
           "configs": list(configs.values()),
           "runs": runs,
           "table": sweep,
+          "prediction_errors": errors,
           "shared_vs_unshared": versus,
         },
         f,

@@ -146,6 +146,15 @@ class ServeReplayTest(absltest.TestCase):
       text,
     )
     self.assertIn("| 3 | bf16 | shared | 183 | 3 | 0.600 | 3.30 | 33.0 | 1.00 | 2.00 |", text)
+    errors = serve_replay.prediction_errors(configs)
+    # Ratios over the 6 runs: tok/s 1.0, 1.5, 1.1, 1.1 x 3 -> median 1.1, |error| 0.1 (5 of 6
+    # within 15%); TTFT p90: 1.0, 2.25, 1.25, 0.8 x 3 -> median 0.9, |error| 0.2, 1 of 6.
+    self.assertAlmostEqual(errors["output tok/s"]["median_ratio"], 1.1)
+    self.assertAlmostEqual(errors["output tok/s"]["median_abs_error"], 0.1)
+    self.assertAlmostEqual(errors["output tok/s"]["within_15pct"], 5 / 6)
+    self.assertAlmostEqual(errors["TTFT p90 (s)"]["median_ratio"], 0.9)
+    self.assertAlmostEqual(errors["TTFT p90 (s)"]["median_abs_error"], 0.2)
+    self.assertAlmostEqual(errors["TTFT p90 (s)"]["within_15pct"], 1 / 6)
     versus = serve_replay.shared_vs_unshared(configs)
     self.assertIn("| 3 | bf16 | 0.400 -> 0.600 | +50.0% | +50.0% | -60.0% |", versus)
 
