@@ -22,14 +22,15 @@ random weights (speed does not depend on them), float32, KV pages of 16 tokens.
    padded calls compute / tokens needed, median over steps). --block_sweep repeats the shared
    batched runs at other prefill blocks.
 2. Step times over a grid of batch shapes (rows x new tokens per row x context per row) for each
-   layout in --grid_layouts (every chunk one call; the cost model has not been refitted since
-   shared and formatted chunks ran token by token). Skipped with --skip_grid.
+   layout in --grid_layouts (shared or not, raw pages or a KV format; every chunk one call,
+   padded to powers of two, as the fit prices it). Skipped with --skip_grid.
    One pass compiles every shape; then --reps passes, each over all shapes of all layouts in a
    fresh random order, so slow drift in the machine's load hits every shape alike; the median
    per shape is kept. XLA runs one thread (XLA_FLAGS, unless set), for a run pinned to one core.
 3. Fit of the cost model to the grid, in four forms: what is priced (the scheduler's batch,
-   cost_model.py, or the engine's padded step, engine_cost.py) x how compute and memory time
-   combine (max or sum). The fit minimises the squared relative error on the fit shapes; a third
+   cost_model.py, or the engine's padded step, engine_cost.py, with a seconds-per-dequantized-
+   value term for each KV format in the grid) x how compute and memory time combine (max or
+   sum). The fit minimises the squared relative error on the fit shapes; a third
    of each layout's grid, interleaved (index sum of rows, tokens, context = 1 mod 3, so every
    value and no corner is held out), is held out. The profile written with --hardware_out (and
    the replay) is the engine/sum form, chosen before measuring: on a CPU the terms add, and the
@@ -81,7 +82,17 @@ from looped.scheduler import pages, replay, scheduler  # noqa: E402
 from looped.sim import cost_model, engine_cost, hardware, shape  # noqa: E402
 
 PAGE = 16
-LAYOUTS = {"unshared": (False, None), "shared": (True, None), "unshared_fp8": (False, "fp8")}
+LAYOUTS = {
+  "unshared": (False, None),
+  "shared": (True, None),
+  "unshared_bf16": (False, "bf16"),
+  "shared_bf16": (True, "bf16"),
+  "unshared_fp8": (False, "fp8"),
+  "shared_fp8": (True, "fp8"),
+  "unshared_nvfp4": (False, "nvfp4"),
+  "shared_nvfp4": (True, "nvfp4"),
+}
+GRID_LAYOUTS = ["unshared", "shared", "unshared_fp8"]  # --grid_layouts' default.
 FORMS = (("batch", "max"), ("batch", "sum"), ("engine", "max"), ("engine", "sum"))
 CHOSEN = ("engine", "sum")
 
@@ -286,14 +297,29 @@ def report_before_after(before: list[dict], after: list[dict]) -> list[dict]:
   return table
 
 
+def _grid_padding(args):
+  """The grid's buckets (powers of two), which its pricing must pad to as well."""
+  return padding.Padding.create(
+    PAGE,
+    powers_of_two(args.max_num_seqs),
+    powers_of_two(args.max_num_batched_tokens),
+    powers_of_two(-(-args.max_model_len // PAGE)),
+    args.max_model_len,
+  )
+
+
 def _grid_shapes(args):
-  """(rows, new tokens, context, held out) for every grid point."""
+  """(rows, new tokens, context, one-token rows beside them, held out) for every grid point:
+  with --grid_mixed, each chunk shape also with as many decoding rows beside it (two calls)."""
   out = []
   for i, b in enumerate(args.grid_rows):
     for j, q in enumerate(args.grid_tokens):
       for k, c in enumerate(args.grid_context):
         if c + q <= args.max_model_len:
-          out.append((b, q, c, (i + j + k) % 3 == 1))
+          held = (i + j + k) % 3 == 1
+          out.append((b, q, c, 0, held))
+          if args.grid_mixed and q > 1:
+            out.append((b, q, c, b, not held))
   return out
 
 
@@ -302,36 +328,33 @@ def step_grid(model, params, args):
   items = []
   rng = np.random.default_rng(1)
   rid = 0
+  per_row = -(-args.max_model_len // PAGE)  # Each row its own pages.
   for layout in args.grid_layouts:
     share, fmt = LAYOUTS[layout]
     executor = ModelExecutor(
       model,
       params,
-      num_pages=8 * 16,
+      num_pages=2 * args.max_num_seqs * per_row,
       page_size=PAGE,
       share_kv=share,
       kv_format=fmt,
-      padding=padding.Padding.create(
-        PAGE,
-        powers_of_two(args.max_num_seqs),
-        powers_of_two(args.max_num_batched_tokens),
-        powers_of_two(-(-args.max_model_len // PAGE)),
-        args.max_model_len,
-      ),
+      padding=_grid_padding(args),
     )
-    for b, q, c, held in _grid_shapes(args):
+    for b, q, c, d, held in _grid_shapes(args):
       seqs = []
-      for i in range(b):
-        tokens = tuple(int(t) for t in rng.integers(0, 256, c + q))
+      for i in range(b + d):
+        n = c + (q if i < b else 1)
+        tokens = tuple(int(t) for t in rng.integers(0, 256, n))
         request = GenRequest(rid, tokens, SamplingParams(max_new_tokens=1))
         rid += 1
         executor.add(request)
-        seq = scheduler.Sequence(request, 0.0, num_tokens=c + q, num_computed=c)
-        seq.pages = list(range(i * 16, i * 16 + -(-(c + q) // PAGE)))
+        seq = scheduler.Sequence(request, 0.0, num_tokens=n, num_computed=c)
+        seq.pages = list(range(i * per_row, i * per_row + -(-n // PAGE)))
         seqs.append(seq)
-      batch = scheduler.StepBatch(seqs, [q] * b, [c] * b, b)
       row = {"layout": layout, "rows": b, "new_tokens": q, "context": c, "held_out": held}
-      items.append((row, executor, batch, []))
+      if d:
+        row["decode_rows"] = d
+      items.append((row, executor, _batch(row, seqs), []))
   start = time.perf_counter()
   for _, executor, batch, _ in items:  # Compiles every bucket.
     executor.execute(batch)
@@ -351,9 +374,11 @@ def step_grid(model, params, args):
   return rows
 
 
-def _batch(row):
-  b = row["rows"]
-  return scheduler.StepBatch([None] * b, [row["new_tokens"]] * b, [row["context"]] * b, b)
+def _batch(row, seqs=None):
+  """The grid point's StepBatch: rows x new tokens at the context, then any decoding rows."""
+  b, d, c = row["rows"], row.get("decode_rows", 0), row["context"]
+  new = [row["new_tokens"]] * b + [1] * d
+  return scheduler.StepBatch(seqs or [None] * (b + d), new, [c] * (b + d), b + d)
 
 
 def _scheduler_config(args, max_num_seqs, share):
@@ -381,21 +406,34 @@ def _engine_pricer(model_shape, hw, layout, args, max_num_seqs=None):
   )
 
 
+def _formats(layouts) -> list[str]:
+  """The KV formats among these layouts, in LAYOUTS' order: one dequantizing term each."""
+  return list(dict.fromkeys(LAYOUTS[lay][1] for lay in layouts if LAYOUTS[lay][1]))
+
+
 def features(model_shape, rows, pricing, args):
-  """[1, model calls, FLOPs, bytes] per measured step, as the given pricing counts them."""
+  """[1, model calls, FLOPs, bytes, values dequantized per format...] per measured step, as the
+  given pricing counts them (the batch roofline has no per-call or dequantizing term)."""
   unit = hardware.Hardware("unit", 1.0, 1.0, 1.0, 0.0, "")
+  formats = _formats(args.grid_layouts)
   out = []
   for r in rows:
     share, fmt = LAYOUTS[r["layout"]]
+    dequant = [0.0] * len(formats)
     if pricing == "batch":
       ex = cost_model.CostModelExecutor(
         model_shape, unit, share_kv=share, kv_format=fmt or "bf16", weight_format="fp32"
       )
       flops, moved = ex.terms(_batch(r))
-      calls = 0  # The batch roofline has no per-call term.
+      calls = 0
     else:
-      flops, moved, calls = _engine_pricer(model_shape, unit, r["layout"], args).terms(_batch(r))
-    out.append([1.0, calls, flops, moved])
+      ex = engine_cost.EngineCostExecutor(
+        model_shape, unit, _grid_padding(args), share_kv=share, kv_format=fmt
+      )
+      flops, moved, calls = ex.terms(_batch(r))
+      if fmt:
+        dequant[formats.index(fmt)] = ex.dequantized_values(_batch(r))
+    out.append([1.0, calls, flops, moved, *dequant])
   return np.asarray(out)
 
 
@@ -405,26 +443,31 @@ def _nnls_rel(x, y):
   return coef
 
 
+_ADDED = [0, 1]  # Columns that add outside the roofline: step and call overhead (then dequant).
+
+
 def fit_form(x, y, combine):
-  """Coefficients (step overhead, call overhead, 1/peak, 1/bandwidth), least relative error."""
+  """Coefficients (step overhead, call overhead, 1/peak, 1/bandwidth, seconds per dequantized
+  value of each format), least relative error."""
   if combine == "sum":
     return _nnls_rel(x, y)
-  best = (np.inf, None)  # max: grid over (peak, bandwidth), overheads by NNLS on the rest.
+  added = _ADDED + list(range(4, x.shape[1]))
+  best = (np.inf, None)  # max: grid over (peak, bandwidth), the added terms by NNLS on the rest.
   for inv_f in 1.0 / np.logspace(8, 13, 101):
     for inv_b in 1.0 / np.logspace(8, 12, 81):
       roof = np.maximum(x[:, 2] * inv_f, x[:, 3] * inv_b)
       rest = y - roof
-      over, _ = optimize.nnls(x[:, :2] / y[:, None], rest / y)
-      err = np.sum(((x[:, :2] @ over + roof) - y) ** 2 / y**2)
+      over, _ = optimize.nnls(x[:, added] / y[:, None], rest / y)
+      err = np.sum(((x[:, added] @ over + roof) - y) ** 2 / y**2)
       if err < best[0]:
-        best = (err, np.concatenate([over, [inv_f, inv_b]]))
+        best = (err, np.concatenate([over[:2], [inv_f, inv_b], over[2:]]))
   return best[1]
 
 
 def predict(x, coef, combine):
   compute, memory = x[:, 2] * coef[2], x[:, 3] * coef[3]
   roof = compute + memory if combine == "sum" else np.maximum(compute, memory)
-  return coef[0] + x[:, 1] * coef[1] + roof
+  return coef[0] + x[:, 1] * coef[1] + roof + x[:, 4:] @ coef[4:]
 
 
 def _errors(rel, mask):
@@ -448,6 +491,7 @@ def fit(model_shape, rows, args):
       "call_overhead_s": float(coef[1]),
       "peak_flops": 1 / max(float(coef[2]), 1e-30),  # 1e30: the term was fitted to zero.
       "mem_bandwidth": 1 / max(float(coef[3]), 1e-30),
+      "dequant_s_per_value": dict(zip(_formats(args.grid_layouts), map(float, coef[4:]))),
       "fit": _errors(rel, ~held),
       "held_out": _errors(rel, held),
       "per_layout": {
@@ -472,6 +516,7 @@ def fitted_profile(form):
     mem_bandwidth=form["mem_bandwidth"],
     step_overhead_s=form["step_overhead_s"],
     call_overhead_s=form["call_overhead_s"],
+    dequant_s_per_value=form["dequant_s_per_value"],
     combine="sum",
     pricing="engine",
     source="fitted by benchmarks/engine.py",
@@ -525,7 +570,8 @@ def _report_fit(model_shape, results, args):
   print(
     f"engine/sum: step overhead {hw.step_overhead_s * 1e3:.2f} ms, per call "
     f"{hw.call_overhead_s * 1e3:.3f} ms, peak {hw.peak_flops:.3g} FLOP/s, bandwidth "
-    f"{hw.mem_bandwidth:.3g} B/s",
+    f"{hw.mem_bandwidth:.3g} B/s"
+    + "".join(f", {k} dequant {v * 1e9:.3g} ns/value" for k, v in hw.dequant_s_per_value.items()),
     flush=True,
   )
   for lay, e in chosen["per_layout"].items():
@@ -536,15 +582,18 @@ def _report_fit(model_shape, results, args):
   print("| layout | rows | new tokens | context | measured ms | predicted ms | spread | held out |")
   print("|---|---:|---:|---:|---:|---:|---:|---|")
   for r in results["grid"]:
+    rows = f"{r['rows']} + {r['decode_rows']} x 1" if r.get("decode_rows") else r["rows"]
     print(
-      f"| {r['layout']} | {r['rows']} | {r['new_tokens']} | {r['context']} | "
+      f"| {r['layout']} | {rows} | {r['new_tokens']} | {r['context']} | "
       f"{r['s'] * 1e3:.2f} | {r['predicted_s'] * 1e3:.2f} | {r['spread']:.0%} | "
       f"{'yes' if r['held_out'] else ''} |"
     )
   if args.hardware_out:
     keys = ("peak_flops", "mem_bandwidth", "step_overhead_s", "call_overhead_s")
+    profile = {k: getattr(hw, k) for k in keys}
+    profile["dequant_s_per_value"] = dict(hw.dequant_s_per_value)
     with open(args.hardware_out, "w") as f:
-      json.dump({k: getattr(hw, k) for k in keys}, f)
+      json.dump(profile, f)
   return hw
 
 
@@ -564,10 +613,15 @@ def main():
   parser.add_argument(
     "--heavy_budget_bytes", type=float, default=16e6, help="Its KV budget: room for all."
   )
-  parser.add_argument("--grid_layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+  parser.add_argument("--grid_layouts", nargs="+", default=GRID_LAYOUTS, choices=list(LAYOUTS))
   parser.add_argument("--grid_rows", type=int, nargs="+", default=[1, 3, 5, 8])
   parser.add_argument("--grid_tokens", type=int, nargs="+", default=[1, 6, 24, 64])
   parser.add_argument("--grid_context", type=int, nargs="+", default=[0, 40, 150])
+  parser.add_argument(
+    "--grid_mixed",
+    action="store_true",
+    help="Also time each chunk shape with as many one-token rows beside it (a two-call step).",
+  )
   parser.add_argument("--reps", type=int, default=7)
   parser.add_argument("--throughput_reps", type=int, default=5, help="Timed runs (median).")
   parser.add_argument("--skip_throughput", action="store_true")

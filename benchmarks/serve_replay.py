@@ -411,9 +411,12 @@ FIGURES = (
   ("TPOT p50 (s)", lambda m: m["tpot_s"]["p50"], "{:.3f}"),
   ("TPOT p90 (s)", lambda m: m["tpot_s"]["p90"], "{:.3f}"),
   ("preemptions", lambda m: m["preemptions"], "{:.0f}"),
+  ("mean step (ms)", lambda m: 1e3 * m["mean_step_s"], "{:.1f}"),
 )
-# Figures the simulator's prediction is compared on (measured / simulated in the table).
-PREDICTED = ("output tok/s", "TTFT p50 (s)", "TTFT p90 (s)")
+# Figures the simulator's prediction is compared on (measured / simulated in the table): the
+# three of the acceptance, and the engine's mean step, which separates the cost model's error
+# from the scheduling's (a step priced x% high makes every queue longer).
+PREDICTED = ("output tok/s", "TTFT p50 (s)", "TTFT p90 (s)", "mean step (ms)")
 
 
 def _spread(values, fmt: str) -> str:

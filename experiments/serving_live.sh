@@ -15,6 +15,9 @@
 #
 # The fit and the sweep run XLA with its default threads, as the servers do; run them on an
 # otherwise idle machine, one after the other, so the profile describes the sweep's conditions.
+# The fit's grid is the sweep's own call shapes: its row buckets (2, 8), token buckets (1, 16,
+# 32) and page-table widths (16, 32, 64 pages of 16), chunks alone and beside decoding rows, in
+# each layout and page format the sweep serves.
 set -euo pipefail
 R=${1:?usage: experiments/serving_live.sh RUNS_DIR [steps, default "train fit sweep"]}
 STEPS=" ${2:-train fit sweep} "
@@ -34,8 +37,8 @@ fi
 if [[ $STEPS == *" fit "* ]]; then
   echo "== engine cost profile at 1024 positions ($(date))"
   XLA_FLAGS="" "$PY" benchmarks/engine.py --skip_throughput --max_model_len=1024 \
-    --grid_rows 1 3 8 --grid_tokens 1 8 32 --grid_context 0 256 768 --reps 5 \
-    --grid_layouts unshared shared unshared_fp8 \
+    --grid_rows 2 8 --grid_tokens 1 16 32 --grid_context 224 480 960 --grid_mixed --reps 5 \
+    --grid_layouts unshared_bf16 shared_bf16 unshared_nvfp4 shared_nvfp4 \
     --hardware_out="$R/cpu_profile.json" --out="$R/engine_grid.json" > "$R/engine_grid.log" 2>&1
 fi
 

@@ -124,6 +124,7 @@ class ServeReplayTest(absltest.TestCase):
         "ttft_s": {"p50": p50, "p90": p90, "p99": p90},
         "tpot_s": {"p50": 0.1, "p90": 0.2},
         "preemptions": 3.0,
+        "mean_step_s": 0.4 / tps,
       }
 
     def config(layout, pages, measured, simulated):
@@ -141,10 +142,10 @@ class ServeReplayTest(absltest.TestCase):
     # Median [min-max] over the runs; one value when they agree; measured / simulated medians.
     self.assertIn(
       "| 3 | bf16 | unshared | 73 | 3 | 0.400 | 2.20 [2.00-3.00] | 22.0 [20.0-30.0] | "
-      "2.00 [1.00-6.00] | 5.00 [4.00-9.00] | 5.00 [4.00-9.00] | 0.100 | 0.200 | 3 | 20.0 | 2.00 | "
-      "4.00 | 1.10 | 1.00 | 1.25 |",
+      "2.00 [1.00-6.00] | 5.00 [4.00-9.00] | 5.00 [4.00-9.00] | 0.100 | 0.200 | 3 | "
+      "18.2 [13.3-20.0] | 20.0 | 2.00 | 4.00 | 20.0 | 1.10 | 1.00 | 1.25 | 0.91 |",
       text,
-    )
+    )  # Mean step 400 / tok/s ms: 20.0, 13.3, 18.2 -> median 18.2; 18.2 / 20.0 = 0.91.
     self.assertIn("| 3 | bf16 | shared | 183 | 3 | 0.600 | 3.30 | 33.0 | 1.00 | 2.00 |", text)
     errors = serve_replay.prediction_errors(configs)
     # Ratios over the 6 runs: tok/s 1.0, 1.5, 1.1, 1.1 x 3 -> median 1.1, |error| 0.1 (5 of 6
@@ -155,6 +156,8 @@ class ServeReplayTest(absltest.TestCase):
     self.assertAlmostEqual(errors["TTFT p90 (s)"]["median_ratio"], 0.9)
     self.assertAlmostEqual(errors["TTFT p90 (s)"]["median_abs_error"], 0.2)
     self.assertAlmostEqual(errors["TTFT p90 (s)"]["within_15pct"], 1 / 6)
+    # Mean step ratios are simulated / measured tok/s here: 1.0, 0.667, 0.909, 0.909 x 3.
+    self.assertAlmostEqual(errors["mean step (ms)"]["median_ratio"], 20 / 22)
     versus = serve_replay.shared_vs_unshared(configs)
     self.assertIn("| 3 | bf16 | 0.400 -> 0.600 | +50.0% | +50.0% | -60.0% |", versus)
 

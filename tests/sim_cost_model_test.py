@@ -226,6 +226,9 @@ class EngineCostTest(absltest.TestCase):
     self.assertEqual(ex.terms(self.batch), (flops, call_1 + call_4, 2))
     moved = call_1 + call_4
     self.assertAlmostEqual(ex.execute(self.batch), 0.5 + 2 * 0.25 + flops / 1e6 + moved / 1e5)
+    self.assertEqual(ex.dequantized_values(self.batch), 0.0)  # Raw pages: nothing to unpack.
+    ex.hardware = dataclasses.replace(self.hw, dequant_s_per_value={"fp8": 1.0})
+    self.assertAlmostEqual(ex.execute(self.batch), 0.5 + 2 * 0.25 + flops / 1e6 + moved / 1e5)
 
   def test_shared_fp8(self):
     ex = engine_cost.EngineCostExecutor(
@@ -242,6 +245,13 @@ class EngineCostTest(absltest.TestCase):
     self.assertAlmostEqual(ex.execute(self.batch), 0.5 + 2 * 0.25 + flops / 1e6 + moved / 1e5)
     ex.hardware = dataclasses.replace(self.hw, combine="max")
     self.assertAlmostEqual(ex.execute(self.batch), 0.5 + 2 * 0.25 + max(flops / 1e6, moved / 1e5))
+    # Dequantized on every read: all 4 layer executions (not the 3 cached layers) x 8 values (K
+    # and V of one head of 4) per slot, over 2 x 16 + 1 x 16 padded slots.
+    self.assertEqual(ex.dequantized_values(self.batch), 4 * 8 * 48)
+    ex.hardware = dataclasses.replace(self.hw, dequant_s_per_value={"fp8": 1e-3, "nvfp4": 1.0})
+    self.assertAlmostEqual(
+      ex.execute(self.batch), 0.5 + 2 * 0.25 + flops / 1e6 + moved / 1e5 + 1e-3 * 4 * 8 * 48
+    )
 
   def test_simulator_maps_formats_to_the_engine(self):
     config = scheduler.SchedulerConfig(4, 8, 4, 16)
@@ -281,6 +291,28 @@ class HardwareTest(absltest.TestCase):
     self.assertEqual(
       (hw.call_overhead_s, hw.pricing), (0.0, hardware.PROFILES["cpu_2core"].pricing)
     )
+
+  def test_dequant_costs_from_json(self):
+    tmp = tempfile.TemporaryDirectory()
+    self.addCleanup(tmp.cleanup)
+    path = os.path.join(tmp.name, "hw.json")
+    with open(path, "w") as f:
+      json.dump({"dequant_s_per_value": {"nvfp4": 2e-9, "fp8": 0}}, f)
+    hw = hardware.load("cpu_2core", path)
+    self.assertEqual(dict(hw.dequant_s_per_value), {"nvfp4": 2e-9, "fp8": 0.0})
+    self.assertEqual(hw.peak_flops, hardware.PROFILES["cpu_2core"].peak_flops)
+    self.assertEqual(dict(hardware.PROFILES["cpu_2core"].dequant_s_per_value), {})
+    for bad, message in (
+      ({"int4": 1e-9}, "names 'int4'; allowed: \\('bf16'"),
+      ({"nvfp4": -1e-9}, "\\['nvfp4'\\] = -1e-09 must be finite and >= 0"),
+      ({"nvfp4": True}, "must be finite"),
+      ([1e-9], "must map KV formats"),
+    ):
+      with self.subTest(bad=bad):
+        with open(path, "w") as f:
+          json.dump({"dequant_s_per_value": bad}, f)
+        with self.assertRaisesRegex(ValueError, message):
+          hardware.load("cpu_2core", path)
 
   def test_combine_and_pricing_are_checked(self):
     with self.assertRaisesRegex(ValueError, "combine = 'add'"):

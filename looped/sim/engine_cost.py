@@ -14,17 +14,21 @@ vocabulary V, width d, summed over the step's calls:
           + 2 * 4 * A * b * t * (S + t)         float32 attention scores, written and read
           + 2 * kv_stored * b * S               gather: pages read, dense cache written
           + b * (state_read + state_write)      KDA states of the rows (cost_model)
+  values = b * S * kv_raw / w  [fmt]            K/V values the format's reads dequantize
   time  = step_overhead + calls * call_overhead + combine(FLOPs / peak, bytes / bandwidth)
+          + values * dequant_s_per_value[fmt]
 
 w is the compute/weight bytes per value, kv_raw one token's cache entries over all L layer
 executions at w bytes (the unshared layout's bytes, ModelShape.kv_bytes_per_token), kv_page the
 same as stored (kv_raw for raw pages, else the format's packed bytes and scales), kv_stored the
-stored bytes of the cached layers (the layout's, shared or not). Nothing here depends on the
-batch beyond its padded shape.
+stored bytes of the cached layers (the layout's, shared or not). Every layer execution reads
+(and so dequantizes) its layer's past, in either layout. Nothing here depends on the batch beyond
+its padded shape.
 
-The CPU profile ('cpu_2core', benchmarks/engine.py) was fitted on an earlier executor that ran
-shared and formatted chunks token by token; it has not been refitted to these calls
-(docs/results.md, "Cost-model calibration").
+The dequantizing term exists because the bytes do not price it: on XLA:CPU an nvfp4 read is a
+chain of unpacking ops, several times the cost of the bytes it saves (docs/server.md, "Multi-turn
+sessions at a 1024-token context"). The built-in 'cpu_2core' profile was fitted on an earlier
+executor and leaves it unpriced; `benchmarks/engine.py --hardware_out` fits it per format.
 """
 
 from __future__ import annotations
@@ -83,19 +87,34 @@ class EngineCostExecutor:
 
   def terms(self, batch: scheduler_lib.StepBatch) -> tuple[float, float, int]:
     """The batch's padded FLOPs, bytes and model calls."""
-    p = self.padding.shape(batch.num_new_tokens, batch.num_context_tokens)
     flops = moved = 0.0
-    for call in p.calls:
-      f, m = self.padded_terms(call.rows, call.tokens, call.columns * self.padding.page_size)
+    calls = self._calls(batch)
+    for rows, tokens, slots in calls:
+      f, m = self.padded_terms(rows, tokens, slots)
       flops, moved = flops + f, moved + m
-    return flops, moved, len(p.calls)
+    return flops, moved, len(calls)
+
+  def dequantized_values(self, batch: scheduler_lib.StepBatch) -> float:
+    """K/V values the batch's padded calls dequantize (0 for raw pages)."""
+    if not self._formatted:
+      return 0.0
+    per_slot = self._kv_raw / self._w
+    return float(sum(rows * slots * per_slot for rows, _, slots in self._calls(batch)))
+
+  def _calls(self, batch: scheduler_lib.StepBatch) -> list[tuple[int, int, int]]:
+    """(rows, tokens, dense slots) of each padded call."""
+    p = self.padding.shape(batch.num_new_tokens, batch.num_context_tokens)
+    return [(c.rows, c.tokens, c.columns * self.padding.page_size) for c in p.calls]
 
   def execute(self, batch: scheduler_lib.StepBatch) -> float:
     flops, moved, calls = self.terms(batch)
     hw = self.hardware
     compute, memory = flops / hw.peak_flops, moved / hw.mem_bandwidth
     combined = compute + memory if hw.combine == "sum" else max(compute, memory)
-    return hw.step_overhead_s + calls * hw.call_overhead_s + combined
+    dequant = 0.0
+    if self._formatted:
+      dequant = self.dequantized_values(batch) * hw.dequant_s_per_value.get(self.kv_format, 0.0)
+    return hw.step_overhead_s + calls * hw.call_overhead_s + combined + dequant
 
 
 def executor_for(

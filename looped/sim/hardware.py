@@ -13,6 +13,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Mapping
+
+from looped import kv_quant
 
 _H200_FLOPS_RATIO = 790e12 / 989e12
 _H200_BW_RATIO = 4.3e12 / 4.8e12
@@ -36,6 +39,11 @@ class Hardware:
   # looped/sim/engine_cost.py).
   pricing: str = "batch"
   call_overhead_s: float = 0.0  # 'engine' pricing: fixed cost per model call (micro-step).
+  # 'engine' pricing: seconds per K/V value a KV format's read dequantizes, by format (added to
+  # the step; a format not named costs only its bytes). A CPU runs the unpacking as separate ops
+  # (nvfp4: nibbles, the e2m1 table, two scales; bf16 pages: a widening convert); a fused GPU
+  # kernel hides it in the load.
+  dequant_s_per_value: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
     if self.combine not in COMBINE or self.pricing not in PRICING:
@@ -43,6 +51,17 @@ class Hardware:
         f"{self.name}: combine = {self.combine!r} (allowed {COMBINE}), pricing = "
         f"{self.pricing!r} (allowed {PRICING})."
       )
+    _check_dequant(self.name, self.dequant_s_per_value)
+
+
+def _check_dequant(where: str, values) -> None:
+  if not isinstance(values, Mapping):
+    raise ValueError(f"{where}: dequant_s_per_value must map KV formats to seconds per value.")
+  for fmt, s in values.items():
+    if fmt not in kv_quant.FORMATS:
+      raise ValueError(f"{where}: dequant_s_per_value names {fmt!r}; allowed: {kv_quant.FORMATS}.")
+    if isinstance(s, bool) or not isinstance(s, (int, float)) or not (math.isfinite(s) and s >= 0):
+      raise ValueError(f"{where}: dequant_s_per_value[{fmt!r}] = {s!r} must be finite and >= 0.")
 
 
 _OVERHEAD_S = 1e-3  # An engine step with CUDA graphs: host scheduling + launch, ~1 ms.
@@ -78,15 +97,23 @@ PROFILES = {
   ),
 }
 
-_OVERRIDABLE = ("peak_flops", "mem_bandwidth", "memory_bytes", "step_overhead_s", "call_overhead_s")
+_OVERRIDABLE = (
+  "peak_flops",
+  "mem_bandwidth",
+  "memory_bytes",
+  "step_overhead_s",
+  "call_overhead_s",
+  "dequant_s_per_value",
+)
 
 
 def load(name: str, override_json: str = "") -> Hardware:
   """Returns a named profile, with fields replaced by those in a JSON file if one is given.
 
   The JSON is an object with any of peak_flops, mem_bandwidth, memory_bytes, step_overhead_s
-  (positive numbers) and call_overhead_s (>= 0), e.g. {"peak_flops": 7.5e14,
-  "mem_bandwidth": 4.1e12}. The profile's combine and pricing are kept.
+  (positive numbers), call_overhead_s (>= 0) and dequant_s_per_value (an object of KV formats
+  to seconds >= 0), e.g. {"peak_flops": 7.5e14, "mem_bandwidth": 4.1e12}. The profile's combine
+  and pricing are kept.
   """
   if name not in PROFILES:
     raise ValueError(f"Unknown hardware {name!r}; allowed: {', '.join(PROFILES)}.")
@@ -101,6 +128,9 @@ def load(name: str, override_json: str = "") -> Hardware:
   if unknown:
     raise ValueError(f"{override_json}: unknown keys {unknown}; allowed: {list(_OVERRIDABLE)}.")
   for key, value in values.items():
+    if key == "dequant_s_per_value":
+      _check_dequant(override_json, value)
+      continue
     zero_ok = key == "call_overhead_s"  # A profile may have no per-call cost.
     if (
       isinstance(value, bool)
@@ -110,6 +140,7 @@ def load(name: str, override_json: str = "") -> Hardware:
     ):
       kind = "non-negative" if zero_ok else "positive"
       raise ValueError(f"{override_json}: {key} = {value!r} must be a {kind} finite number.")
-  return dataclasses.replace(
-    hw, **{k: float(v) for k, v in values.items()}, source=f"{hw.source}; {override_json}"
-  )
+  fields = {k: v if isinstance(v, dict) else float(v) for k, v in values.items()}
+  if "dequant_s_per_value" in fields:
+    fields["dequant_s_per_value"] = {k: float(v) for k, v in fields["dequant_s_per_value"].items()}
+  return dataclasses.replace(hw, **fields, source=f"{hw.source}; {override_json}")
