@@ -76,6 +76,24 @@ def scrape(url: str) -> dict[str, float]:
   return out
 
 
+def engine_counters(before: dict, after: dict, makespan_s: float) -> dict:
+  """The server's own figures for a run, from /metrics scraped before and after it: vLLM's
+  prefix-cache hit rate and preemptions, and the engine's steps and busy time."""
+  delta = lambda name: after.get(name, 0.0) - before.get(name, 0.0)
+  queries = delta("vllm:prefix_cache_queries_total")
+  steps, busy = delta("looped:engine_steps"), delta("looped:engine_busy_seconds")
+  return {
+    "hit_rate": delta("vllm:prefix_cache_hits_total") / queries if queries else None,
+    "preemptions": delta("vllm:num_preemptions_total"),
+    "prompt_tokens": delta("vllm:prompt_tokens_total"),
+    "num_steps": steps,
+    "busy_s": busy,
+    "busy_fraction": busy / makespan_s,
+    "mean_step_s": busy / max(steps, 1),
+    "num_pages": after.get("looped:kv_pages_total"),
+  }
+
+
 def percentiles(values, qs=(50, 90)) -> dict:
   """{"p50": ..., "p90": ...} (the percentiles qs) of values; {} for none."""
   a = np.asarray(values, np.float64)

@@ -147,13 +147,9 @@ class PageSampler:
 
 def summarize(results: list[dict], before: dict, after: dict) -> dict:
   """One run's figures from the client's times and the /metrics counters before and after."""
-  delta = lambda name: after.get(name, 0.0) - before.get(name, 0.0)
   first = min(r["sent"] for r in results)
   makespan = max(r["tokens"][-1] for r in results) - first
   outputs = sum(r["completion_tokens"] for r in results)
-  queries = delta("vllm:prefix_cache_queries_total")
-  steps = delta("looped:engine_steps")
-  busy = delta("looped:engine_busy_seconds")
   tpot = [
     (r["tokens"][-1] - r["tokens"][0]) / (len(r["tokens"]) - 1)
     for r in results
@@ -164,16 +160,9 @@ def summarize(results: list[dict], before: dict, after: dict) -> dict:
     "ttft_s": serve_common.percentiles([r["tokens"][0] - r["sent"] for r in results]),
     "tpot_s": serve_common.percentiles(tpot),
     "e2e_s": serve_common.percentiles([r["tokens"][-1] - r["sent"] for r in results]),
-    "hit_rate": delta("vllm:prefix_cache_hits_total") / queries if queries else None,
-    "preemptions": delta("vllm:num_preemptions_total"),
-    "prompt_tokens": delta("vllm:prompt_tokens_total"),
     "output_tokens": outputs,
     "makespan_s": makespan,
-    "num_steps": steps,
-    "busy_s": busy,
-    "busy_fraction": busy / makespan,
-    "mean_step_s": busy / max(steps, 1),
-    "num_pages": after.get("looped:kv_pages_total"),
+    **serve_common.engine_counters(before, after, makespan),
   }
 
 

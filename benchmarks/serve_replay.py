@@ -236,8 +236,8 @@ def replay_http(url: str, requests, salt: int, clients: int) -> list[dict]:
 
 
 def measured_summary(results, before: dict, after: dict) -> dict:
-  delta = lambda name: after.get(name, 0.0) - before.get(name, 0.0)
-  queries = delta("vllm:prefix_cache_queries_total")
+  """One run's figures: the client's times (TTFT from the request's arrival in the trace, so
+  waiting for a free client counts) and the server's counters."""
   makespan = max(r["tokens"][-1] for r in results) - min(r["arrival"] for r in results)
   outputs = sum(r["output_len"] for r in results)
   ttft = [r["tokens"][0] - r["arrival"] for r in results]
@@ -250,18 +250,13 @@ def measured_summary(results, before: dict, after: dict) -> dict:
     if len(r["tokens"]) != r["output_len"]:
       raise RuntimeError(f"a request streamed {len(r['tokens'])} of {r['output_len']} tokens")
   return {
-    "hit_rate": delta("vllm:prefix_cache_hits_total") / queries if queries else None,
     "requests_per_s": len(results) / makespan,
     "output_tokens_per_s": outputs / makespan,
     "ttft_s": _percentiles(ttft),
     "tpot_s": _percentiles(tpot),
     "client_wait_s": _percentiles([r["sent"] - r["arrival"] for r in results]),
-    "preemptions": delta("vllm:num_preemptions_total"),
     "makespan_s": makespan,
-    "busy_fraction": delta("looped:engine_busy_seconds") / makespan,
-    "mean_step_s": delta("looped:engine_busy_seconds") / max(delta("looped:engine_steps"), 1),
-    "num_steps": delta("looped:engine_steps"),
-    "num_pages": after.get("looped:kv_pages_total"),
+    **serve_common.engine_counters(before, after, makespan),
   }
 
 
@@ -284,8 +279,10 @@ def simulate(args, requests, share_kv: bool, kv_format: str, num_pages: int) -> 
     tuple(args.column_buckets),
     args.max_model_len,
   )
-  executor = engine_cost.EngineCostExecutor(
-    model_shape, hw, padding, share_kv=share_kv, kv_format=kv_format or None, weight_format="fp32"
+  executor = _PaddingTally(
+    engine_cost.EngineCostExecutor(
+      model_shape, hw, padding, share_kv=share_kv, kv_format=kv_format or None, weight_format="fp32"
+    )
   )
   sched = scheduler.Scheduler(config, pages_lib.PagePool(num_pages), executor)
   replay.replay(requests, sched)
@@ -302,7 +299,36 @@ def simulate(args, requests, share_kv: bool, kv_format: str, num_pages: int) -> 
     "mean_step_s": sched.stats.busy_s / max(sched.stats.num_steps, 1),
     "num_steps": sched.stats.num_steps,
     "ideal_lru_hit_rate": traces.ideal_hit_rate(requests, num_pages * args.page_size),
+    **executor.ratios(),
   }
+
+
+class _PaddingTally:
+  """Passes steps to the engine's pricing and counts what its padded calls compute against
+  what the batch needs: token positions (rows x new tokens) and attended slots (rows x the
+  dense slots each reads), padding included over the batch's own."""
+
+  def __init__(self, inner: engine_cost.EngineCostExecutor):
+    self.inner = inner
+    self.tokens = self.needed_tokens = self.slots = self.needed_slots = 0
+
+  def execute(self, batch) -> float:
+    p = self.inner.padding.shape(batch.num_new_tokens, batch.num_context_tokens)
+    page = self.inner.padding.page_size
+    self.tokens += p.computed
+    self.needed_tokens += sum(batch.num_new_tokens)
+    self.slots += sum(c.rows * c.tokens * (c.columns * page) for c in p.calls)
+    self.needed_slots += sum(
+      q * (c + q) for q, c in zip(batch.num_new_tokens, batch.num_context_tokens)
+    )
+    return self.inner.execute(batch)
+
+  def ratios(self) -> dict:
+    """Computed / needed: new-token positions, and query x key pairs of attention."""
+    return {
+      "padded_token_ratio": self.tokens / max(self.needed_tokens, 1),
+      "padded_attention_ratio": self.slots / max(self.needed_slots, 1),
+    }
 
 
 def engine_alone(args, requests, warmup, share_kv: bool, kv_format: str, num_pages: int) -> dict:

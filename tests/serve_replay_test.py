@@ -14,6 +14,8 @@ sys.path.insert(0, _REPO)
 from benchmarks import serve_replay  # noqa: E402
 from configs import pretrain  # noqa: E402
 from looped.checkpoints import model_record  # noqa: E402
+from looped.engine.padding import Padding  # noqa: E402
+from looped.scheduler import scheduler  # noqa: E402
 
 
 def _checkpoint(max_seq_len: int | None) -> str:
@@ -160,6 +162,26 @@ class ServeReplayTest(absltest.TestCase):
     self.assertAlmostEqual(errors["mean step (ms)"]["median_ratio"], 20 / 22)
     versus = serve_replay.shared_vs_unshared(configs)
     self.assertIn("| 3 | bf16 | 0.400 -> 0.600 | +50.0% | +50.0% | -60.0% |", versus)
+
+
+class PaddingTallyTest(absltest.TestCase):
+  def test_computed_over_needed_by_hand(self):
+    class Inner:
+      padding = Padding.create(4, (2, 8), (1, 4), (2, 4), max_model_len=16)
+
+      def execute(self, batch):
+        return 0.5
+
+    tally = serve_replay._PaddingTally(Inner())
+    batch = scheduler.StepBatch([None] * 3, [3, 1, 1], [5, 0, 9], num_sampled=2)
+    self.assertEqual(tally.execute(batch), 0.5)
+    # One-token rows 1, 2: 2 rows x 1 token over 4 columns of 4 (reach 9 + 1 = 10 slots, 3
+    # pages, bucket 4); row 0: 2 rows (bucket) x 4 tokens (bucket of 3), reach 5 + 4 = 9 -> 4
+    # columns. Tokens 2 + 8 = 10 of 5; query x slot pairs 2 x 16 + 8 x 16 = 160 of
+    # 3 x 8 + 1 x 1 + 1 x 10 = 35.
+    self.assertEqual(
+      tally.ratios(), {"padded_token_ratio": 10 / 5, "padded_attention_ratio": 160 / 35}
+    )
 
 
 class JournalTest(absltest.TestCase):
