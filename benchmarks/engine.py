@@ -334,7 +334,7 @@ def step_grid(model, params, args):
     executor = ModelExecutor(
       model,
       params,
-      num_pages=2 * args.max_num_seqs * per_row,
+      num_pages=args.pool_pages or 2 * args.max_num_seqs * per_row,
       page_size=PAGE,
       share_kv=share,
       kv_format=fmt,
@@ -349,7 +349,8 @@ def step_grid(model, params, args):
         rid += 1
         executor.add(request)
         seq = scheduler.Sequence(request, 0.0, num_tokens=n, num_computed=c)
-        seq.pages = list(range(i * per_row, i * per_row + -(-n // PAGE)))
+        first = i * per_row % max(executor.scratch_page - per_row, 1)  # Within a small pool.
+        seq.pages = list(range(first, first + -(-n // PAGE)))
         seqs.append(seq)
       row = {"layout": layout, "rows": b, "new_tokens": q, "context": c, "held_out": held}
       if d:
@@ -471,6 +472,9 @@ def predict(x, coef, combine):
 
 
 def _errors(rel, mask):
+  """Median and max relative error over the masked shapes (NaN where there are none)."""
+  if not mask.any():
+    return {"median": float("nan"), "max": float("nan")}
   return {"median": float(np.median(rel[mask])), "max": float(np.max(rel[mask]))}
 
 
@@ -617,6 +621,13 @@ def main():
   parser.add_argument("--grid_rows", type=int, nargs="+", default=[1, 3, 5, 8])
   parser.add_argument("--grid_tokens", type=int, nargs="+", default=[1, 6, 24, 64])
   parser.add_argument("--grid_context", type=int, nargs="+", default=[0, 40, 150])
+  parser.add_argument(
+    "--pool_pages",
+    type=int,
+    default=0,
+    help="The grid's pool size in pages (0: room for every row's own pages); a step's time "
+    "should not depend on it.",
+  )
   parser.add_argument(
     "--grid_mixed",
     action="store_true",

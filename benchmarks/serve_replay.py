@@ -43,6 +43,8 @@ after its last finished run (more repeats, budgets or formats extend it).
 
 import argparse
 import dataclasses
+import glob
+import hashlib
 import json
 import os
 import random
@@ -631,15 +633,29 @@ _NOT_MEASURED = (
 )
 
 
+def code_hash() -> str:
+  """sha256 over the served code (looped/ and configs/, every .py by path and content): runs
+  measured on another version of the engine are not mixed into one sweep."""
+  digest = hashlib.sha256()
+  for top in ("looped", "configs"):
+    for path in sorted(glob.glob(os.path.join(_REPO, top, "**", "*.py"), recursive=True)):
+      digest.update(os.path.relpath(path, _REPO).encode() + b"\0")
+      with open(path, "rb") as f:
+        digest.update(f.read() + b"\0")
+  return digest.hexdigest()[:16]
+
+
 class Journal:
   """OUT.runs.jsonl: one line per finished run, so a sweep that is stopped resumes where it
-  stopped. Its first line holds the flags that define what is measured; a journal written under
-  other flags is refused (naming the first that differs) rather than mixed in."""
+  stopped. Its first line holds the flags that define what is measured and the served code's
+  hash; a journal written under other flags or code is refused (naming the first difference)
+  rather than mixed in."""
 
   def __init__(self, out: str, args):
     self.path = f"{out}.runs.jsonl" if out else ""
     self.done: dict[tuple, dict] = {}
     flags = {k: v for k, v in sorted(vars(args).items()) if k not in _NOT_MEASURED}
+    flags["code"] = code_hash()
     if not self.path:
       return
     if os.path.exists(self.path):
@@ -648,9 +664,12 @@ class Journal:
       recorded = lines[0]["flags"] if lines else flags
       for k in sorted(set(recorded) | set(flags)):
         if recorded.get(k) != flags.get(k):
+          what = f"--{k}={recorded.get(k)!r}, not {flags.get(k)!r}"
+          if k == "code":
+            what = f"another version of looped/ and configs/ (code {recorded.get(k)})"
           raise SystemExit(
-            f"{self.path} holds runs made with --{k}={recorded.get(k)!r}, not "
-            f"{flags.get(k)!r}: pass another --out, or delete it to start over."
+            f"{self.path} holds runs made with {what}: pass another --out, or delete it to "
+            "start over."
           )
       for line in lines[1:]:
         self.done[tuple(line["key"])] = line["run"]

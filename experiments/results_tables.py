@@ -348,6 +348,111 @@ def kv_policies() -> str:
   return "\n".join(lines)
 
 
+# The live serving sweep (benchmarks/serve_replay.py's --out JSON, per-request times dropped).
+_SERVING_LIVE = ("serving_live", "serve_sweep.json")
+_PAPER = {"hit rate": 0.314, "output tok/s": 0.236, "TTFT p90": -0.836}  # Simulated, its abstract.
+
+
+def _serving_configs() -> list[dict]:
+  with open(_results(*_SERVING_LIVE)) as f:
+    return json.load(f)["configs"]
+
+
+def _median(values) -> float:
+  v = sorted(values)
+  n = len(v)
+  return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
+
+
+def _spread(values, fmt: str) -> str:
+  """median [min-max] over the repeats."""
+  lo, hi = min(values), max(values)
+  med = fmt.format(_median(values))
+  return med if fmt.format(lo) == fmt.format(hi) else f"{med} [{fmt.format(lo)}-{fmt.format(hi)}]"
+
+
+_LIVE_FIGURES = (
+  ("hit rate", lambda m: m["hit_rate"], "{:.3f}"),
+  ("output tok/s", lambda m: m["output_tokens_per_s"], "{:.1f}"),
+  ("TTFT p50 (s)", lambda m: m["ttft_s"]["p50"], "{:.1f}"),
+  ("TTFT p90 (s)", lambda m: m["ttft_s"]["p90"], "{:.1f}"),
+  ("TPOT p50 (ms)", lambda m: 1e3 * m["tpot_s"]["p50"], "{:.0f}"),
+  ("preemptions", lambda m: m["preemptions"], "{:.0f}"),
+  ("mean step (ms)", lambda m: 1e3 * m["mean_step_s"], "{:.1f}"),
+)
+
+
+def serving_live() -> str:
+  """Each configuration of the live sweep: median [min-max] over its repeats."""
+  configs = _serving_configs()
+  head = ["KV budget", "pages", "format", "layout", "runs"] + [n for n, _, _ in _LIVE_FIGURES]
+  lines = ["| " + " | ".join(head) + " |", "|---:|---:|---|---|" + "---:|" * (len(head) - 4)]
+  for c in configs:
+    cells = [f"{c['budget'] / 1e6:g} MB", str(c["num_pages"]), c["kv_format"], c["layout"]]
+    cells.append(str(len(c["measured"])))
+    cells += [_spread([get(m) for m in c["measured"]], fmt) for _, get, fmt in _LIVE_FIGURES]
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def serving_live_changes() -> str:
+  """Shared over unshared at each budget and format (medians over repeats; the range pairs the
+  worst shared run with the best unshared one and the reverse), beside the paper's figures."""
+  by = {(c["budget"], c["kv_format"], c["layout"]): c for c in _serving_configs()}
+  figures = (
+    ("hit rate", lambda m: m["hit_rate"]),
+    ("output tok/s", lambda m: m["output_tokens_per_s"]),
+    ("TTFT p90", lambda m: m["ttft_s"]["p90"]),
+  )
+  lines = [
+    "| KV budget | format | " + " | ".join(f"{n}: unshared -> shared" for n, _ in figures) + " |",
+    "|---:|---|" + "---:|" * len(figures),
+  ]
+  for (budget, fmt, layout), shared in by.items():
+    if layout != "shared":
+      continue
+    unshared = by[(budget, fmt, "unshared")]
+    cells = [f"{budget / 1e6:g} MB", fmt]
+    for _, get in figures:
+      u = [get(m) for m in unshared["measured"]]
+      s = [get(m) for m in shared["measured"]]
+      change = _median(s) / _median(u) - 1
+      bounds = sorted((min(s) / max(u) - 1, max(s) / min(u) - 1))
+      cells.append(
+        f"{_median(u):.3g} -> {_median(s):.3g}: **{change:+.0%}** "
+        f"[{bounds[0]:+.0%}, {bounds[1]:+.0%}]"
+      )
+    lines.append("| " + " | ".join(cells) + " |")
+  paper = " | ".join(f"{_PAPER[n]:+.1%}" for n, _ in figures)
+  lines.append(f"| the paper (simulated) | | {paper} |")
+  return "\n".join(lines)
+
+
+def serving_live_sim() -> str:
+  """The simulator's prediction for each configuration: measured / simulated, the median over
+  the repeats, and what the padded engine computes over what the batch needs (simulated)."""
+  lines = [
+    "| KV budget | format | layout | hit rate measured / sim | output tok/s | TTFT p50 | "
+    "TTFT p90 | mean step | padded tokens | padded attention |",
+    "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
+  ]
+  ratio = lambda c, get: _median([get(m) for m in c["measured"]]) / get(c["simulated"])
+  for c in _serving_configs():
+    sim = c["simulated"]
+    cells = [f"{c['budget'] / 1e6:g} MB", c["kv_format"], c["layout"]]
+    cells.append(f"{_median([m['hit_rate'] for m in c['measured']]):.3f} / {sim['hit_rate']:.3f}")
+    for get in (
+      lambda m: m["output_tokens_per_s"],
+      lambda m: m["ttft_s"]["p50"],
+      lambda m: m["ttft_s"]["p90"],
+      lambda m: m["mean_step_s"],
+    ):
+      cells.append(f"{ratio(c, get):.2f}")
+    cells += [f"{sim['padded_token_ratio']:.2f}", f"{sim['padded_attention_ratio']:.2f}"]
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
 TABLES: dict[str, Callable[[], str]] = {
   "headline": headline,
   "default_command": default_command,
@@ -366,6 +471,9 @@ TABLES: dict[str, Callable[[], str]] = {
   "recipe_curves": recipe_curves,
   "recipe_mla": recipe_mla,
   "recipe_wide": recipe_wide,
+  "serving_live": serving_live,
+  "serving_live_changes": serving_live_changes,
+  "serving_live_sim": serving_live_sim,
 }
 
 

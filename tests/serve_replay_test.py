@@ -5,6 +5,7 @@ counters, and the sweep's tables."""
 import os
 import sys
 import tempfile
+from unittest import mock
 
 from absl.testing import absltest
 
@@ -210,6 +211,12 @@ class JournalTest(absltest.TestCase):
     with self.assertRaises(SystemExit) as e:
       serve_replay.Journal(other.out, other)
     self.assertIn("--clients=32", str(e.exception))
+    # Nor runs of another engine: the served code's hash is part of the journal's flags.
+    with mock.patch.object(serve_replay, "code_hash", lambda: "0" * 16):
+      with self.assertRaises(SystemExit) as e:
+        serve_replay.Journal(more.out, more)
+    self.assertIn("another version of looped/ and configs/", str(e.exception))
+    self.assertLen(serve_replay.code_hash(), 16)
 
 
 class _Stderr:

@@ -86,12 +86,24 @@ def _call_fn(
   kernel = None
   if attention_impl == "pallas":  # These layers read the pages through paged_decode.
     kernel = paged_cache.kernel_layers(model.cfg, share_kv, kv_format, kv_policy, t)
+  dtypes = None  # 'xla': the pool is stored as its bits (paged_cache), read as these.
+  if attention_impl == "xla":
+    dtypes = paged_cache.page_dtypes(model.cfg, share_kv, kv_format, kv_policy)
   cache = paged_cache.gather(
-    pages, page_table_BxP, context_B, share_kv, kv_format, slot_B, kv_policy, slotted, kernel
+    pages,
+    page_table_BxP,
+    context_B,
+    share_kv,
+    kv_format,
+    slot_B,
+    kv_policy,
+    slotted,
+    kernel,
+    dtypes,
   )
   logits_BxTxV, aux = model.apply(params, tokens_BxT, cache=cache, num_new_B=num_new_B)
   pages = paged_cache.scatter(
-    pages, aux["cache"], page_table_BxP, context_B, num_new_B, t, share_kv, slot_B, slotted
+    pages, aux["cache"], page_table_BxP, context_B, num_new_B, t, share_kv, slot_B, slotted, dtypes
   )
   # The pool stays where it was placed (split over KV heads), so the next step reuses it.
   pages = jax.lax.with_sharding_constraint(pages, mesh.pool_shardings(pages, share_kv, slotted))
@@ -235,6 +247,7 @@ class ModelExecutor:
     self.kv_policy = kv_policy
     self.scratch_page = num_pages
     self.scratch_slot = num_slots
+    self.attention_impl = attention_impl
     self.reset_pages()
     self.padding = padding
     self.clock = clock
@@ -246,7 +259,6 @@ class ModelExecutor:
     # Per step: rows, tokens needed, tokens computed (padding included), call shapes, seconds.
     self.step_log: list[dict] = []
     self.top_logprobs = top_logprobs
-    self.attention_impl = attention_impl
     self._call = compiled_call(
       model.cfg,
       share_kv,
@@ -288,6 +300,7 @@ class ModelExecutor:
       self.kv_format,
       self.scratch_slot,
       self.kv_policy,
+      as_bits=self.attention_impl == "xla",
     )
     # Made in place, each device its shards only: the whole pool need not fit on one device.
     slotted = paged_cache.slotted_core(cfg, self.share_kv, self.kv_policy)

@@ -16,6 +16,16 @@ scratch slot of padding rows. A chunk starting at position 0 starts from a zero 
 slot needs no reset when a request is (re)admitted. Prefix hits are off for such models: a state
 is not a function of a page.
 
+With the engine's attention_impl 'xla', pages whose values are floats narrower than 32 bits
+(bf16 raw or bf16 pages, fp8 elements, nvfp4's e4m3 scales) are stored as their bits, in unsigned
+integers of the same width (`as_bits`): XLA:CPU scatters into a bf16 or fp8 array by converting
+the whole array to float32 and back, so every step paid time in proportion to the pool (2
+rows of one token after 224, unshared bf16 pages: 2.9 ms over 64 pages of 16 tokens, 38 ms over
+1,025, measured 2026-12-05 before this storage; `benchmarks/engine.py --pool_pages`).
+An integer scatter writes only its rows. The gather reinterprets the rows it read (`dtypes`, the
+pool's values as the model reads them); 'pallas' keeps the values' own dtypes, which its kernel
+reads.
+
 A step gathers each row's pages through its page table (and its state from its slot) into a
 dense `KVCache` (the model's own decode path then runs unchanged), and scatters the new tokens'
 entries back into their pages (and the new state into its slot). With the engine's
@@ -53,6 +63,34 @@ def has_state(cfg: ModelConfig) -> bool:
   return any(c.cache.state_shapes for c in cache_layout.cache_layout(cfg, True).layers)
 
 
+def _bits_dtype(dtype):
+  """The unsigned integer of a float narrower than 32 bits (its storage under as_bits)."""
+  dtype = jnp.dtype(dtype)
+  if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
+    return jnp.dtype(f"uint{8 * dtype.itemsize}")
+  return dtype
+
+
+def to_bits(x: jax.Array) -> jax.Array:
+  """x as stored under as_bits: narrow floats as their bits, anything else as it is."""
+  bits = _bits_dtype(x.dtype)
+  return x if bits == x.dtype else jax.lax.bitcast_convert_type(x, bits)
+
+
+def from_bits(x: jax.Array, dtype) -> jax.Array:
+  """Values of `dtype` from their storage (to_bits' inverse)."""
+  return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
+
+
+def page_dtypes(
+  cfg: ModelConfig, share_kv: bool, kv_format: str | None, kv_policy: str = "final"
+) -> dict:
+  """{stage: [entry]} of the dtypes the model reads the pool's leaves as (init_pages' pytree,
+  a dtype per leaf)."""
+  shapes = jax.eval_shape(lambda: init_pages(cfg, 1, 1, share_kv, kv_format, 1, kv_policy))
+  return jax.tree.map(lambda x: x.dtype, shapes)
+
+
 def init_pages(
   cfg: ModelConfig,
   num_pages: int,
@@ -61,9 +99,11 @@ def init_pages(
   kv_format: str | None,
   num_slots: int = 0,
   kv_policy: str = "final",
+  as_bits: bool = False,
 ) -> dict:
   """Zeroed pages (plus the scratch page) for every paged layer and state slots (plus the
-  scratch slot) for every layer with a per-sequence state: {stage: [entry]}."""
+  scratch slot) for every layer with a per-sequence state: {stage: [entry]}. as_bits: narrow
+  floats stored as their bits (module docstring)."""
   check_model(cfg)
   if kv_format is not None:
     mixers.check_kv_format(cfg, kv_format)
@@ -82,7 +122,8 @@ def init_pages(
     return tuple(zeros(lead + (num_pages + 1, page_size, *s)) for s in cache.token_shapes)
 
   layout = cache_layout.cache_layout(cfg, share_kv, kv_policy)
-  return {stage: [entry(layer) for layer in layout.stage(stage)] for stage in STAGES}
+  pages = {stage: [entry(layer) for layer in layout.stage(stage)] for stage in STAGES}
+  return jax.tree.map(to_bits, pages) if as_bits else pages
 
 
 def slotted_core(cfg: ModelConfig, share_kv: bool, kv_policy: str) -> bool:
@@ -143,12 +184,14 @@ def gather(
   kv_policy: str = "final",
   slotted: bool = False,
   paged: dict | None = None,
+  dtypes: dict | None = None,
 ) -> KVCache:
   """Dense cache of each row's pages (slots = P * page_size), with length_B = context_B, and of
   each row's state slot (slot_B; a zero state for a row starting at position 0). kv_policy and
   slotted (slotted_core): the shared core's policy and whether its pages lead with copies.
   paged ({stage: bool per layer}, kernel_layers): layers passed as their pages and the page
-  table (a PagedKV, read by the kernel) instead of gathered."""
+  table (a PagedKV, read by the kernel) instead of gathered. dtypes (page_dtypes): the pool is
+  stored as_bits; what is gathered is read as these."""
   b, p = page_table_BxP.shape
 
   def as_paged(entry, axis):
@@ -165,22 +208,23 @@ def gather(
   def one(stage):
     axis = _batch_axis(stage, share_kv, slotted)
 
-    def leaf(x):
-      g = x[page_table_BxP] if axis == 0 else x[:, page_table_BxP]
+    def leaf(x, dtype):
+      g = from_bits(x[page_table_BxP] if axis == 0 else x[:, page_table_BxP], dtype)
       shape = g.shape
       return g.reshape(shape[: axis + 1] + (p * shape[axis + 2],) + shape[axis + 3 :])
 
-    def state(x):
-      g = x[slot_B] if axis == 0 else x[:, slot_B]
+    def state(x, dtype):
+      g = from_bits(x[slot_B] if axis == 0 else x[:, slot_B], dtype)
       fresh = (context_B == 0).reshape((1,) * axis + (b,) + (1,) * (g.ndim - axis - 1))
       return jnp.where(fresh, 0.0, g)
 
     kernel = paged[stage] if paged else (False,) * len(pages[stage])
+    types = dtypes[stage] if dtypes else [jax.tree.map(lambda x: x.dtype, e) for e in pages[stage]]
     return [
       as_paged(entry, axis)
       if read
-      else jax.tree.map(state if isinstance(entry, KDAState) else leaf, entry)
-      for entry, read in zip(pages[stage], kernel, strict=True)
+      else jax.tree.map(state if isinstance(entry, KDAState) else leaf, entry, dtype)
+      for entry, read, dtype in zip(pages[stage], kernel, types, strict=True)
     ]
 
   layers = {stage: one(stage) for stage in STAGES}
@@ -198,9 +242,11 @@ def scatter(
   share_kv: bool,
   slot_B: jax.Array | None = None,
   slotted: bool = False,
+  dtypes: dict | None = None,
 ) -> dict:
   """Writes slots [context_b, context_b + num_new_b) of the dense cache back into their pages,
-  and each row's new state into its state slot slot_B[b].
+  and each row's new state into its state slot slot_B[b]; dtypes (page_dtypes) when the pool is
+  stored as_bits.
 
   Slots j >= num_new_b of the num_slots-wide window (padding) go to the scratch page; padding
   rows' slot_B is the scratch slot. A layer the model read as pages (PagedKV) had its new
@@ -220,25 +266,33 @@ def scatter(
   for stage in STAGES:
     axis = _batch_axis(stage, share_kv, slotted)
 
-    def write(page_leaf, dense_leaf, axis=axis):
+    def write(page_leaf, dense_leaf, dtype, axis=axis):
       new = window(dense_leaf, axis)
       index = (slice(None),) * axis + (page_BxT, slot_BxT)
-      return page_leaf.at[index].set(new.astype(page_leaf.dtype))
+      return page_leaf.at[index].set(_stored(new.astype(dtype), page_leaf.dtype))
 
-    def write_state(slot_leaf, new, axis=axis):
-      return slot_leaf.at[(slice(None),) * axis + (slot_B,)].set(new)
+    def write_state(slot_leaf, new, dtype, axis=axis):
+      index = (slice(None),) * axis + (slot_B,)
+      return slot_leaf.at[index].set(_stored(new.astype(dtype), slot_leaf.dtype))
 
-    def write_entry(entry, dense, write=write, write_state=write_state):
+    def write_entry(entry, dense, dtype, write=write, write_state=write_state):
       if isinstance(dense, PagedKV):  # Copies' pools back to [copies, pages, ...].
         split = lambda new, old: new.reshape(old.shape)
         return jax.tree.map(split, (dense.k_pages, dense.v_pages), entry)
-      return jax.tree.map(write_state if isinstance(entry, KDAState) else write, entry, dense)
+      fn = write_state if isinstance(entry, KDAState) else write
+      return jax.tree.map(fn, entry, dense, dtype)
 
+    types = dtypes[stage] if dtypes else [jax.tree.map(lambda x: x.dtype, e) for e in pages[stage]]
     out[stage] = [
-      write_entry(entry, dense)
-      for entry, dense in zip(pages[stage], cache.layers[stage], strict=True)
+      write_entry(entry, dense, dtype)
+      for entry, dense, dtype in zip(pages[stage], cache.layers[stage], types, strict=True)
     ]
   return out
+
+
+def _stored(x: jax.Array, storage) -> jax.Array:
+  """x (at its dtype as read) in the pool's storage dtype: itself, or its bits (as_bits)."""
+  return x if x.dtype == storage else jax.lax.bitcast_convert_type(x, storage)
 
 
 def _first_leaf(pages: dict, share_kv: bool):
