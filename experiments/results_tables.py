@@ -400,12 +400,12 @@ def serving_live_changes() -> str:
   worst shared run with the best unshared one and the reverse), beside the paper's figures."""
   by = {(c["budget"], c["kv_format"], c["layout"]): c for c in _serving_configs()}
   figures = (
-    ("hit rate", lambda m: m["hit_rate"]),
-    ("output tok/s", lambda m: m["output_tokens_per_s"]),
-    ("TTFT p90", lambda m: m["ttft_s"]["p90"]),
+    ("hit rate", lambda m: m["hit_rate"], "{:.3f}"),
+    ("output tok/s", lambda m: m["output_tokens_per_s"], "{:.1f}"),
+    ("TTFT p90", lambda m: m["ttft_s"]["p90"], "{:.1f} s"),
   )
   lines = [
-    "| KV budget | format | " + " | ".join(f"{n}: unshared -> shared" for n, _ in figures) + " |",
+    "| KV budget | format | " + " | ".join(f"{f[0]}: unshared -> shared" for f in figures) + " |",
     "|---:|---|" + "---:|" * len(figures),
   ]
   for (budget, fmt, layout), shared in by.items():
@@ -413,17 +413,17 @@ def serving_live_changes() -> str:
       continue
     unshared = by[(budget, fmt, "unshared")]
     cells = [f"{budget / 1e6:g} MB", fmt]
-    for _, get in figures:
+    for _, get, fmt in figures:
       u = [get(m) for m in unshared["measured"]]
       s = [get(m) for m in shared["measured"]]
       change = _median(s) / _median(u) - 1
       bounds = sorted((min(s) / max(u) - 1, max(s) / min(u) - 1))
       cells.append(
-        f"{_median(u):.3g} -> {_median(s):.3g}: **{change:+.0%}** "
+        f"{fmt.format(_median(u))} -> {fmt.format(_median(s))}: **{change:+.0%}** "
         f"[{bounds[0]:+.0%}, {bounds[1]:+.0%}]"
       )
     lines.append("| " + " | ".join(cells) + " |")
-  paper = " | ".join(f"{_PAPER[n]:+.1%}" for n, _ in figures)
+  paper = " | ".join(f"{_PAPER[f[0]]:+.1%}" for f in figures)
   lines.append(f"| the paper (simulated) | | {paper} |")
   return "\n".join(lines)
 

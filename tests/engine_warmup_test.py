@@ -6,6 +6,7 @@ again (the jitted step's cache does not grow).
 """
 
 import dataclasses
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -91,6 +92,11 @@ class WarmupTest(absltest.TestCase):
     seen = {tuple(c) for s in engine.executor.step_log for c in s["calls"]}
     self.assertGreater(len(seen), 1)
     self.assertEqual(step._cache_size(), compiled)
+    # The log keeps the last steps only (a server runs for days): at most 2x its bound.
+    with mock.patch.object(executor_lib, "STEP_LOG_KEPT", 2):
+      log = engine.executor.step_log
+      engine.generate([GenRequest(99, (1, 2, 3), SamplingParams(max_new_tokens=6))])
+      self.assertBetween(len(log), 2, 4)
 
 
 if __name__ == "__main__":

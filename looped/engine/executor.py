@@ -44,6 +44,9 @@ class RequestFailed(RuntimeError):
     self.request_id = request_id
 
 
+STEP_LOG_KEPT = 16_384  # ModelExecutor.step_log keeps at least this many of the last steps.
+
+
 @dataclasses.dataclass
 class RequestState:
   request: GenRequest
@@ -256,7 +259,8 @@ class ModelExecutor:
     self.on_token = on_token
     self.states: dict[int, RequestState] = {}
     self.last_batch: list[int] = []  # Request ids of the step last started (failed or not).
-    # Per step: rows, tokens needed, tokens computed (padding included), call shapes, seconds.
+    # Per step: rows, tokens needed, tokens computed (padding included), call shapes, seconds;
+    # the last STEP_LOG_KEPT to 2x that many steps, so a long-running server's memory is bounded.
     self.step_log: list[dict] = []
     self.top_logprobs = top_logprobs
     self._call = compiled_call(
@@ -377,6 +381,8 @@ class ModelExecutor:
         "s": wall,
       }
     )
+    if len(self.step_log) > 2 * STEP_LOG_KEPT:
+      del self.step_log[:-STEP_LOG_KEPT]
     # Every row's results first, applied only once all of them are known (see execute).
     updates = []
     for i, seq in enumerate(batch.seqs):
