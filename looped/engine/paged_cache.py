@@ -219,7 +219,7 @@ def gather(
       return jnp.where(fresh, 0.0, g)
 
     kernel = paged[stage] if paged else (False,) * len(pages[stage])
-    types = dtypes[stage] if dtypes else [jax.tree.map(lambda x: x.dtype, e) for e in pages[stage]]
+    types = _stage_dtypes(pages, dtypes, stage)
     return [
       as_paged(entry, axis)
       if read
@@ -282,7 +282,7 @@ def scatter(
       fn = write_state if isinstance(entry, KDAState) else write
       return jax.tree.map(fn, entry, dense, dtype)
 
-    types = dtypes[stage] if dtypes else [jax.tree.map(lambda x: x.dtype, e) for e in pages[stage]]
+    types = _stage_dtypes(pages, dtypes, stage)
     out[stage] = [
       write_entry(entry, dense, dtype)
       for entry, dense, dtype in zip(pages[stage], cache.layers[stage], types, strict=True)
@@ -292,7 +292,12 @@ def scatter(
 
 def _stored(x: jax.Array, storage) -> jax.Array:
   """x (at its dtype as read) in the pool's storage dtype: itself, or its bits (as_bits)."""
-  return x if x.dtype == storage else jax.lax.bitcast_convert_type(x, storage)
+  return from_bits(x, storage)  # The same reinterpretation, the other way.
+
+
+def _stage_dtypes(pages: dict, dtypes: dict | None, stage: str) -> list:
+  """The dtypes a stage's entries are read as: page_dtypes', or the pool's own."""
+  return dtypes[stage] if dtypes else [jax.tree.map(lambda x: x.dtype, e) for e in pages[stage]]
 
 
 def _first_leaf(pages: dict, share_kv: bool):
