@@ -8,7 +8,9 @@ calibrated on them.
   python benchmarks/engine.py --skip_grid --before=50d9b9d --out=/tmp/engine_before_after.json
 
 Model: configs/pretrain.py's default (d 128, P/B/C = 1/2/1, R = 4, 4 query / 2 KV heads of 32),
-random weights (speed does not depend on them), float32, KV pages of 16 tokens.
+or with --variant the model of configs/benice.py with those variants (the shape a pipeline
+trains and a server serves, e.g. `ctx1024,fixed`: P/B/C = 0/2/0); random weights (speed does
+not depend on them), float32, KV pages of 16 tokens.
 
 1. Throughput (tokens/s over the steps' wall time, each workload run once to compile and then
    timed --throughput_reps times: median busy time, per-step median) of two workloads, batched
@@ -69,7 +71,7 @@ os.environ.setdefault(
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from configs import pretrain  # noqa: E402
+from configs import benice, pretrain  # noqa: E402
 from looped.engine import padding, paged_cache  # noqa: E402
 from looped.engine.engine import Engine, EngineConfig, pages_for_budget  # noqa: E402
 from looped.engine.executor import ModelExecutor, powers_of_two  # noqa: E402
@@ -649,9 +651,15 @@ def main():
     help="No measurement: refit the grid of this --out JSON (its --grid_layouts rows) and "
     "replay its throughput runs with the new fit.",
   )
+  parser.add_argument(
+    "--variant",
+    default="",
+    help="Time configs/benice.py's model with these variants (e.g. ctx1024,fixed) instead of "
+    "configs/pretrain.py's default.",
+  )
   args = parser.parse_args()
 
-  config = pretrain.get_config()
+  config = benice.get_config(args.variant) if args.variant else pretrain.get_config()
   config.model.max_seq_len = args.max_model_len
   cfg = model_lib.from_config(config.model)
   model = LoopedLM(cfg)

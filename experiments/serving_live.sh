@@ -2,14 +2,16 @@
 # The live serving study at a 1024-token context (docs/server.md, "Multi-turn sessions at a
 # 1024-token context"): the `ctx1024` pipelines (the default stochastic-depth model and the
 # `:fixed` regime, so what is served has a measured sharing gap), the engine's CPU cost profile
-# fitted on this engine at that context, then the live replay sweep of the default pipeline's
-# BeNice! model over HTTP with the simulator's prediction, priced by that profile, beside each
-# configuration. Pipelines resume when rerun; the fit and the sweep start over.
+# fitted on the served model's shape at that context, then the live replay sweep of the served
+# pipeline's BeNice! model over HTTP with the simulator's prediction, priced by that profile,
+# beside each configuration. Pipelines resume when rerun; the fit and the sweep start over.
 #
 #   bash experiments/serving_live.sh /tmp/serving_runs                 # everything
 #   bash experiments/serving_live.sh /tmp/serving_runs "fit sweep"     # models already trained
 #   bash experiments/serving_live.sh /tmp/serving_runs mooncake        # the Mooncake replay
 #
+# SERVE (default `ctx1024,fixed`, the kept sweep's) names the pipeline whose model is served;
+# `SERVE=ctx1024` serves the default model.
 # `mooncake` (not in the default steps): the bundled Mooncake conversation trace scaled to the
 # 1024-token model (32 tokens per 512-token block, prompts <= 960 tokens) at one budget, 3 repeats.
 #
@@ -22,6 +24,8 @@ set -euo pipefail
 R=${1:?usage: experiments/serving_live.sh RUNS_DIR [steps, default "train fit sweep"]}
 STEPS=" ${2:-train fit sweep} "
 PY=${PYTHON:-python}
+SERVE=${SERVE:-ctx1024,fixed}
+SERVED="$R/${SERVE/,/_}/benice"
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 mkdir -p "$R"
 cd "$ROOT"
@@ -36,7 +40,7 @@ fi
 
 if [[ $STEPS == *" fit "* ]]; then
   echo "== engine cost profile at 1024 positions ($(date))"
-  XLA_FLAGS="" "$PY" benchmarks/engine.py --skip_throughput --max_model_len=1024 \
+  XLA_FLAGS="" "$PY" benchmarks/engine.py --variant="$SERVE" --skip_throughput --max_model_len=1024 \
     --grid_rows 2 8 --grid_tokens 1 16 32 --grid_context 224 480 960 --grid_mixed --reps 5 \
     --grid_layouts unshared_bf16 shared_bf16 unshared_nvfp4 shared_nvfp4 \
     --hardware_out="$R/cpu_profile.json" --out="$R/engine_grid.json" > "$R/engine_grid.log" 2>&1
@@ -44,7 +48,7 @@ fi
 
 if [[ $STEPS == *" sweep "* ]]; then
   echo "== live replay sweep ($(date))"
-  "$PY" benchmarks/serve_replay.py --checkpoint="$R/ctx1024/benice" --trace=sessions \
+  "$PY" benchmarks/serve_replay.py --checkpoint="$SERVED" --trace=sessions \
     --kv_budget_bytes 3e6 5e6 8e6 --kv_formats bf16 nvfp4 --repeats=3 \
     --page_size=16 --row_buckets 2 8 --token_buckets 1 16 32 --column_buckets 16 32 64 \
     --warmup_requests=16 --no-engine_alone --hardware_json="$R/cpu_profile.json" \
@@ -52,7 +56,7 @@ if [[ $STEPS == *" sweep "* ]]; then
 fi
 if [[ $STEPS == *" mooncake "* ]]; then
   echo "== Mooncake replay ($(date))"
-  "$PY" benchmarks/serve_replay.py --checkpoint="$R/ctx1024/benice" --trace=mooncake_conversation \
+  "$PY" benchmarks/serve_replay.py --checkpoint="$SERVED" --trace=mooncake_conversation \
     --block_tokens=32 --max_prompt_tokens=960 --max_output_tokens=32 --num_requests=200 \
     --kv_budget_bytes 3e6 --kv_formats bf16 --repeats=3 \
     --page_size=16 --row_buckets 2 8 --token_buckets 1 16 32 --column_buckets 16 32 64 \

@@ -8,7 +8,6 @@ step compiled over a bf16 pool converts the whole pool to float32 when stored as
 not when stored as bits (the defect the storage removes, found in XLA's optimized HLO).
 """
 
-import dataclasses
 import re
 
 import engine_test
@@ -62,6 +61,8 @@ class GatherScatterTest(parameterized.TestCase):
     table_BxP = jnp.array([[2, 4], [1, 0]], jnp.int32)
     context_B, num_new_B = jnp.array([3, 0], jnp.int32), jnp.array([2, 3], jnp.int32)
     cache = paged_cache.gather(values, table_BxP, context_B, share_kv, kv_format)
+    # A chunk of 4 slots per row, shaped as the model's: a one-page gather's cache.
+    one_page = paged_cache.gather(values, table_BxP[:, :1], context_B, share_kv, kv_format)
     keys = iter(jax.random.split(jax.random.PRNGKey(0), 64))
 
     def fill(x):  # Random bits in every slot of the dense cache, at its dtype.
@@ -71,14 +72,23 @@ class GatherScatterTest(parameterized.TestCase):
         return jax.random.normal(next(keys), x.shape, x.dtype)
       width = jnp.dtype(f"uint{8 * x.dtype.itemsize}")
       raw = jax.random.bits(next(keys), x.shape, width)
-      return raw if x.dtype == width else jax.lax.bitcast_convert_type(raw, x.dtype)
+      if x.dtype == width:
+        return raw
+      # No NaNs: XLA's scatter into a value pool canonicalizes their payloads (the bit round
+      # trip above covers every pattern).
+      value = jax.lax.bitcast_convert_type(raw, x.dtype)
+      return jnp.where(jnp.isnan(value), jnp.zeros_like(value), value)
 
-    dense = dataclasses.replace(cache, layers=jax.tree.map(fill, cache.layers))
-    args = (table_BxP, context_B, num_new_B, 3, share_kv)
-    out_values = paged_cache.scatter(values, dense, *args)
-    out_bits = paged_cache.scatter(bits, dense, *args, dtypes=dtypes)
+    chunk = jax.tree.map(fill, one_page.layers)
+    args = (table_BxP, context_B, num_new_B, 4, share_kv)
+    out_values = paged_cache.scatter(values, cache, chunk, *args)
+    out_bits = paged_cache.scatter(bits, cache, chunk, *args, dtypes=dtypes)
     as_bits = lambda tree: jax.tree.map(lambda x: np.asarray(paged_cache.to_bits(x)), tree)
-    jax.tree.map(np.testing.assert_array_equal, as_bits(out_values), as_bits(out_bits))
+    for stage in ("prelude", "core", "coda"):  # Every page but the scratch page (padding).
+      axis = paged_cache._batch_axis(stage, share_kv)
+      real = lambda x, axis=axis: x[(slice(None),) * axis + (slice(0, 6),)]
+      stored = [jax.tree.map(real, as_bits(t[stage])) for t in (out_values, out_bits)]
+      jax.tree.map(np.testing.assert_array_equal, *stored)
     again = paged_cache.gather(out_values, table_BxP, context_B + 2, share_kv, kv_format)
     again_bits = paged_cache.gather(
       out_bits, table_BxP, context_B + 2, share_kv, kv_format, dtypes=dtypes
@@ -87,6 +97,24 @@ class GatherScatterTest(parameterized.TestCase):
       jax.tree.map(lambda x: x.dtype, again), jax.tree.map(lambda x: x.dtype, again_bits)
     )
     jax.tree.map(np.testing.assert_array_equal, as_bits(again), as_bits(again_bits))
+    # Each row's real new slots hold its chunk, at its context; the slots before are untouched.
+    before = paged_cache.gather(values, table_BxP, context_B, share_kv, kv_format)
+    for stage in ("prelude", "core", "coda"):
+      axis = paged_cache._batch_axis(stage, share_kv)
+      layers = (again.layers[stage], chunk[stage], before.layers[stage])
+      leaves = zip(*(jax.tree.leaves(x) for x in layers), strict=True)
+      for got, new, old in leaves:
+        if got.ndim < axis + 2:  # A per-tensor scale: not per slot.
+          continue
+        for b in range(2):
+          c, n = int(context_B[b]), int(num_new_B[b])
+          np.testing.assert_array_equal(_slots(got, axis, b, c, c + n), _slots(new, axis, b, 0, n))
+          np.testing.assert_array_equal(_slots(got, axis, b, 0, c), _slots(old, axis, b, 0, c))
+
+
+def _slots(x, axis: int, b: int, lo: int, hi: int) -> np.ndarray:
+  """Row b's slots [lo, hi) of a cache leaf whose rows are on `axis`, as bits."""
+  return np.asarray(paged_cache.to_bits(x))[(slice(None),) * axis + (b, slice(lo, hi))]
 
 
 def _compiled_cpu_step(pages) -> str:
@@ -111,6 +139,20 @@ class WholePoolConvertTest(absltest.TestCase):
     pool = re.compile(r"f32\[(\d+,)?38,4,")  # A float32 array of the pool's shape.
     self.assertRegex(_compiled_cpu_step(shapes(False)), pool)  # Values: the defect is there.
     self.assertNotRegex(_compiled_cpu_step(shapes(True)), pool)  # Bits: gone.
+
+  def test_cpu_step_writes_only_the_chunk(self):
+    """Unshared, 2 rows over 2 pages of 4 (8 slots): the step writes the chunk into the pages
+    and neither writes the dense cache ([(R,) 2, 8, ...]) nor copies a pool ([(R,) 38, 4, ...]).
+    Writing the dense cache and reading the window back made the unshared step copy every
+    recurrence's context; writing before the pool's reads are done made XLA copy pools."""
+    pages = jax.eval_shape(lambda: paged_cache.init_pages(CFG, 37, 4, False, "bf16", as_bits=True))
+    hlo = _compiled_cpu_step(pages)
+    pool = r"u16\[(\d+,)?38,4,1,32\]"
+    self.assertNotRegex(hlo, rf"= {pool}\S* copy\(")
+    dense = r"\w+\[(\d+,)?2,8,1,32\]"
+    self.assertRegex(hlo, rf"= {dense}")  # The gathered cache is there, read.
+    self.assertNotRegex(hlo, rf"= {dense}\S* (scatter|dynamic-update-slice)\(")
+    self.assertNotRegex(hlo, rf"%wrapped_scatter\S* = {dense}")
 
   def test_the_executor_stores_bits(self):
     model = LoopedLM(CFG)

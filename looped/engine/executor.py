@@ -105,13 +105,28 @@ def _call_fn(
     dtypes,
   )
   logits_BxTxV, aux = model.apply(params, tokens_BxT, cache=cache, num_new_B=num_new_B)
+  last_BxV = logits_BxTxV[jnp.arange(b), jnp.maximum(num_new_B - 1, 0)]
+  token_B, logprob_B = sampling.sample(last_BxV, temperature_B, top_k_B, top_p_B, seed_B, index_B)
+  # Every read of the pool before any write. A layer's new entries do not depend on its past, so
+  # nothing else orders the writes after the reads XLA fuses into attention, and XLA:CPU then
+  # copies the prelude's and coda's pools every step to keep both (tests/paged_cache_bits_test).
+  # Sampled tokens are never negative: this only makes the writes wait for the logits.
+  written_B = jnp.where(token_B >= 0, num_new_B, 0)
   pages = paged_cache.scatter(
-    pages, aux["cache"], page_table_BxP, context_B, num_new_B, t, share_kv, slot_B, slotted, dtypes
+    pages,
+    aux["cache"],
+    aux["cache_chunk"],
+    page_table_BxP,
+    context_B,
+    written_B,
+    t,
+    share_kv,
+    slot_B,
+    slotted,
+    dtypes,
   )
   # The pool stays where it was placed (split over KV heads), so the next step reuses it.
   pages = jax.lax.with_sharding_constraint(pages, mesh.pool_shardings(pages, share_kv, slotted))
-  last_BxV = logits_BxTxV[jnp.arange(b), jnp.maximum(num_new_B - 1, 0)]
-  token_B, logprob_B = sampling.sample(last_BxV, temperature_B, top_k_B, top_p_B, seed_B, index_B)
   positions = None
   if top_logprobs:  # Every position's distribution over the next token (the raw logits').
     logprobs_BxTxV = jax.nn.log_softmax(logits_BxTxV.astype(jnp.float32), axis=-1)

@@ -235,6 +235,7 @@ def gather(
 def scatter(
   pages: dict,
   cache: KVCache,
+  chunk: dict,
   page_table_BxP: jax.Array,
   context_B: jax.Array,
   num_new_B: jax.Array,
@@ -244,13 +245,17 @@ def scatter(
   slotted: bool = False,
   dtypes: dict | None = None,
 ) -> dict:
-  """Writes slots [context_b, context_b + num_new_b) of the dense cache back into their pages,
-  and each row's new state into its state slot slot_B[b]; dtypes (page_dtypes) when the pool is
-  stored as_bits.
+  """Writes the chunk's entries (LoopedLM's aux['cache_chunk']: {stage: [entry]} of num_slots
+  slots, as stored) into their pages at each row's context_b, and each row's new state into
+  its state slot slot_B[b]; dtypes (page_dtypes) when the pool is stored as_bits.
 
-  Slots j >= num_new_b of the num_slots-wide window (padding) go to the scratch page; padding
-  rows' slot_B is the scratch slot. A layer the model read as pages (PagedKV) had its new
-  entries written into them by the model (kv_cache.write_chunk): its pages are taken as they are.
+  Slots j >= num_new_b of the chunk (padding) go to the scratch page; padding rows' slot_B is
+  the scratch slot. A layer the model read as pages (PagedKV in `cache`, the model's
+  aux['cache']) had its new entries written into them by the model (kv_cache.write_chunk): its
+  pages are taken as they are. The chunk, not a window of the updated dense cache, is what is
+  written: reading the window back keeps the whole updated dense cache alive, a copy of every
+  cached layer's context per step (unshared, 8 rows over 1,024 slots, bf16 pages on CPU: 31 ms
+  a step against 15 ms shared, most of the difference that copy; `benchmarks/engine.py`).
   """
   page_size = _page_size(pages, share_kv, slotted)
   num_pages = _num_pages(pages, share_kv, slotted)
@@ -258,16 +263,11 @@ def scatter(
     page_table_BxP, context_B, num_new_B, num_slots, page_size, num_pages - 1
   )
 
-  def window(x, axis):  # [.., B, S, ...] -> [.., B, T, ...] at each row's context.
-    fn = lambda row, c: jax.lax.dynamic_slice_in_dim(row, c, num_slots, axis=axis)
-    return jax.vmap(fn, in_axes=(axis, 0), out_axes=axis)(x, context_B)
-
   out = {}
   for stage in STAGES:
     axis = _batch_axis(stage, share_kv, slotted)
 
-    def write(page_leaf, dense_leaf, dtype, axis=axis):
-      new = window(dense_leaf, axis)
+    def write(page_leaf, new, dtype, axis=axis):  # new: [.., B, T, ...].
       index = (slice(None),) * axis + (page_BxT, slot_BxT)
       return page_leaf.at[index].set(_stored(new.astype(dtype), page_leaf.dtype))
 
@@ -275,17 +275,19 @@ def scatter(
       index = (slice(None),) * axis + (slot_B,)
       return slot_leaf.at[index].set(_stored(new.astype(dtype), slot_leaf.dtype))
 
-    def write_entry(entry, dense, dtype, write=write, write_state=write_state):
+    def write_entry(entry, dense, new, dtype, write=write, write_state=write_state):
       if isinstance(dense, PagedKV):  # Copies' pools back to [copies, pages, ...].
         split = lambda new, old: new.reshape(old.shape)
         return jax.tree.map(split, (dense.k_pages, dense.v_pages), entry)
       fn = write_state if isinstance(entry, KDAState) else write
-      return jax.tree.map(fn, entry, dense, dtype)
+      return jax.tree.map(fn, entry, new, dtype)
 
     types = _stage_dtypes(pages, dtypes, stage)
     out[stage] = [
-      write_entry(entry, dense, dtype)
-      for entry, dense, dtype in zip(pages[stage], cache.layers[stage], types, strict=True)
+      write_entry(entry, dense, new, dtype)
+      for entry, dense, new, dtype in zip(
+        pages[stage], cache.layers[stage], chunk[stage], types, strict=True
+      )
     ]
   return out
 

@@ -182,6 +182,18 @@ def _write_pages(paged: PagedKV, new: tuple, start_B, num_new_B) -> PagedKV:
   )
 
 
+def stored_chunk(cache: KVCache, new: dict) -> dict:
+  """The chunk's entries as `cache` stores them ({stage: [entry]}, T slots): per-token K/V in
+  its KV format, KDA layers' new states as they are. What write_chunk writes; a paged engine
+  writes these into its pages directly rather than reading them back out of the dense cache."""
+  if cache.kv_format is None:
+    return new
+  quantize = lambda kv: (
+    kv if isinstance(kv, KDAState) else tuple(quantize_tokens(x, cache.kv_format) for x in kv)
+  )
+  return {name: [quantize(kv) for kv in kvs] for name, kvs in new.items()}
+
+
 def write_chunk(cache: KVCache, new: dict, num_tokens, slotted_core: bool = False) -> KVCache:
   """Appends the chunk's raw K/V (same structure as cache.layers, T slots), advances length
   by num_tokens (an int, or per row [B]: a padded row's real tokens). slotted_core: the shared
@@ -191,11 +203,7 @@ def write_chunk(cache: KVCache, new: dict, num_tokens, slotted_core: bool = Fals
   paged entry (PagedKV) gets the chunk's entries written into its pages through its table.
   """
   is_state = lambda x: isinstance(x, KDAState)
-  if cache.kv_format is not None:
-    quantize = lambda kv: (
-      kv if is_state(kv) else tuple(quantize_tokens(x, cache.kv_format) for x in kv)
-    )
-    new = {name: [quantize(kv) for kv in kvs] for name, kvs in new.items()}
+  new = stored_chunk(cache, new)
   write = lambda old, chunk: _write_rows(old, chunk, cache.length_B)
   slotted = lambda name: (
     cache_layout.per_recurrence(name, cache.share_kv) or (name == "core" and slotted_core)

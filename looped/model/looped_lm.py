@@ -30,7 +30,7 @@ from looped.model import mixers as mixers_lib
 from looped.model.config import ModelConfig
 from looped.model.injection import Injection
 from looped.model.kda import KDAState
-from looped.model.kv_cache import KVCache, write_chunk
+from looped.model.kv_cache import KVCache, stored_chunk, write_chunk
 from looped.model.layers import Mlp, RMSNorm, normal_init, projection
 from looped.model.mixer_interface import KV, CacheAndOwnChunk, MixerContext, PagedKV
 
@@ -591,6 +591,9 @@ class LoopedLM(nn.Module):
     new_cache = {"prelude": prelude_kvs, "core": core_new, "coda": coda_kvs}
     num = t if num_new_B is None else num_new_B
     aux["cache"] = write_chunk(cache, new_cache, num, slotted_core=slotted)
+    # The chunk's entries alone: what a paged engine scatters (the dense write above then goes
+    # unused there, and XLA drops it).
+    aux["cache_chunk"] = stored_chunk(cache, new_cache)
     return logits_BxTxV, aux
 
   def _embed(self, tokens_BxT):
