@@ -348,13 +348,15 @@ def kv_policies() -> str:
   return "\n".join(lines)
 
 
-# The live serving sweep (benchmarks/serve_replay.py's --out JSON, per-request times dropped).
+# The live serving sweep (benchmarks/serve_replay.py's --out JSON, per-request times dropped),
+# and the earlier one: the default model, served by the engine before the chunk write.
 _SERVING_LIVE = ("serving_live", "serve_sweep.json")
+_SERVING_LIVE_DENSE_WRITE = "serve_sweep_dense_write.json"
 _PAPER = {"hit rate": 0.314, "output tok/s": 0.236, "TTFT p90": -0.836}  # Simulated, its abstract.
 
 
-def _serving_configs() -> list[dict]:
-  with open(_results(*_SERVING_LIVE)) as f:
+def _serving_configs(name: str = _SERVING_LIVE[1]) -> list[dict]:
+  with open(_results(_SERVING_LIVE[0], name)) as f:
     return json.load(f)["configs"]
 
 
@@ -395,10 +397,10 @@ def serving_live() -> str:
   return "\n".join(lines)
 
 
-def serving_live_changes() -> str:
+def serving_live_changes(name: str = _SERVING_LIVE[1]) -> str:
   """Shared over unshared at each budget and format (medians over repeats; the range pairs the
   worst shared run with the best unshared one and the reverse), beside the paper's figures."""
-  by = {(c["budget"], c["kv_format"], c["layout"]): c for c in _serving_configs()}
+  by = {(c["budget"], c["kv_format"], c["layout"]): c for c in _serving_configs(name)}
   figures = (
     ("hit rate", lambda m: m["hit_rate"], "{:.3f}"),
     ("output tok/s", lambda m: m["output_tokens_per_s"], "{:.1f}"),
@@ -474,6 +476,7 @@ TABLES: dict[str, Callable[[], str]] = {
   "serving_live": serving_live,
   "serving_live_changes": serving_live_changes,
   "serving_live_sim": serving_live_sim,
+  "serving_live_changes_dense_write": lambda: serving_live_changes(_SERVING_LIVE_DENSE_WRITE),
 }
 
 

@@ -10,8 +10,9 @@
 #   bash experiments/serving_live.sh /tmp/serving_runs "fit sweep"     # models already trained
 #   bash experiments/serving_live.sh /tmp/serving_runs mooncake        # the Mooncake replay
 #
-# SERVE (default `ctx1024,fixed`, the kept sweep's) names the pipeline whose model is served;
-# `SERVE=ctx1024` serves the default model.
+# SERVE (default `ctx1024,fixed`, the kept sweep's) names the pipeline whose model is served,
+# STAGE (default `benice`) its stage: the kept sweep served `pretrain` (speed does not depend on
+# the weights: outputs run to their trace length). `SERVE=ctx1024` serves the default model.
 # `mooncake` (not in the default steps): the bundled Mooncake conversation trace scaled to the
 # 1024-token model (32 tokens per 512-token block, prompts <= 960 tokens) at one budget, 3 repeats.
 #
@@ -25,7 +26,7 @@ R=${1:?usage: experiments/serving_live.sh RUNS_DIR [steps, default "train fit sw
 STEPS=" ${2:-train fit sweep} "
 PY=${PYTHON:-python}
 SERVE=${SERVE:-ctx1024,fixed}
-SERVED="$R/${SERVE/,/_}/benice"
+SERVED="$R/${SERVE/,/_}/${STAGE:-benice}"
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 mkdir -p "$R"
 cd "$ROOT"
