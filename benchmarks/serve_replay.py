@@ -262,10 +262,24 @@ def measured_summary(results, before: dict, after: dict) -> dict:
   }
 
 
-def simulate(args, requests, share_kv: bool, kv_format: str, num_pages: int) -> dict:
-  """The simulator on the same stream, pool size and limits, priced by the engine profile."""
+def _pricer(args, share_kv: bool, kv_format: str) -> engine_cost.EngineCostExecutor:
+  """The simulator's pricing of the engine's padded steps: the profile, the server's buckets."""
   model_shape = shape.ModelShape.from_config(model_config(args)[1])
   hw = hardware.load(args.hardware, args.hardware_json)
+  padding = Padding.create(
+    args.page_size,
+    tuple(args.row_buckets),
+    tuple(args.token_buckets),
+    tuple(args.column_buckets),
+    args.max_model_len,
+  )
+  return engine_cost.EngineCostExecutor(
+    model_shape, hw, padding, share_kv=share_kv, kv_format=kv_format or None, weight_format="fp32"
+  )
+
+
+def simulate(args, requests, share_kv: bool, kv_format: str, num_pages: int) -> dict:
+  """The simulator on the same stream, pool size and limits, priced by the engine profile."""
   config = scheduler.SchedulerConfig(
     args.page_size,
     args.max_num_batched_tokens,
@@ -274,18 +288,7 @@ def simulate(args, requests, share_kv: bool, kv_format: str, num_pages: int) -> 
     prefill_block=args.prefill_block,
     shared_blocks=share_kv,
   )
-  padding = Padding.create(
-    args.page_size,
-    tuple(args.row_buckets),
-    tuple(args.token_buckets),
-    tuple(args.column_buckets),
-    args.max_model_len,
-  )
-  executor = _PaddingTally(
-    engine_cost.EngineCostExecutor(
-      model_shape, hw, padding, share_kv=share_kv, kv_format=kv_format or None, weight_format="fp32"
-    )
-  )
+  executor = _PaddingTally(_pricer(args, share_kv, kv_format))
   sched = scheduler.Scheduler(config, pages_lib.PagePool(num_pages), executor)
   replay.replay(requests, sched)
   run = sim_metrics.summarize(sched, page_bytes=0.0)
@@ -381,9 +384,12 @@ def engine_alone(args, requests, warmup, share_kv: bool, kv_format: str, num_pag
 
   if warmup:
     run(warmup, salt=3)  # Compiles the step shapes.
+  start = time.perf_counter()
   engine, gens = run(requests, salt=2)
+  wall = time.perf_counter() - start
   stats = engine.scheduler.stats
   makespan = max(r.arrival_s + g.latency_s for r, g in zip(requests, gens))
+  steps = max(stats.num_steps, 1)
   return {
     "hit_rate": stats.first_cached_tokens / stats.first_prompt_tokens,
     "requests_per_s": len(gens) / makespan,
@@ -395,8 +401,38 @@ def engine_alone(args, requests, warmup, share_kv: bool, kv_format: str, num_pag
     "preemptions": stats.num_preemptions,
     "makespan_s": makespan,
     "busy_fraction": stats.busy_s / makespan,
-    "mean_step_s": stats.busy_s / max(stats.num_steps, 1),
+    "mean_step_s": stats.busy_s / steps,
     "num_steps": stats.num_steps,
+    # The engine's clock is its steps' model calls; the rest of its wall time is host work the
+    # simulator's clock leaves out (scheduling, building inputs, applying results).
+    "host_s_per_step": (wall - stats.busy_s) / steps,
+    **priced_steps(_pricer(args, share_kv, kv_format), engine.executor.step_log),
+  }
+
+
+def priced_steps(pricer: engine_cost.EngineCostExecutor, step_log: list[dict]) -> dict:
+  """Each logged step's model calls (executor.step_log: padded rows, tokens, page columns)
+  priced as the simulator prices them, against their measured time: the cost model's error on
+  the shapes a live run made, apart from any difference in the schedule. A step is rebuilt as
+  rows of its calls' padded shapes, which pad to themselves (checked)."""
+  page = pricer.padding.page_size
+  priced, measured = [], []
+  for step in step_log:
+    new, context = [], []
+    for rows, tokens, columns in step["calls"]:
+      new += [tokens] * rows
+      context += [columns * page - tokens] * rows
+    batch = scheduler.StepBatch([None] * len(new), new, context, len(new))
+    shape = pricer.padding.shape(new, context)
+    if [(c.rows, c.tokens, c.columns) for c in shape.calls] != [tuple(c) for c in step["calls"]]:
+      raise ValueError(f"step calls {step['calls']} do not pad to themselves: {shape.calls}")
+    priced.append(pricer.execute(batch))
+    measured.append(step["s"])
+  priced, measured = np.asarray(priced), np.asarray(measured)
+  return {
+    "priced_step_s": float(priced.mean()) if len(priced) else float("nan"),
+    "step_over_priced_median": float(np.median(measured / priced)) if len(priced) else float("nan"),
+    "step_over_priced_total": float(measured.sum() / priced.sum()) if len(priced) else float("nan"),
   }
 
 

@@ -2,6 +2,7 @@
 session stream and its synthesised prompts, one run's figures from client times and /metrics
 counters, and the sweep's tables."""
 
+import dataclasses
 import os
 import sys
 import tempfile
@@ -17,6 +18,7 @@ from configs import pretrain  # noqa: E402
 from looped.checkpoints import model_record  # noqa: E402
 from looped.engine.padding import Padding  # noqa: E402
 from looped.scheduler import scheduler  # noqa: E402
+from looped.sim import engine_cost, hardware, shape  # noqa: E402
 
 
 def _checkpoint(max_seq_len: int | None) -> str:
@@ -183,6 +185,35 @@ class PaddingTallyTest(absltest.TestCase):
     self.assertEqual(
       tally.ratios(), {"padded_token_ratio": 10 / 5, "padded_attention_ratio": 160 / 35}
     )
+
+
+class PricedStepsTest(absltest.TestCase):
+  def test_a_logged_step_is_priced_as_the_simulator_priced_its_batch(self):
+    """Steps logged as their padded calls, each measured at twice its price: priced again from
+    the log alone, every ratio is 2, whatever the batch behind the calls was."""
+    c = pretrain.get_config()
+    c.model.max_seq_len = 64
+    model_shape = shape.ModelShape.from_config(c.model)
+    hw = hardware.load("cpu_2core")
+    hw = dataclasses.replace(hw, call_overhead_s=1e-3, dequant_s_per_value={"nvfp4": 2e-9})
+    padding = Padding.create(4, (2, 8), (1, 4, 8), (2, 4, 16), max_model_len=64)
+    pricer = engine_cost.EngineCostExecutor(
+      model_shape, hw, padding, share_kv=True, kv_format="nvfp4", weight_format="fp32"
+    )
+    batches = [([1, 1, 1], [5, 0, 30]), ([3, 1], [5, 9]), ([7, 2, 6], [40, 1, 20]), ([8], [0])]
+    log, prices = [], []
+    for new, context in batches:
+      batch = scheduler.StepBatch([None] * len(new), new, context, len(new))
+      price = pricer.execute(batch)
+      calls = [(k.rows, k.tokens, k.columns) for k in padding.shape(new, context).calls]
+      log.append({"calls": calls, "s": 2 * price})
+      prices.append(price)
+    out = serve_replay.priced_steps(pricer, log)
+    self.assertAlmostEqual(out["step_over_priced_median"], 2.0)
+    self.assertAlmostEqual(out["step_over_priced_total"], 2.0)
+    self.assertAlmostEqual(out["priced_step_s"], sum(prices) / len(prices))
+    with self.assertRaisesRegex(ValueError, "do not pad to themselves"):
+      serve_replay.priced_steps(pricer, [{"calls": [(3, 1, 2)], "s": 1.0}])  # 3 rows: no bucket.
 
 
 class JournalTest(absltest.TestCase):
