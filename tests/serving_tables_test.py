@@ -66,6 +66,14 @@ class ServingTablesTest(absltest.TestCase):
     )
     self.assertIn("| the paper (simulated) | | +31.4% | +23.6% | -83.6% |", text)
 
+  def test_earlier_sweeps_read_their_own_files(self):
+    read = []
+    with mock.patch.object(results_tables, "_serving_configs", lambda name: read.append(name)):
+      for table in ("serving_live_changes_dense_write", "serving_live_sim_scaled"):
+        with self.assertRaises(TypeError):  # None is no list of configurations.
+          results_tables.TABLES[table]()
+    self.assertEqual(read, ["serve_sweep_dense_write.json", "serve_sweep_scaled.json"])
+
   def test_sim(self):
     text = results_tables.serving_live_sim()
     # Unshared: tok/s 50 / 50, TTFT p50 3 / 2, p90 10 / 5, mean step 30 / 25.

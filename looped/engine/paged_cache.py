@@ -254,8 +254,9 @@ def scatter(
   aux['cache']) had its new entries written into them by the model (kv_cache.write_chunk): its
   pages are taken as they are. The chunk, not a window of the updated dense cache, is what is
   written: reading the window back keeps the whole updated dense cache alive, a copy of every
-  cached layer's context per step (unshared, 8 rows over 1,024 slots, bf16 pages on CPU: 31 ms
-  a step against 15 ms shared, most of the difference that copy; `benchmarks/engine.py`).
+  cached layer's context per step (unshared bf16 pages on CPU, 8 rows of one token after 960:
+  35 ms a step with the window, 16-21 ms without; experiments/results/serving_live/
+  engine_chunk_write.json).
   """
   page_size = _page_size(pages, share_kv, slotted)
   num_pages = _num_pages(pages, share_kv, slotted)
