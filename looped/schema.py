@@ -135,6 +135,18 @@ def validate(section: type, config: Any, prefix: str) -> None:
     check_field(config, f"{prefix}.{name}", kind, rule)
 
 
+def load(section: type, config: Any, prefix: str) -> Any:
+  """The typed, frozen section object of config.<prefix> (validated first): what programs hand
+  to library code instead of the ConfigDict. Lists become tuples."""
+  validate(section, config, prefix)
+  node = cc.get(config, prefix)
+  return section(**{name: _frozen(node[name]) for name in names(section)})
+
+
+def _frozen(value: Any) -> Any:
+  return tuple(value) if isinstance(value, list) else value
+
+
 def check_field(config: Any, path: str, kind: Any, rule: Rule) -> None:
   """One field's type and range, by the config_checks helper of its type."""
   value = cc.get(config, path)

@@ -15,7 +15,6 @@ from unittest import mock
 import engine_test
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from absl.testing import absltest, parameterized
 from jax._src.pallas.mosaic import tpu_info
@@ -24,6 +23,7 @@ from looped import config_checks
 from looped.engine import checks, paged_cache
 from looped.engine import engine as engine_lib
 from looped.engine import executor as executor_lib
+from looped.engine.config import GenConfig
 from looped.engine.engine import Engine, EngineConfig
 from looped.model import init_params
 from looped.model.looped_lm import LoopedLM
@@ -49,7 +49,7 @@ def _generate(cfg, params, requests, attention_impl: str, **overrides):
   )
   engine = Engine(LoopedLM(cfg), params, EngineConfig(**{**config, **overrides}))
   gens = engine.generate(requests)
-  logits = {g.request_id: engine.executor.states[g.request_id].logits for g in gens}
+  logits = {g.request_id: engine.results[g.request_id].logits for g in gens}
   return engine, gens, logits
 
 
@@ -105,7 +105,7 @@ class EngineKernelTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "attention_impl = 'pallas' runs on one device"):
       resolve("pallas", (1, 2, 1))
     # The programs' check, before anything is restored or compiled.
-    config = ml_collections.ConfigDict({"gen": {"attention_impl": "pallas"}})
+    config = GenConfig(attention_impl="pallas")
     self.assertEqual(checks.check_attention_impl(config, "gen", (1, 1, 1)), "pallas")
     with self.assertRaisesRegex(
       config_checks.ConfigError,

@@ -149,7 +149,7 @@ class EngineSamplingTest(absltest.TestCase):
     ]
     engine = self._engine(record_logits=True)
     alone = engine.generate([GenRequest(0, prompt, sp)])[0]
-    state = engine.executor.states[0]
+    state = engine.results[0]
     positions = range(len(prompt) - 1, len(prompt) - 1 + len(alone.tokens))
     logits = np.stack([state.logits[p] for p in positions])
     z = logits - logits.max(-1, keepdims=True)

@@ -161,7 +161,7 @@ class EngineLogitsTest(parameterized.TestCase):
     compared = 0
     for i, (r, g) in enumerate(zip(requests, gens)):
       self.assertEqual(g.tokens, tokens[i])
-      logits = engine.executor.states[r.request_id].logits
+      logits = engine.results[r.request_id].logits
       end = r.prompt_len + len(g.tokens) - 1
       # Every position from the first uncached one on was computed by this request.
       first = min(logits)

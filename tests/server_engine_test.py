@@ -93,9 +93,9 @@ class PositionLogprobsTest(parameterized.TestCase):
     ]
     gens = engine.generate(requests)
     self.assertEqual(gens[1].tokens, gens[0].tokens)  # Recording changes no token.
-    self.assertEqual(engine.executor.states[0].positions, {})  # Only those that ask record.
+    self.assertEqual(engine.results[0].positions, {})  # Only those that ask record.
     for r, g in zip(requests[1:], gens[1:]):
-      state = engine.executor.states[r.request_id]
+      state = engine.results[r.request_id]
       everything = list(r.prompt_tokens) + g.tokens
       # No prefix hit (request 1 repeats request 0's prompt): every position was computed.
       self.assertEqual(sorted(state.positions), list(range(len(everything) - 1)))

@@ -135,7 +135,7 @@ class IsolationTest(parameterized.TestCase):
   @parameterized.parameters(True, False)
   def test_a_step_that_fails_without_naming_a_request_finds_its_culprit(self, share_kv):
     loop = self._loop(share_kv)
-    step = loop.executor._call
+    step = loop.engine.executor._call
     calls = {"failed": 0}
 
     def poisoned_step(params, pages, tokens_BxQ, *rest):
@@ -144,7 +144,7 @@ class IsolationTest(parameterized.TestCase):
         raise ValueError("injected: the step fails whenever the poisoned prompt is in it")
       return step(params, pages, tokens_BxQ, *rest)
 
-    loop.executor._call = poisoned_step
+    loop.engine.executor._call = poisoned_step
     requests = _requests()
     try:
       events = _serve(loop, requests)
@@ -156,7 +156,7 @@ class IsolationTest(parameterized.TestCase):
 
   def test_a_failure_on_the_device_fails_the_requests_in_flight_and_serves_the_next(self):
     loop = self._loop(True)
-    step = loop.executor._call
+    step = loop.engine.executor._call
     armed = {"on": True}
 
     def device_failure(params, pages, *rest):
@@ -166,7 +166,7 @@ class IsolationTest(parameterized.TestCase):
         raise RuntimeError("injected: the device step failed")
       return out
 
-    loop.executor._call = device_failure
+    loop.engine.executor._call = device_failure
     requests = _requests()
     try:
       events = _serve(loop, requests[:3])

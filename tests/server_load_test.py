@@ -163,7 +163,7 @@ class ServerLoadTest(absltest.TestCase):
         list(pool.map(run, range(len(jobs))))
       server.wait_idle()
       self.assertEqual(loop.pages_in_use(), 0)
-      loop.pool.check()
+      loop.engine.pool.check()
       self.assertEqual(client.request(server.url + "/health"), (200, {"status": "ok"}))
       metrics = loop.metrics
 
@@ -231,8 +231,8 @@ class ServerLoadTest(absltest.TestCase):
     )
     self.assertEqual(finished + aborted, len(good) + len(cancelled))
     self.assertGreater(aborted, 0)
-    self.assertGreater(loop.scheduler.stats.num_preemptions, 0)
-    self.assertGreater(loop.scheduler.stats.first_cached_tokens, 0)
+    self.assertGreater(loop.stats.num_preemptions, 0)
+    self.assertGreater(loop.stats.first_cached_tokens, 0)
 
 
 if __name__ == "__main__":

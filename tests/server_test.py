@@ -327,7 +327,7 @@ class ServerTest(parameterized.TestCase):
 
   def test_full_queue_answers_429_and_the_queued_requests_complete(self):
     server = self.servers["unshared"]
-    executor = server.loop.executor
+    executor = server.loop.engine.executor
     gate = threading.Event()
     real = executor.execute
 
@@ -359,7 +359,7 @@ class ServerTest(parameterized.TestCase):
 
   def test_client_gone_cancels_and_frees_pages(self):
     server = self.servers["shared"]
-    executor = server.loop.executor
+    executor = server.loop.engine.executor
     release = threading.Event()
     real = executor.execute
     steps = []
@@ -419,7 +419,7 @@ class ServerTest(parameterized.TestCase):
     self.assertEqual(after[f"looped:kv_pages_used{label}"], 0)
     self.assertEqual(after[f"vllm:kv_cache_usage_perc{label}"], 0)
     self.assertGreater(after[f"looped:kv_pages_total{label}"], 0)
-    stats = server.loop.scheduler.stats
+    stats = server.loop.stats
     self.assertAlmostEqual(
       after[f"vllm:gpu_prefix_cache_hit_rate{label}"],
       stats.first_cached_tokens / stats.first_prompt_tokens,

@@ -1,26 +1,36 @@
-"""Config checks the programs that run the engine share (generation and the server): the model
-must be one the engine can page, and the KV format one that model can store."""
+"""The engine section (EngineSection) from a program's validated config to an Engine: the checks
+the programs that run the engine share (generation and the server), the pages a budget holds,
+and the one place an EngineConfig is built from a section.
+
+Each function takes the typed section (`schema.load`) and its name, which only names fields in
+the one-line errors (`config.serve.kv_policy = ...`).
+"""
+
+from __future__ import annotations
+
+import math
 
 import ml_collections
 
 from looped import config_checks as cc
-from looped import kv_quant
 from looped.engine import paged_cache
+from looped.engine.config import EngineSection
+from looped.engine.engine import EngineConfig, pages_for_budget
 from looped.model import config as model_lib
 from looped.model import kv_policy, mixers
+from looped.model.looped_lm import LoopedLM
 
 
-def check_model_and_format(config, section: str, model_cfg):
-  """The model the engine can page, and `{section}.kv_format` for it: (ModelConfig, format)."""
+def check_model_and_format(settings: EngineSection, section: str, model_cfg):
+  """The model the engine can page, and the section's kv_format for it: (ModelConfig, format)."""
   model_lib.validate(ml_collections.ConfigDict({"model": model_cfg}))
   cfg = model_lib.from_config(model_cfg)
   try:
     paged_cache.check_model(cfg)
   except ValueError as e:
     raise cc.ConfigError(f"config.model: {e}") from None
-  fmt = cc.string(config, f"{section}.kv_format", allow_empty=True)
+  fmt = settings.kv_format
   if fmt:
-    cc.choice(config, f"{section}.kv_format", ("",) + kv_quant.FORMATS)
     try:
       mixers.check_kv_format(cfg, fmt)
     except ValueError as e:
@@ -28,13 +38,14 @@ def check_model_and_format(config, section: str, model_cfg):
   return cfg, fmt
 
 
-def check_kv_policy(config, section: str, cfg) -> str:
-  """`{section}.kv_policy` for the model (looped/model/kv_policy.py); 'final' when unshared."""
-  name = cc.get(config, f"{section}.kv_policy")
+def kv_policy_of(settings: EngineSection, section: str, cfg) -> str:
+  """The section's kv_policy for the model (looped/model/kv_policy.py); 'final' when unshared."""
+  name = settings.kv_policy
   kv_policy.check(name, cfg.num_recurrences, f"config.{section}.kv_policy")
-  if name != kv_policy.FINAL and "kda" in cfg.mixers("core"):
-    cc.fail(f"{section}.kv_policy", name, "KDA core layers share as 'final' only")
-  return name if cc.get(config, f"{section}.share_kv") else kv_policy.FINAL
+  if name != kv_policy.FINAL and not mixers.all_with(cfg, "core", "kv_policies"):
+    others = ", ".join(m.upper() for m in mixers.lacking(cfg, "core", "kv_policies"))
+    cc.fail(f"{section}.kv_policy", name, f"{others} core layers share as 'final' only")
+  return name if settings.share_kv else kv_policy.FINAL
 
 
 def slots_note(cfg, share_kv: bool, max_num_seqs: int) -> str:
@@ -45,23 +56,10 @@ def slots_note(cfg, share_kv: bool, max_num_seqs: int) -> str:
   return f" after {max_num_seqs} state slots of {per_seq:.0f} bytes (max_num_seqs)"
 
 
-def check_prefill_block(config, section: str) -> int:
-  """`{section}.prefill_block`: within the per-step token budget (a block is one call, never
-  split across steps)."""
-  block, budget = config[section].prefill_block, config[section].max_num_batched_tokens
-  if block > budget:
-    cc.fail(
-      f"{section}.prefill_block",
-      block,
-      f"must be at most max_num_batched_tokens ({budget}): a block is never split across steps",
-    )
-  return block
-
-
-def check_attention_impl(config, section: str, mesh_shape) -> str:
-  """`{section}.attention_impl` on the mesh: the paged kernel runs on one device
+def check_attention_impl(settings: EngineSection, section: str, mesh_shape) -> str:
+  """The section's attention_impl on the mesh: the paged kernel runs on one device
   (looped.engine.engine.attention_impl)."""
-  name = cc.get(config, f"{section}.attention_impl")
+  name = settings.attention_impl
   if name == "pallas" and max(mesh_shape) > 1:
     cc.fail(
       f"{section}.attention_impl",
@@ -69,3 +67,93 @@ def check_attention_impl(config, section: str, mesh_shape) -> str:
       f"the paged kernel runs on one device; a mesh of {tuple(mesh_shape)} needs 'xla' or 'auto'",
     )
   return name
+
+
+def _check_buckets(section: str, name: str, value, reach: int | None) -> None:
+  """A bucket tuple: () (the engine's defaults) or positive sizes, the largest >= reach."""
+  if not isinstance(value, (tuple, list)) or not all(
+    isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value
+  ):
+    cc.fail(f"{section}.{name}", value, "must be a tuple of positive integers (empty: defaults)")
+  if value and reach is not None and max(value) < reach:
+    cc.fail(f"{section}.{name}", value, f"must reach {reach} (the per-step limit it pads)")
+
+
+def check_section(settings: EngineSection, section: str, model_cfg, mesh_shape) -> tuple:
+  """Every engine field against the model and mesh: (ModelConfig, kv_format, kv_policy)."""
+  cfg, fmt = check_model_and_format(settings, section, model_cfg)
+  policy = kv_policy_of(settings, section, cfg)
+  block, budget = settings.prefill_block, settings.max_num_batched_tokens
+  if block > budget:
+    cc.fail(
+      f"{section}.prefill_block",
+      block,
+      f"must be at most max_num_batched_tokens ({budget}): a block is never split across steps",
+    )
+  check_attention_impl(settings, section, mesh_shape)
+  _check_buckets(section, "row_buckets", settings.row_buckets, settings.max_num_seqs)
+  _check_buckets(section, "token_buckets", settings.token_buckets, block)
+  _check_buckets(section, "column_buckets", settings.column_buckets, None)
+  value = settings.kv_budget_bytes
+  if value is not None and (
+    isinstance(value, bool)
+    or not isinstance(value, (int, float))
+    or not math.isfinite(value)
+    or not value > 0
+  ):
+    cc.fail(f"{section}.kv_budget_bytes", value, "must be a finite number > 0 (bytes)")
+  return cfg, fmt, policy
+
+
+def check_budget(settings: EngineSection, section: str, cfg, policy: str, need: int, what: str):
+  """ConfigError unless the section's KV budget holds `need` pages (`what` needs them)."""
+  share, fmt = settings.share_kv, settings.kv_format or None
+  have = num_pages(settings, cfg, policy)
+  if have < need:
+    page_bytes = settings.page_size * paged_cache.bytes_per_token(cfg, share, fmt, policy)
+    cc.fail(
+      f"{section}.kv_budget_bytes",
+      settings.kv_budget_bytes,
+      f"holds {have} pages of {page_bytes:.0f} bytes"
+      f"{slots_note(cfg, share, settings.max_num_seqs)}; {what} needs {need}",
+    )
+
+
+def num_pages(settings: EngineSection, cfg, policy: str) -> int:
+  """Pages the section's KV budget holds in its layout and format."""
+  s = settings
+  return pages_for_budget(
+    LoopedLM(cfg),
+    float(s.kv_budget_bytes),
+    s.page_size,
+    s.share_kv,
+    s.kv_format or None,
+    s.max_num_seqs,
+    policy,
+  )
+
+
+def engine_config(
+  settings: EngineSection, cfg, policy: str, *, num_pages: int, mesh_shape, mesh_rules, **runtime
+) -> EngineConfig:
+  """The Engine's config from a validated section: the one place programs build one. runtime:
+  EngineConfig's fields no section holds (top_logprobs, record_logits, ...)."""
+  s = settings
+  return EngineConfig(
+    share_kv=s.share_kv,
+    kv_format=s.kv_format or None,
+    kv_policy=policy,
+    num_pages=num_pages,
+    page_size=s.page_size,
+    max_num_batched_tokens=s.max_num_batched_tokens,
+    max_num_seqs=s.max_num_seqs,
+    prefill_block=s.prefill_block,
+    max_model_len=cfg.max_seq_len,
+    row_buckets=tuple(s.row_buckets) or None,
+    token_buckets=tuple(s.token_buckets) or None,
+    column_buckets=tuple(s.column_buckets) or None,
+    attention_impl=s.attention_impl,
+    mesh_shape=mesh_shape,
+    mesh_rules=mesh_rules,
+    **runtime,
+  )

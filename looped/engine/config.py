@@ -34,9 +34,49 @@ PREFILL_BLOCK_DOC = (
 )
 
 
+_BUCKETS = "a tuple of positive integers (empty: powers of two)"
+
+
 @dataclasses.dataclass(frozen=True)
-class GenConfig:
-  """`config.gen`: the checkpoint, the prompts, the paged engine and the sampler."""
+class EngineSection:
+  """The paged engine's settings, declared once: `config.gen` and `config.serve` take them as
+  their own fields (GenConfig and ServeConfig extend this class, so the flags keep their names,
+  e.g. --config.serve.page_size); `engine_config` turns them into an Engine's EngineConfig."""
+
+  share_kv: bool = field(True, "KV-sharing: cache only the final recurrence's K/V of core layers.")
+  kv_policy: str = field("final", KV_POLICY_DOC, by_hand=KV_POLICY_VALUES)
+  kv_format: str = field(
+    "", "Page storage: '' (raw, compute dtype) or a packed format.", choices=KV_FORMATS
+  )
+  kv_budget_bytes: float | None = field(
+    64e6,
+    "KV page pool in bytes; must hold the longest request (None, generation only: room for "
+    "every prompt at once).",
+    by_hand="a positive number of bytes (or None for generation)",
+  )
+  page_size: int = field(16, "Tokens per KV page (prefix-cache granularity).", min=1)
+  max_num_batched_tokens: int = field(
+    64, "Per-step token budget (decodes + prefill chunks).", min=1
+  )
+  max_num_seqs: int = field(8, "Cap on requests running at once.", min=1)
+  prefill_block: int = field(32, PREFILL_BLOCK_DOC, min=1)
+  attention_impl: str = field("auto", ATTENTION_IMPL_DOC, choices=ATTENTION_IMPLS)
+  row_buckets: tuple[int, ...] = field(
+    (), "Padded batch rows, one compilation each; reaches max_num_seqs.", by_hand=_BUCKETS
+  )
+  token_buckets: tuple[int, ...] = field(
+    (), "Padded chunk lengths; reach min(prefill_block, max_num_batched_tokens).", by_hand=_BUCKETS
+  )
+  column_buckets: tuple[int, ...] = field((), "Padded page-table widths.", by_hand=_BUCKETS)
+
+
+ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(EngineSection))
+
+
+@dataclasses.dataclass(frozen=True)
+class GenConfig(EngineSection):
+  """`config.gen`: the checkpoint, the prompts, the paged engine (EngineSection) and the
+  sampler."""
 
   checkpoint: str = field(
     "", "Trainer workdir, pipeline stage dir or converted model (checkpoints/).", nonempty=True
@@ -48,27 +88,6 @@ class GenConfig:
     "(one prompt per line; '\\n' in a line stands for a newline).",
     by_hand="a string, a tuple of strings or a prompts file",
   )
-  share_kv: bool = field(True, "KV-sharing: cache only the final recurrence's K/V of core layers.")
-  kv_policy: str = field("final", KV_POLICY_DOC, by_hand=KV_POLICY_VALUES)
-  kv_format: str = field(
-    "", "Page storage: '' (raw, compute dtype) or a packed format.", choices=KV_FORMATS
-  )
-  kv_budget_bytes: float | None = field(
-    64e6,
-    "KV page pool in bytes (None: room for every prompt at once).",
-    by_hand="a positive number of bytes or None",
-  )
-  page_size: int = field(16, "Tokens per KV page (prefix-cache granularity).", min=1)
-  max_num_batched_tokens: int = field(
-    64, "Per-step token budget (decodes + prefill chunks).", min=1
-  )
-  max_num_seqs: int = field(8, "Cap on requests running at once.", min=1)
-  prefill_block: int = field(
-    32,
-    PREFILL_BLOCK_DOC,
-    min=1,
-  )
-  attention_impl: str = field("auto", ATTENTION_IMPL_DOC, choices=ATTENTION_IMPLS)
   max_new_tokens: int = field(64, "Tokens generated per prompt at most.", min=1)
   temperature: float = field(
     0.0, "0: greedy; > 0: sample from softmax(logits / temperature).", min=0.0

@@ -11,7 +11,10 @@ hit rate, identical to the simulator's for the same requests.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import logging
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,15 +23,16 @@ import numpy as np
 from looped.engine import padding as padding_lib
 from looped.engine import paged_cache
 from looped.engine.config import ATTENTION_IMPLS
-from looped.engine.executor import ModelExecutor, RequestState, powers_of_two
+from looped.engine.executor import ModelExecutor, RequestFailed, RequestState, powers_of_two
 from looped.engine.mesh import EngineMesh
-from looped.engine.requests import Generation, GenRequest
+from looped.engine.requests import Failure, Generation, GenRequest, StepOutput, TokenEvent
 from looped.model import kv_policy as kv_policy_lib
 from looped.model.looped_lm import LoopedLM
 from looped.scheduler import pages as pages_lib
-from looped.scheduler import replay
 from looped.scheduler import scheduler as scheduler_lib
 from pallas_kernels import platform
+
+log = logging.getLogger(__name__)
 
 
 def pages_for_budget(
@@ -142,6 +146,20 @@ class EngineConfig:
 
 
 class Engine:
+  """The paged generation engine as an online library: `add_request`, `step`, `abort`,
+  `has_unfinished` (vLLM's LLMEngine calls), with the page pool, the scheduler and every
+  request's state its own. `generate` (offline, on the engine's clock) and the server's loop
+  (wall time, looped/server/engine_loop.py) are thin drivers of these calls.
+
+  A failed step never fails the batch: the executor applies nothing of a step unless all of it
+  succeeds, so the step's requests go back in the queue and the engine finds the culprit. A row
+  that failed on its own data names its request (RequestFailed), which alone fails; any other
+  failure quarantines the step's requests and re-admits them one at a time (each alone with
+  whatever else runs), so the next failure names its culprit; a step that failed after the
+  device took the pages rebuilds the pool and fails every request in flight (`Failure`). Each
+  failure fails one request at least, so the engine always makes progress.
+  """
+
   def __init__(
     self,
     model: LoopedLM,
@@ -155,12 +173,7 @@ class Engine:
     step is the engine's time instead of the measured wall time (e.g. the simulator's cost
     model). decode: token ids -> text, for each request's generated text."""
     c = config
-    paged_cache.check_model(model.cfg)
-    kv_policy_lib.parse(c.kv_policy, model.cfg.num_recurrences, "kv_policy")
-    if c.kv_policy != kv_policy_lib.FINAL and "kda" in model.cfg.mixers("core"):
-      raise ValueError(f"kv_policy {c.kv_policy!r}: KDA core layers share as 'final' only.")
-    if c.num_pages < 1:
-      raise ValueError(f"num_pages = {c.num_pages}: the KV budget holds no page.")
+    _check_config(model, c)
     self.attention_impl = attention_impl(
       c.attention_impl, c.mesh_shape, c.page_size, model.cfg.head_dim
     )
@@ -169,46 +182,9 @@ class Engine:
     self.max_model_len = c.max_model_len or model.cfg.max_seq_len
     stateful = paged_cache.has_state(model.cfg)
     self.num_slots = c.max_num_seqs if stateful else 0  # One state slot per running request.
-    block = c.prefill_block
-    if block is None:
-      limit = min(DEFAULT_PREFILL_BLOCK, c.max_num_batched_tokens)
-      block = max(limit // c.page_size, 1) * c.page_size
-    if block < 1 or block > c.max_num_batched_tokens:
-      raise ValueError(
-        f"prefill_block = {block} must be in [1, max_num_batched_tokens = "
-        f"{c.max_num_batched_tokens}]: a block is one call, never split."
-      )
-    self.config = scheduler_lib.SchedulerConfig(
-      c.page_size,
-      c.max_num_batched_tokens,
-      c.max_num_seqs,
-      self.max_model_len,
-      prefill_block=block,
-      shared_blocks=c.share_kv,
-      state_slots=stateful,
-      prefix_caching=not stateful,  # A KDA state is not a function of a page.
-    )
-    longest = padding_lib.longest_chunk(self.config)
-    row_buckets = tuple(sorted(c.row_buckets or padding_lib.geometric(c.max_num_seqs)))
-    token_buckets = tuple(sorted(c.token_buckets or padding_lib.geometric(longest)))
-    if row_buckets[-1] < c.max_num_seqs or token_buckets[-1] < longest:
-      raise ValueError(
-        f"buckets {row_buckets} x {token_buckets} must reach max_num_seqs = {c.max_num_seqs} "
-        f"and the longest chunk, {longest} tokens."
-      )
-    columns = c.column_buckets
-    if columns is None:
-      columns = powers_of_two(-(-self.max_model_len // c.page_size))
-    padding = padding_lib.Padding.create(
-      c.page_size, row_buckets, token_buckets, columns, self.max_model_len
-    )
+    self.config = _scheduler_config(c, self.max_model_len, stateful)
     self.num_pages = c.num_pages
     self.check_invariants = c.check_invariants
-    if max(c.mesh_shape) > 1 and not c.mesh_rules:
-      raise ValueError(
-        f"mesh_shape = {c.mesh_shape} needs mesh_rules (logical axis -> mesh axes) to split "
-        "the model; without them every device would hold a full replica."
-      )
     self.mesh = EngineMesh.create(model.cfg, tuple(c.mesh_shape), c.mesh_rules)
     self.executor = ModelExecutor(
       model,
@@ -218,7 +194,7 @@ class Engine:
       share_kv=c.share_kv,
       kv_format=c.kv_format,
       num_slots=self.num_slots,
-      padding=padding,
+      padding=_padding(c, self.config, self.max_model_len),
       clock=clock,
       record_logits=c.record_logits,
       decode=decode,
@@ -227,11 +203,27 @@ class Engine:
       kv_policy=c.kv_policy,
       attention_impl=self.attention_impl,
     )
+    self.executor.on_token = self._on_token
     self.page_bytes = c.page_size * paged_cache.bytes_per_token(
       model.cfg, c.share_kv, c.kv_format, c.kv_policy
     )
     self.slot_bytes = paged_cache.bytes_per_sequence(model.cfg, c.share_kv, c.kv_policy)
-    self.scheduler: scheduler_lib.Scheduler | None = None
+    self.results: dict[int, Generation] = {}  # The last generate call's, by request id.
+    self._events: list[TokenEvent] = []  # The running step's tokens.
+    self.reset()
+
+  def reset(self, keep_stats: bool = False) -> None:
+    """A fresh page pool and scheduler: no request, no cached prefix (the stats kept or not)."""
+    stats = self.scheduler.stats if keep_stats else None
+    self.pool = pages_lib.PagePool(self.num_pages, debug=self.check_invariants)
+    self.scheduler = scheduler_lib.Scheduler(
+      self.config, self.pool, self.executor, check_invariants=self.check_invariants
+    )
+    if stats is not None:
+      self.scheduler.stats = stats
+    self.executor.states = {}
+    self._quarantine: collections.deque[scheduler_lib.Sequence] = collections.deque()
+    self._probe: int | None = None  # The quarantined request re-admitted, until a step clears it.
 
   @property
   def pool_bytes(self) -> float:
@@ -274,53 +266,187 @@ class Engine:
         f"request {rid}: needs {need} KV pages at its longest, the budget holds {self.num_pages}."
       )
 
-  def generate(
-    self, requests: Sequence[GenRequest], on_token: Callable[[RequestState], None] | None = None
-  ) -> list[Generation]:
-    """Serves the requests to completion; results in the order given.
+  # -- The online API --------------------------------------------------------------------------
 
-    on_token(state) is called after every generated token (streaming).
+  def add_request(self, request: GenRequest) -> None:
+    """Queues a request (its arrival_s on the caller's clock); ValueError if unservable or if
+    its id is in flight already."""
+    self.check_request(request)
+    rid = request.request_id
+    if rid in self.executor.states:
+      raise ValueError(f"request {rid}: a request with this id is in flight.")
+    if not self.scheduler.add_request(request):  # check_request makes this unreachable.
+      self.scheduler.rejected.clear()
+      raise ValueError(f"request {rid}: can never fit the KV pool.")
+    self.executor.add(request)
+
+  def abort(self, request_id: int) -> bool:
+    """Drops a request wherever it is, its pages freed; False if it was not in flight."""
+    seq = self.scheduler.abort(request_id)
+    for i, held in enumerate(self._quarantine):
+      if held.request.request_id == request_id:
+        del self._quarantine[i]
+        seq = held
+        break
+    if self._probe == request_id:
+      self._probe = None
+    self.executor.states.pop(request_id, None)
+    return seq is not None
+
+  @property
+  def stats(self) -> scheduler_lib.SchedulerStats:
+    """The scheduler's counters: steps, busy time, preemptions, prefix hits."""
+    return self.scheduler.stats
+
+  def has_unfinished(self) -> bool:
+    return self.scheduler.has_work() or bool(self._quarantine)
+
+  def num_running(self) -> int:
+    return len(self.scheduler.running)
+
+  def num_waiting(self) -> int:
+    return len(self.scheduler.waiting) + len(self._quarantine)
+
+  def pages_in_use(self) -> int:
+    return self.pool.num_in_use
+
+  def hit_rate(self) -> float:
+    """Prefix-cache hit rate: cached over prompt tokens at first admissions (0 before any)."""
+    stats = self.scheduler.stats
+    return stats.first_cached_tokens / stats.first_prompt_tokens if stats.first_prompt_tokens else 0
+
+  def step(self, now: float, next_arrival_s: float = math.inf) -> StepOutput:
+    """Runs one step at time `now` (the caller's clock): its tokens, finished and failed
+    requests, and the time it ended (now + its duration, measured or priced by the clock)."""
+    self._release_probe()
+    if not self.scheduler.has_work():
+      return StepOutput(now)
+    self._events = []
+    try:
+      end = self.scheduler.step(now, next_arrival_s)
+    except Exception as e:  # noqa: BLE001  Any failure is recovered from (class docstring).
+      return StepOutput(now, failed=self._recover(e))
+    if self._probe in self.executor.last_batch:
+      self._probe = None  # It ran a step: not the culprit.
+    out = StepOutput(end, tokens=self._events, finished=self._harvest())
+    self._events = []
+    return out
+
+  def _on_token(self, state: RequestState) -> None:
+    """The executor's hook after each generated token (inside the step)."""
+    top = state.positions.get(len(state.tokens) - 2)  # The position that predicted the token.
+    prompt_positions = None
+    if len(state.generated) == 1 and state.positions:
+      n = state.request.prompt_len - 1
+      prompt_positions = {p: v for p, v in state.positions.items() if p < n}
+    self._events.append(
+      TokenEvent(
+        state.request.request_id,
+        state.generated[-1],
+        state.logprobs[-1],
+        None if top is None else (top[1], top[2]),
+        state.text,
+        state.finish_reason,
+        len(state.generated),
+        prompt_positions,
+      )
+    )
+
+  def _harvest(self) -> list[Generation]:
+    """The results of the requests the scheduler finished; their states let go."""
+    out = []
+    for seq in self.scheduler.finished:
+      state = self.executor.states.pop(seq.request.request_id)
+      out.append(_generation(seq, state))
+    self.scheduler.finished.clear()
+    return out
+
+  def _release_probe(self) -> None:
+    """Re-admits the next quarantined request (at the head of the queue) once none is probed."""
+    if self._probe is None and self._quarantine:
+      seq = self._quarantine.popleft()
+      self.scheduler.waiting.appendleft(seq)
+      self._probe = seq.request.request_id
+
+  def _recover(self, error: Exception) -> list[Failure]:
+    """After a failed step (class docstring): its requests back in the queue, the culprit
+    failed alone when known, the others quarantined when not."""
+    log.error("engine step failed: %s: %s", type(error).__name__, error)
+    sched = self.scheduler
+    batch = list(self.executor.last_batch)
+    if not self.executor.pages_valid():  # Failed on the device after taking the pages.
+      what = f"{type(error).__name__}: {error}"
+      return self._lose_pool(f"the engine step failed on the device: {what}")
+    for rid in reversed(batch):
+      sched.requeue(rid)
+    culprit = None
+    if isinstance(error, RequestFailed):
+      culprit = error.request_id
+    elif self._probe in batch or len(batch) == 1:
+      culprit = self._probe if self._probe in batch else batch[0]
+    if culprit is not None:
+      self.abort(culprit)
+      return [Failure(culprit, f"the engine failed on this request: {error}")]
+    for rid in batch:  # Unknown culprit: each goes back alone (_release_probe).
+      seq = sched.abort(rid)
+      if seq is not None:
+        self._quarantine.append(seq)
+    return []
+
+  def _lose_pool(self, message: str) -> list[Failure]:
+    """Fresh pages, pool and scheduler: the cached K/V every request relied on are gone, so
+    every request in flight fails (none can be resumed)."""
+    sched = self.scheduler
+    lost = [s.request.request_id for s in (*sched.running, *sched.waiting, *self._quarantine)]
+    self.executor.reset_pages()
+    self.reset(keep_stats=True)
+    return [Failure(rid, message, pool_lost=True) for rid in lost]
+
+  # -- The offline driver ----------------------------------------------------------------------
+
+  def generate(
+    self, requests: Sequence[GenRequest], on_token: Callable[[TokenEvent], None] | None = None
+  ) -> list[Generation]:
+    """Serves the requests to completion on the engine's clock, each joining at its arrival_s,
+    from a fresh pool (as the simulator replays a trace); results in the order given.
+
+    on_token(event) is called after every generated token (streaming).
     """
     ids = [r.request_id for r in requests]
     if len(set(ids)) != len(ids):
       raise ValueError("request ids must be unique.")
     for r in requests:
       self.check_request(r)
-    pool = pages_lib.PagePool(self.num_pages, debug=self.check_invariants)
-    executor = self.executor
-    executor.on_token = on_token
-    executor.states = {}
-    sched = scheduler_lib.Scheduler(
-      self.config, pool, executor, check_invariants=self.check_invariants
-    )
-    self.scheduler = sched
-    ordered = sorted(requests, key=lambda r: r.arrival_s)
-    for r in ordered:
-      executor.add(r)
-    replay.replay(ordered, sched)
-    if pool.num_in_use:
-      raise RuntimeError(f"{pool.num_in_use} pages still held after serving (a leak).")
-    if len(sched.free_slots) != self.num_slots:
-      raise RuntimeError(f"{self.num_slots - len(sched.free_slots)} state slots still held.")
-    seqs = {s.request.request_id: s for s in sched.finished}
-    out = []
-    for r in requests:
-      s, state = seqs[r.request_id], executor.states[r.request_id]
-      out.append(
-        Generation(
-          request_id=r.request_id,
-          prompt=r.prompt_text,
-          text=state.text,
-          tokens=list(state.generated),
-          logprobs=list(state.logprobs),
-          finish_reason=state.finish_reason or "length",
-          cached_prompt_tokens=s.cached_tokens,
-          num_preemptions=s.num_preemptions,
-          ttft_s=s.first_token_s - s.arrival_s,
-          latency_s=s.finish_s - s.arrival_s,
-        )
+    if self.has_unfinished():
+      raise RuntimeError("generate needs an idle engine: requests are in flight.")
+    self.reset()
+    pending = collections.deque(sorted(requests, key=lambda r: r.arrival_s))
+    results: dict[int, Generation] = {}
+    now = 0.0
+    while pending or self.has_unfinished():
+      while pending and pending[0].arrival_s <= now:
+        self.add_request(pending.popleft())
+      if not self.has_unfinished():
+        now = pending[0].arrival_s  # Idle until the next arrival.
+        continue
+      out = self.step(now, pending[0].arrival_s if pending else math.inf)
+      if out.failed:
+        raise RuntimeError(f"request {out.failed[0].request_id}: {out.failed[0].message}")
+      now = out.now
+      for event in out.tokens if on_token is not None else ():
+        on_token(event)
+      results.update((g.request_id, g) for g in out.finished)
+    self._check_released()
+    self.results = results
+    return [results[i] for i in ids]
+
+  def _check_released(self) -> None:
+    if self.pool.num_in_use:
+      raise RuntimeError(f"{self.pool.num_in_use} pages still held after serving (a leak).")
+    if len(self.scheduler.free_slots) != self.num_slots:
+      raise RuntimeError(
+        f"{self.num_slots - len(self.scheduler.free_slots)} state slots still held."
       )
-    return out
 
   def summary(self, generations: Sequence[Generation]) -> dict[str, Any]:
     """Throughput, latency and cache figures of the last generate call."""
@@ -349,3 +475,79 @@ class Engine:
       "peak_pages_in_use": sched.pool.peak_in_use,
       "pages_in_use_at_end": sched.pool.num_in_use,
     }
+
+
+def _generation(seq: scheduler_lib.Sequence, state: RequestState) -> Generation:
+  r = seq.request
+  return Generation(
+    request_id=r.request_id,
+    prompt=r.prompt_text,
+    text=state.text,
+    tokens=list(state.generated),
+    logprobs=list(state.logprobs),
+    finish_reason=state.finish_reason or "length",
+    cached_prompt_tokens=seq.cached_tokens,
+    num_preemptions=seq.num_preemptions,
+    ttft_s=seq.first_token_s - seq.arrival_s,
+    latency_s=seq.finish_s - seq.arrival_s,
+    prompt_len=r.prompt_len,
+    logits=state.logits,
+    positions=state.positions,
+  )
+
+
+def _check_config(model: LoopedLM, c: EngineConfig) -> None:
+  """ValueError naming what the model and config cannot serve with."""
+  paged_cache.check_model(model.cfg)
+  kv_policy_lib.parse(c.kv_policy, model.cfg.num_recurrences, "kv_policy")
+  if c.kv_policy != kv_policy_lib.FINAL and "kda" in model.cfg.mixers("core"):
+    raise ValueError(f"kv_policy {c.kv_policy!r}: KDA core layers share as 'final' only.")
+  if c.num_pages < 1:
+    raise ValueError(f"num_pages = {c.num_pages}: the KV budget holds no page.")
+  if max(c.mesh_shape) > 1 and not c.mesh_rules:
+    raise ValueError(
+      f"mesh_shape = {c.mesh_shape} needs mesh_rules (logical axis -> mesh axes) to split "
+      "the model; without them every device would hold a full replica."
+    )
+
+
+def _scheduler_config(
+  c: EngineConfig, max_model_len: int, stateful: bool
+) -> scheduler_lib.SchedulerConfig:
+  block = c.prefill_block
+  if block is None:
+    limit = min(DEFAULT_PREFILL_BLOCK, c.max_num_batched_tokens)
+    block = max(limit // c.page_size, 1) * c.page_size
+  if block < 1 or block > c.max_num_batched_tokens:
+    raise ValueError(
+      f"prefill_block = {block} must be in [1, max_num_batched_tokens = "
+      f"{c.max_num_batched_tokens}]: a block is one call, never split."
+    )
+  return scheduler_lib.SchedulerConfig(
+    c.page_size,
+    c.max_num_batched_tokens,
+    c.max_num_seqs,
+    max_model_len,
+    prefill_block=block,
+    shared_blocks=c.share_kv,
+    state_slots=stateful,
+    prefix_caching=not stateful,  # A KDA state is not a function of a page.
+  )
+
+
+def _padding(
+  c: EngineConfig, sched: scheduler_lib.SchedulerConfig, max_model_len: int
+) -> padding_lib.Padding:
+  """The padded call shapes: the configured buckets, or geometric / powers-of-two defaults."""
+  longest = padding_lib.longest_chunk(sched)
+  row_buckets = tuple(sorted(c.row_buckets or padding_lib.geometric(c.max_num_seqs)))
+  token_buckets = tuple(sorted(c.token_buckets or padding_lib.geometric(longest)))
+  if row_buckets[-1] < c.max_num_seqs or token_buckets[-1] < longest:
+    raise ValueError(
+      f"buckets {row_buckets} x {token_buckets} must reach max_num_seqs = {c.max_num_seqs} "
+      f"and the longest chunk, {longest} tokens."
+    )
+  columns = c.column_buckets
+  if columns is None:
+    columns = powers_of_two(-(-max_model_len // c.page_size))
+  return padding_lib.Padding.create(c.page_size, row_buckets, token_buckets, columns, max_model_len)

@@ -21,10 +21,10 @@ from looped import config_checks as cc
 from looped import schema
 from looped.checkpoints import model_record, restore
 from looped.data import tokenizers
-from looped.engine import checks, paged_cache
+from looped.engine import checks
 from looped.engine import mesh as mesh_lib
 from looped.engine.config import GenConfig
-from looped.engine.engine import Engine, EngineConfig, pages_for_budget
+from looped.engine.engine import Engine
 from looped.engine.requests import GenRequest
 from looped.engine.sampling import SamplingParams
 from looped.model import config as model_lib
@@ -57,9 +57,9 @@ def _read_lines(path: str) -> list[str]:
   return [line.rstrip("\n") for line in io.StringIO(text, newline=None)]
 
 
-def load_prompts(config) -> list[str]:
+def load_prompts(g: GenConfig) -> list[str]:
   """Prompts from gen.prompts: inline (a string or a tuple of strings) or a file."""
-  value = cc.get(config, "gen.prompts")
+  value = g.prompts
   if isinstance(value, str) and value and os.path.isfile(value):
     lines = _read_lines(value)
     if value.endswith(".jsonl"):
@@ -89,12 +89,8 @@ def load_prompts(config) -> list[str]:
   return prompts
 
 
-def kv_format(config) -> str | None:
-  return config.gen.kv_format or None
-
-
-def sampling_params(config, tokenizer, index: int) -> SamplingParams:
-  g = config.gen
+def sampling_params(g: GenConfig, tokenizer, index: int) -> SamplingParams:
+  """Prompt `index`'s sampler from the typed gen section."""
   return SamplingParams(
     max_new_tokens=g.max_new_tokens,
     temperature=float(g.temperature),
@@ -111,116 +107,86 @@ def model_source(config) -> str:
   return config.gen.checkpoint
 
 
-def validate(config, chosen: tuple[str, ...] = ()) -> None:
-  """Checks every field before any compute; raises ConfigError naming the field."""
+def validate(config, chosen: tuple[str, ...] = ()) -> GenConfig:
+  """Checks every field before any compute; raises ConfigError naming the field. Returns the
+  typed section."""
   cc.choice(config, "program", ("generate",))
-  schema.validate(GenConfig, config, "gen")
+  g = schema.load(GenConfig, config, "gen")
   restore.check_checkpoint(config, "gen")
   model_cfg, data_cfg = model_and_data(config, chosen=chosen)
-  cfg, fmt = checks.check_model_and_format(config, "gen", model_cfg)
-  policy = checks.check_kv_policy(config, "gen", cfg)
-  checks.check_prefill_block(config, "gen")
-  mesh_shape, _ = mesh_lib.from_config(config, cfg)
-  checks.check_attention_impl(config, "gen", mesh_shape)
-  page_size, max_new = config.gen.page_size, config.gen.max_new_tokens
-  stops = cc.get(config, "gen.stop_strings")
-  if isinstance(stops, str) or not all(isinstance(s, str) and s for s in stops):
-    cc.fail("gen.stop_strings", stops, "must be a tuple of non-empty strings")
-  prompts = load_prompts(config)
+  mesh_shape, _ = mesh_lib.from_config(config, model_lib.from_config(model_cfg))
+  cfg, _, policy = checks.check_section(g, "gen", model_cfg, mesh_shape)
+  if isinstance(g.stop_strings, str) or not all(isinstance(s, str) and s for s in g.stop_strings):
+    cc.fail("gen.stop_strings", g.stop_strings, "must be a tuple of non-empty strings")
+  prompts = load_prompts(g)
   tokenizer = tokenizers.get(data_cfg)
   lengths = [len(tokenizer.encode(p)) for p in prompts]
   if max(lengths) >= cfg.max_seq_len:  # Not even one new token fits: the prompt is at fault.
     i = lengths.index(max(lengths))
     cc.fail(
       "gen.prompts",
-      cc.get(config, "gen.prompts"),
+      g.prompts,
       f"prompt {i} is {lengths[i]} tokens; the model's max_seq_len {cfg.max_seq_len} leaves no "
       "room for a new token",
     )
-  longest = max(lengths) + max_new
+  longest = max(lengths) + g.max_new_tokens
   if longest > cfg.max_seq_len:
     cc.fail(
       "gen.max_new_tokens",
-      max_new,
+      g.max_new_tokens,
       f"the longest prompt ({max(lengths)} tokens) plus max_new_tokens exceeds the model's "
       f"max_seq_len {cfg.max_seq_len}",
     )
-  budget = cc.get(config, "gen.kv_budget_bytes")
-  if budget is not None:
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
-      cc.fail("gen.kv_budget_bytes", budget, "must be a positive number of bytes or None")
-    need = -(-(longest - 1) // page_size)
-    model = LoopedLM(cfg)
-    share, seqs = config.gen.share_kv, config.gen.max_num_seqs
-    have = pages_for_budget(model, budget, page_size, share, fmt or None, seqs, policy)
-    if have < need:
-      page_bytes = page_size * paged_cache.bytes_per_token(cfg, share, fmt or None, policy)
-      cc.fail(
-        "gen.kv_budget_bytes",
-        budget,
-        f"holds {have} pages of {page_bytes:.0f} bytes{checks.slots_note(cfg, share, seqs)}; the "
-        f"longest request needs {need}",
-      )
+  if g.kv_budget_bytes is not None:
+    need = -(-(longest - 1) // g.page_size)
+    checks.check_budget(g, "gen", cfg, policy, need, "the longest request")
+  return g
 
 
-def _stream(state) -> None:
-  """Prints the part of the request's text not printed yet."""
-  printed = getattr(state, "printed", 0)
-  sys.stdout.write(state.text[printed:])
-  sys.stdout.flush()
-  state.printed = len(state.text)
+class _Stream:
+  """Prints the part of a request's text not printed yet, token by token."""
+
+  def __init__(self):
+    self.printed = 0
+
+  def __call__(self, event) -> None:
+    sys.stdout.write(event.text[self.printed :])
+    sys.stdout.flush()
+    self.printed = len(event.text)
 
 
 def run(config, workdir: str, chosen: tuple[str, ...] = ()) -> dict[str, Any]:
-  validate(config, chosen)
+  g = validate(config, chosen)
   model_cfg, data_cfg = model_and_data(config, chosen=chosen)
   cfg = model_lib.from_config(model_cfg)
   model = LoopedLM(cfg)
   tokenizer = tokenizers.get(data_cfg)
-  g = config.gen
   params = restore.restore_params(model, g.checkpoint, g.step, "gen.checkpoint")
-  prompts = load_prompts(config)
+  prompts = load_prompts(g)
   requests = [
     GenRequest(
       i,
       tuple(int(t) for t in tokenizer.encode(p)),
-      sampling_params(config, tokenizer, i),
+      sampling_params(g, tokenizer, i),
       prompt_text=p,
     )
     for i, p in enumerate(prompts)
   ]
-  fmt = kv_format(config)
-  policy = checks.check_kv_policy(config, "gen", cfg)
+  policy = checks.kv_policy_of(g, "gen", cfg)
   mesh_shape, mesh_rules = mesh_lib.from_config(config, cfg)
   if g.kv_budget_bytes is None:
     num_pages = sum(-(-(r.prompt_len + r.output_len) // g.page_size) for r in requests)
   else:
-    num_pages = pages_for_budget(
-      model, g.kv_budget_bytes, g.page_size, g.share_kv, fmt, g.max_num_seqs, policy
-    )
-  engine = Engine(
-    model,
-    params,
-    EngineConfig(
-      share_kv=g.share_kv,
-      kv_format=fmt,
-      kv_policy=policy,
-      num_pages=num_pages,
-      page_size=g.page_size,
-      max_num_batched_tokens=g.max_num_batched_tokens,
-      max_num_seqs=g.max_num_seqs,
-      prefill_block=g.prefill_block,
-      max_model_len=cfg.max_seq_len,
-      attention_impl=g.attention_impl,
-      mesh_shape=mesh_shape,
-      mesh_rules=mesh_rules,
-    ),
-    decode=tokenizer.decode,
+    num_pages = checks.num_pages(g, cfg, policy)
+  settings = checks.engine_config(
+    g, cfg, policy, num_pages=num_pages, mesh_shape=mesh_shape, mesh_rules=mesh_rules
   )
+  engine = Engine(model, params, settings, decode=tokenizer.decode)
+  fmt = settings.kv_format
   stream = g.stream and len(prompts) == 1
   if stream:
     sys.stdout.write(prompts[0])
-  generations = engine.generate(requests, on_token=_stream if stream else None)
+  generations = engine.generate(requests, on_token=_Stream() if stream else None)
   if stream:
     sys.stdout.write("\n")
   summary = {
@@ -233,7 +199,7 @@ def run(config, workdir: str, chosen: tuple[str, ...] = ()) -> dict[str, Any]:
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "generations.jsonl"), "w") as f:
     for gen in generations:
-      f.write(json.dumps(gen.__dict__) + "\n")
+      f.write(json.dumps(gen.record()) + "\n")
   with open(os.path.join(workdir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=1)
   logging.info(

@@ -64,3 +64,49 @@ class Generation:
   num_preemptions: int
   ttft_s: float  # First token time - arrival, on the engine's clock.
   latency_s: float  # Finish - arrival.
+  prompt_len: int = 0
+  # Position -> logits (EngineConfig.record_logits): what tests compare with a reference.
+  logits: dict = dataclasses.field(default_factory=dict, repr=False)
+  # Position p -> (log p(token p + 1), top ids, their logprobs), for position_logprobs requests.
+  positions: dict = dataclasses.field(default_factory=dict, repr=False)
+
+  def record(self) -> dict:
+    """The result as generations.jsonl stores it (recorded logits and positions left out)."""
+    skip = ("logits", "positions", "prompt_len")
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenEvent:
+  """One generated token of a request, as `Engine.step` reports it (a stream's next chunk)."""
+
+  request_id: int
+  token: int
+  logprob: float
+  top: tuple[list[int], list[float]] | None  # The position's top ids and logprobs, if recorded.
+  text: str  # The request's whole generated text so far (stop strings cut).
+  finish_reason: str | None
+  num_generated: int  # Tokens generated so far, this one included.
+  # On the first token of a position_logprobs request: its prompt positions' records.
+  prompt_positions: dict | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+  """A request the engine gave up on (it gets no further event)."""
+
+  request_id: int
+  message: str
+  # True when a step failed on the device and the page pool was rebuilt: every request in
+  # flight failed with it. False: this request's own data failed a step.
+  pool_lost: bool = False
+
+
+@dataclasses.dataclass
+class StepOutput:
+  """What one `Engine.step` did: the time it ended, its tokens, finished and failed requests."""
+
+  now: float
+  tokens: list[TokenEvent] = dataclasses.field(default_factory=list)
+  finished: list[Generation] = dataclasses.field(default_factory=list)
+  failed: list[Failure] = dataclasses.field(default_factory=list)

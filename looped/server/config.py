@@ -6,22 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from looped.engine.config import (
-  ATTENTION_IMPL_DOC,
-  ATTENTION_IMPLS,
-  KV_FORMATS,
-  KV_POLICY_DOC,
-  KV_POLICY_VALUES,
-  PREFILL_BLOCK_DOC,
-)
+from looped.engine.config import EngineSection
 from looped.schema import field
-
-_BUCKETS = "a tuple of positive integers (empty: powers of two)"
 
 
 @dataclasses.dataclass(frozen=True)
-class ServeConfig:
-  """`config.serve`: the checkpoint, the listening address and the paged engine's limits."""
+class ServeConfig(EngineSection):
+  """`config.serve`: the checkpoint, the listening address, the paged engine (EngineSection)
+  and the server's own limits."""
 
   checkpoint: str = field(
     "", "Trainer workdir, pipeline stage dir or converted model (checkpoints/).", nonempty=True
@@ -32,32 +24,6 @@ class ServeConfig:
   port: int = field(
     0, "TCP port (0: any free port; the one taken is written to server.json).", min=0, max=65535
   )
-  share_kv: bool = field(True, "KV-sharing: cache only the final recurrence's K/V of core layers.")
-  kv_policy: str = field("final", KV_POLICY_DOC, by_hand=KV_POLICY_VALUES)
-  kv_format: str = field(
-    "", "Page storage: '' (raw, compute dtype) or a packed format.", choices=KV_FORMATS
-  )
-  kv_budget_bytes: float = field(
-    64e6, "KV page pool in bytes; must hold one max_seq_len request.", gt=0.0
-  )
-  page_size: int = field(16, "Tokens per KV page (prefix-cache granularity).", min=1)
-  max_num_batched_tokens: int = field(
-    64, "Per-step token budget (decodes + prefill chunks).", min=1
-  )
-  max_num_seqs: int = field(8, "Cap on requests running at once.", min=1)
-  prefill_block: int = field(
-    32,
-    PREFILL_BLOCK_DOC,
-    min=1,
-  )
-  attention_impl: str = field("auto", ATTENTION_IMPL_DOC, choices=ATTENTION_IMPLS)
-  row_buckets: tuple[int, ...] = field(
-    (), "Padded batch rows, one compilation each; reaches max_num_seqs.", by_hand=_BUCKETS
-  )
-  token_buckets: tuple[int, ...] = field(
-    (), "Padded chunk lengths; reach min(prefill_block, max_num_batched_tokens).", by_hand=_BUCKETS
-  )
-  column_buckets: tuple[int, ...] = field((), "Padded page-table widths.", by_hand=_BUCKETS)
   max_waiting: int = field(
     256,
     "Requests queued beyond the running ones (more get HTTP 429); also a batch's most prompts.",

@@ -23,9 +23,9 @@ from looped import config_checks as cc
 from looped import schema
 from looped.checkpoints import model_record, restore
 from looped.data import tokenizers
-from looped.engine import checks, paged_cache
+from looped.engine import checks
 from looped.engine import mesh as mesh_lib
-from looped.engine.engine import Engine, EngineConfig, pages_for_budget
+from looped.engine.engine import Engine
 from looped.model import config as model_lib
 from looped.model.looped_lm import LoopedLM
 from looped.server import protocol
@@ -44,88 +44,44 @@ def model_source(config) -> str:
   return config.serve.checkpoint
 
 
-def _buckets(config, field: str, reach: int | None) -> tuple[int, ...]:
-  """A bucket tuple: () (the engine's powers of two) or positive sizes, the largest >= reach."""
-  value = cc.get(config, field)
-  if isinstance(value, int) and not isinstance(value, bool):
-    value = (value,)
-  if not isinstance(value, (tuple, list)) or not all(
-    isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value
-  ):
-    cc.fail(field, value, "must be a tuple of positive integers (empty: powers of two)")
-  if value and reach is not None and max(value) < reach:
-    cc.fail(field, value, f"must reach {reach} (the per-step limit it pads)")
-  return tuple(sorted(value))
-
-
-def validate(config, chosen: tuple[str, ...] = ()) -> None:
+def validate(config, chosen: tuple[str, ...] = ()) -> ServeConfig:
   """Checks every field before any compute; raises ConfigError naming the field. chosen: the
-  recorded model fields the command line chose (looped.programs)."""
+  recorded model fields the command line chose (looped.programs). Returns the typed section."""
   cc.choice(config, "program", ("server",))
-  schema.validate(ServeConfig, config, "serve")
+  s = schema.load(ServeConfig, config, "serve")
   restore.check_checkpoint(config, "serve")
   model_cfg, data_cfg = _model(config, chosen)
-  cfg, fmt = checks.check_model_and_format(config, "serve", model_cfg)
+  mesh_shape, _ = mesh_lib.from_config(config, model_lib.from_config(model_cfg))
+  cfg, _, policy = checks.check_section(s, "serve", model_cfg, mesh_shape)
   tokenizers.get(data_cfg)
-  _buckets(config, "serve.row_buckets", config.serve.max_num_seqs)
-  block = checks.check_prefill_block(config, "serve")
-  mesh_shape, _ = mesh_lib.from_config(config, cfg)
-  checks.check_attention_impl(config, "serve", mesh_shape)
-  _buckets(config, "serve.token_buckets", min(block, config.serve.max_num_batched_tokens))
-  _buckets(config, "serve.column_buckets", None)
-  s = config.serve
-  share, page_size, budget = s.share_kv, s.page_size, float(s.kv_budget_bytes)
-  policy = checks.check_kv_policy(config, "serve", cfg)
-  need = -(-(cfg.max_seq_len - 1) // page_size)
-  model = LoopedLM(cfg)
-  have = pages_for_budget(model, budget, page_size, share, fmt or None, s.max_num_seqs, policy)
-  if have < need:
-    page_bytes = page_size * paged_cache.bytes_per_token(cfg, share, fmt or None, policy)
-    cc.fail(
-      "serve.kv_budget_bytes",
-      budget,
-      f"holds {have} pages of {page_bytes:.0f} bytes"
-      f"{checks.slots_note(cfg, share, s.max_num_seqs)}; a request of the model's whole "
-      f"context (max_seq_len {cfg.max_seq_len}) needs {need}",
-    )
+  if s.kv_budget_bytes is None:
+    cc.fail("serve.kv_budget_bytes", None, "must be a finite number > 0 (bytes of the pool)")
+  need = -(-(cfg.max_seq_len - 1) // s.page_size)
+  what = f"a request of the model's whole context (max_seq_len {cfg.max_seq_len})"
+  checks.check_budget(s, "serve", cfg, policy, need, what)
+  return s
 
 
 def build(config, chosen: tuple[str, ...] = ()) -> tuple[Any, EngineLoop]:
   """The app and its (started) engine loop for a validated config."""
-  s = config.serve
+  s = schema.load(ServeConfig, config, "serve")
   model_cfg, data_cfg = _model(config, chosen)
   cfg = model_lib.from_config(model_cfg)
   model = LoopedLM(cfg)
   tokenizer = tokenizers.get(data_cfg)
   params = restore.restore_params(model, s.checkpoint, s.step, "serve.checkpoint")
-  fmt = s.kv_format or None
-  policy = checks.check_kv_policy(config, "serve", cfg)
+  policy = checks.kv_policy_of(s, "serve", cfg)
   mesh_shape, mesh_rules = mesh_lib.from_config(config, cfg)
-  engine = Engine(
-    model,
-    params,
-    EngineConfig(
-      share_kv=s.share_kv,
-      kv_format=fmt,
-      kv_policy=policy,
-      num_pages=pages_for_budget(
-        model, s.kv_budget_bytes, s.page_size, s.share_kv, fmt, s.max_num_seqs, policy
-      ),
-      page_size=s.page_size,
-      max_num_batched_tokens=s.max_num_batched_tokens,
-      max_num_seqs=s.max_num_seqs,
-      prefill_block=s.prefill_block,
-      max_model_len=cfg.max_seq_len,
-      top_logprobs=max(s.max_logprobs, 1),
-      row_buckets=_buckets(config, "serve.row_buckets", None) or None,
-      token_buckets=_buckets(config, "serve.token_buckets", None) or None,
-      column_buckets=_buckets(config, "serve.column_buckets", None) or None,
-      attention_impl=s.attention_impl,
-      mesh_shape=mesh_shape,
-      mesh_rules=mesh_rules,
-    ),
-    decode=tokenizer.decode,
+  settings = checks.engine_config(
+    s,
+    cfg,
+    policy,
+    num_pages=checks.num_pages(s, cfg, policy),
+    mesh_shape=mesh_shape,
+    mesh_rules=mesh_rules,
+    top_logprobs=max(s.max_logprobs, 1),
   )
+  engine = Engine(model, params, settings, decode=tokenizer.decode)
   name = s.model_name or os.path.basename(os.path.normpath(s.checkpoint))
   return serve_engine(
     engine,
@@ -193,8 +149,7 @@ async def _serve(server, sock: socket.socket, loop: EngineLoop, on_started) -> N
 def run(config, workdir: str, chosen: tuple[str, ...] = ()) -> dict[str, Any]:
   import uvicorn  # Lazy: validation alone does not import the HTTP stack.
 
-  validate(config, chosen)
-  s = config.serve
+  s = validate(config, chosen)
   app, loop = build(config, chosen)
   sock = bind(s.host, s.port)
   host, port = sock.getsockname()[:2]
