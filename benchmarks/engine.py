@@ -72,13 +72,14 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from configs import benice, pretrain  # noqa: E402
-from looped.engine import padding, paged_cache  # noqa: E402
+from looped.engine import padding  # noqa: E402
 from looped.engine.engine import Engine, EngineConfig, pages_for_budget  # noqa: E402
 from looped.engine.executor import ModelExecutor, powers_of_two  # noqa: E402
 from looped.engine.requests import GenRequest  # noqa: E402
 from looped.engine.sampling import SamplingParams  # noqa: E402
 from looped.model import config as model_lib  # noqa: E402
 from looped.model import init_params  # noqa: E402
+from looped.model.cache_layout import KVLayout  # noqa: E402
 from looped.model.looped_lm import LoopedLM  # noqa: E402
 from looped.scheduler import pages, replay, scheduler  # noqa: E402
 from looped.sim import cost_model, engine_cost, hardware, shape  # noqa: E402
@@ -161,7 +162,7 @@ def block_sweep(model, params, workloads, args):
 
 def _throughput_layout(model, params, workload, requests, share, budget, args, seat_counts=None):
   rows = []
-  num_pages = pages_for_budget(model, budget, PAGE, share, None, args.max_num_seqs)
+  num_pages = pages_for_budget(model, budget, KVLayout(share, page_size=PAGE), args.max_num_seqs)
   for seqs in seat_counts or (args.max_num_seqs, 1):
     if True:
       engine = Engine(
@@ -337,9 +338,7 @@ def step_grid(model, params, args):
       model,
       params,
       num_pages=args.pool_pages or 2 * args.max_num_seqs * per_row,
-      page_size=PAGE,
-      share_kv=share,
-      kv_format=fmt,
+      layout=KVLayout(share, fmt, page_size=PAGE),
       padding=_grid_padding(args),
     )
     for b, q, c, d, held in _grid_shapes(args):
@@ -669,8 +668,8 @@ def main():
   results = {"device": str(jax.devices()[0]), "args": vars(args)}
   print(
     f"device {results['device']}; KV bytes/token shared "
-    f"{paged_cache.bytes_per_token(cfg, True, None):.0f}, unshared "
-    f"{paged_cache.bytes_per_token(cfg, False, None):.0f}; load average "
+    f"{KVLayout(True, None).bytes_per_token(cfg):.0f}, unshared "
+    f"{KVLayout(False, None).bytes_per_token(cfg):.0f}; load average "
     f"{os.getloadavg()[0]:.1f}",
     flush=True,
   )

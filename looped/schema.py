@@ -83,6 +83,13 @@ def field(
   return dataclasses.field(default=default, metadata={"rule": rule})
 
 
+def redefault(section: type, name: str, default: Any) -> Any:
+  """A field of `section` with another default, for a section that extends it: the doc and
+  range stay declared once, where `section` declares them (e.g. the simulator's larger batch)."""
+  rule = fields(section)[name][2]
+  return dataclasses.field(default=default, metadata={"rule": rule})
+
+
 @functools.cache
 def fields(section: type) -> dict[str, tuple[Any, Any, Rule]]:
   """{name: (type, default, rule)} of a section dataclass, in declaration order."""

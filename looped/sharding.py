@@ -100,20 +100,21 @@ def validate(config, num_devices: int | None = None) -> dict[str, int]:
   """Checks config.mesh / mesh_rules against the devices, batch and model shape (no compute)."""
   num_devices = jax.device_count() if num_devices is None else num_devices
   schema.validate(MeshConfig, config, "mesh")
-  sizes = mesh_shape(cc.get(config, "mesh"), num_devices)
-  check_rules(cc.get(config, "mesh_rules"))
+  sizes = mesh_shape(config.mesh, num_devices)
+  check_rules(config.mesh_rules)
   batch_shards = sizes["data"] * sizes["fsdp"]
   for field in ("batch_size", "eval_batch_size"):
     cc.divides(config, f"data.{field}", batch_shards, "mesh.data x mesh.fsdp")
-  accum = cc.get(config, "train").get("grad_accum_steps", 1)
-  if accum > 1 and cc.get(config, "data.batch_size") % (batch_shards * accum):
+  accum = config.train.get("grad_accum_steps", 1)
+  batch_size = config.data.batch_size
+  if accum > 1 and batch_size % (batch_shards * accum):
     cc.fail(
       "data.batch_size",
-      cc.get(config, "data.batch_size"),
+      batch_size,
       f"must be a multiple of mesh.data x mesh.fsdp x train.grad_accum_steps = "
       f"{batch_shards} x {accum} (every microbatch is split over the batch shards)",
     )
-  for logical, size in _logical_sizes(cc.get(config, "model")).items():
+  for logical, size in _logical_sizes(config.model).items():
     if logical in _REPLICATE_IF_UNEVEN:
       continue
     shards = math.prod(sizes[a] for a in _mesh_axes(config.mesh_rules, logical))

@@ -25,11 +25,11 @@ from configs import serve_sim
 from looped import config_checks, kv_quant
 from looped.engine import engine as engine_lib
 from looped.engine import paged_cache
-from looped.model import LoopedLM, ModelConfig, from_config, init_cache, mixers
+from looped.model import LoopedLM, ModelConfig, from_config, init_cache, mixer_registry, mixers
 from looped.model.attention import Attention
-from looped.model.cache_layout import cache_layout
+from looped.model.cache_layout import KVLayout, cache_layout
 from looped.model.kda import KDA
-from looped.model.mixer_interface import MIXER_CACHES, SequenceMixer
+from looped.model.mixer_interface import SequenceMixer
 from looped.model.mla import MLA
 from looped.scheduler import scheduler
 from looped.sim import hardware, shape, simulate
@@ -94,7 +94,7 @@ class SimulatorMatchesEngineTest(parameterized.TestCase):
     sim = _sim_shape(cfg)
     raw = cfg.compute_dtype.itemsize
     sim_bytes = sim.kv_bytes_per_token(share_kv, fmt, raw_itemsize=raw)
-    engine_bytes = paged_cache.bytes_per_token(cfg, share_kv, fmt)
+    engine_bytes = KVLayout(share_kv, fmt).bytes_per_token(cfg)
     # The engine stores nvfp4's float32 tensor scale per token slice; the simulator does not.
     tensor_scales = 4 * _per_token_entries(cfg, share_kv) if fmt == "nvfp4" else 0
     self.assertEqual(engine_bytes, sim_bytes + tensor_scales)
@@ -107,9 +107,8 @@ class SimulatorMatchesEngineTest(parameterized.TestCase):
       return
     # The budget first holds a state slot per running request (KDA layers; none otherwise).
     seqs = 8
-    engine_pages = engine_lib.pages_for_budget(
-      LoopedLM(cfg), budget, page_size, share_kv, fmt, seqs
-    )
+    layout = KVLayout(share_kv, fmt, page_size=page_size)
+    engine_pages = engine_lib.pages_for_budget(LoopedLM(cfg), budget, layout, seqs)
     pages_budget = budget - seqs * sim.kv_bytes_per_sequence(share_kv)
     pages_per_request = math.ceil(length / page_size)  # The scheduler's pool, for both.
     if fmt != "nvfp4":
@@ -125,7 +124,7 @@ class SimulatorMatchesEngineTest(parameterized.TestCase):
   def test_per_sequence_state_matches_the_models_cache(self, model, share_kv):
     cfg = MODELS[model]
     cache = jax.eval_shape(lambda: init_cache(cfg, 1, 1, share_kv))  # One row, one slot.
-    per_token = paged_cache.bytes_per_token(cfg, share_kv, None)  # Raw, compute dtype.
+    per_token = KVLayout(share_kv, None).bytes_per_token(cfg)  # Raw, compute dtype.
     sim = _sim_shape(cfg)
     self.assertEqual(_nbytes(cache.layers), per_token + sim.kv_bytes_per_sequence(share_kv))
 
@@ -144,13 +143,15 @@ class ArraysTest(parameterized.TestCase):
   @parameterized.parameters(*CASES)
   def test_engine_pages_and_model_cache(self, model, share_kv, fmt):
     cfg = MODELS[model]
-    per_token = paged_cache.bytes_per_token(cfg, share_kv, fmt)
+    per_token = KVLayout(share_kv, fmt).bytes_per_token(cfg)
     state = _sim_shape(cfg).kv_bytes_per_sequence(share_kv)
     if model == "kda":  # Nothing per token: the engine has nothing to page.
       with self.assertRaisesRegex(ValueError, "kda"):
-        paged_cache.init_pages(cfg, 1, 1, share_kv, fmt, num_slots=1)
+        paged_cache.init_pages(cfg, 1, KVLayout(share_kv, fmt, page_size=1), num_slots=1)
     else:  # One-token pages and state slots: a real one and the scratch one of each.
-      pages = jax.eval_shape(lambda: paged_cache.init_pages(cfg, 1, 1, share_kv, fmt, 1))
+      pages = jax.eval_shape(
+        lambda: paged_cache.init_pages(cfg, 1, KVLayout(share_kv, fmt, page_size=1), 1)
+      )
       self.assertEqual(_nbytes(pages), 2 * per_token + 2 * state)
     slots = 4
     cache = jax.eval_shape(lambda: init_cache(cfg, 1, slots, share_kv, kv_format=fmt))
@@ -185,7 +186,7 @@ class ArraysTest(parameterized.TestCase):
     # The arrays, with the scratch page (and the scratch slot when there are slots).
     scratch = page_size * per_token + per_sequence
     self.assertEqual(_nbytes(engine.executor.pages), want + scratch)
-    args = (LoopedLM(cfg), engine.pool_bytes, page_size, share_kv, fmt, seqs)
+    args = (LoopedLM(cfg), engine.pool_bytes, KVLayout(share_kv, fmt, page_size=page_size), seqs)
     self.assertEqual(engine_lib.pages_for_budget(*args), num_pages)
 
 
@@ -203,11 +204,11 @@ class HandDerivedTest(absltest.TestCase):
       self.assertEqual(sim.kv_layers(share), layers)
       self.assertEqual(sim.kv_bytes_per_sequence(share), 0)
       # The engine: raw float32 pages; nvfp4 with a 4-byte tensor scale per K and V slice.
-      self.assertEqual(paged_cache.bytes_per_token(cfg, share, None), layers * 2 * k * h * 4)
+      self.assertEqual(KVLayout(share, None).bytes_per_token(cfg), layers * 2 * k * h * 4)
       self.assertEqual(
-        paged_cache.bytes_per_token(cfg, share, "nvfp4"), layers * 2 * (k * (h // 2 + h // 16) + 4)
+        KVLayout(share, "nvfp4").bytes_per_token(cfg), layers * 2 * (k * (h // 2 + h // 16) + 4)
       )
-      self.assertEqual(cfg.kv_entries_per_token(share), layers * 2 * k)
+      self.assertEqual(cache_layout(cfg, share).vectors_per_token, layers * 2 * k)
 
   def test_mla(self):
     cfg = MODELS["mla"]
@@ -217,7 +218,7 @@ class HandDerivedTest(absltest.TestCase):
       self.assertEqual(sim.kv_bytes_per_token(share, "bf16"), layers * (lat + rope) * 2)
       mx = (lat + lat // 32) + (rope + rope // 32)  # e4m3 bytes + one E8M0 per 32 values.
       self.assertEqual(sim.kv_bytes_per_token(share, "mxfp8"), layers * mx)
-      self.assertEqual(paged_cache.bytes_per_token(cfg, share, "mxfp8"), layers * mx)
+      self.assertEqual(KVLayout(share, "mxfp8").bytes_per_token(cfg), layers * mx)
 
   def test_kda(self):
     cfg = MODELS["kda"]
@@ -264,8 +265,8 @@ class HandDerivedTest(absltest.TestCase):
     cfg = MODELS["gqa"]
     for module in (Attention, MLA, KDA):
       self.assertIsInstance(module(cfg, 0.02), SequenceMixer)
-    for name, (module, _) in mixers.MODULES.items():
-      self.assertIs(module.mixer_cache, MIXER_CACHES[name])
+    for mixer in mixer_registry.REGISTRY.values():
+      self.assertIs(mixer.module.mixer_cache, mixer.cache)
 
 
 class SimulatorConfigTest(absltest.TestCase):
@@ -291,9 +292,9 @@ class SimulatorConfigTest(absltest.TestCase):
       config=sched,
     )  # fmt: skip
     cfg = from_config(config.model)
-    self.assertEqual(out["kv_bytes_per_token"], paged_cache.bytes_per_token(cfg, True, "bf16"))
+    self.assertEqual(out["kv_bytes_per_token"], KVLayout(True, "bf16").bytes_per_token(cfg))
     # The engine's pool for that budget: its 8 KDA state slots first, then pages.
-    engine_pages = engine_lib.pages_for_budget(LoopedLM(cfg), 4e6, 16, True, "bf16", 8)
+    engine_pages = engine_lib.pages_for_budget(LoopedLM(cfg), 4e6, KVLayout(True, "bf16"), 8)
     self.assertEqual(out["num_pages"], engine_pages)
     self.assertLess(engine_pages, int(4e6 // (16 * out["kv_bytes_per_token"])))
     self.assertFalse(out["prefix_caching"])  # A state is not a function of a page.

@@ -19,15 +19,12 @@ codegen and leaves dots to XLA rather than XNNPACK: compiling is ~55% of a test'
 CPU-s and tests/kda_test.py + tests/mixers_test.py (`-n 2`) from 139 to 91 user-s (2026-12-05,
 jax 0.10.2; the fusion emitters alone: 49.6 -> 29.5).
 
-The server tests (tests/server_*_test.py) run without that cache: they run the engine in a
-thread of the test process beside the test's own JAX work, and writing an executable to the
-cache there crashed the process twice (a segfault in `executable.serialize()`, jax 0.10.2).
-
-A test whose xdist worker dies under it runs once more on a fresh worker, shown as R and listed
-at the end of the run; a second crash, or any failure that is not a crash, fails as usual. Five
-full runs of 2026-12-04/05 lost six workers to a segfault inside XLA, always in compilation or
-`executable.serialize()`, mostly in two tests that pass alone (the crash depends on what the
-worker ran before); the two full runs since the fusion-emitter flags above lost none.
+A worker that dies fails its test (xdist reports the crash); nothing is run again. Workers lost
+to aborts inside XLA's compilation or `executable.serialize()` ran out of memory mappings
+(vm.max_map_count: XLA:CPU maps each executable's code pages), so each test module ends with
+its compiled programs freed (`_compiled_programs_freed_after_each_module`) and the engine keeps
+a bounded number of compiled steps (looped/engine/step_table.py); the server tests use the
+run's compilation cache like every other test.
 
 `--cpu-durations=N` prints the N tests that used the most CPU: CI's budget is CPU-bound (2
 cores), and wall-clock durations swing with whatever else runs, while the CPU seconds a test
@@ -36,7 +33,6 @@ spends (its process plus the subprocesses it waits for) do not.
 
 from __future__ import annotations
 
-import collections
 import os
 import resource
 import shutil
@@ -93,38 +89,21 @@ def pytest_configure(config):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _no_compilation_cache_beside_an_engine_thread(request):
-  """Module-scoped, so it is in place before a TestCase's setUpClass starts a server."""
-  if not os.path.basename(str(request.path)).startswith("server_"):
-    yield
-    return
-  import jax
-  from jax.experimental.compilation_cache import compilation_cache
-
-  enabled = jax.config.jax_enable_compilation_cache
-  jax.config.update("jax_enable_compilation_cache", False)
-  compilation_cache.reset_cache()  # The cache's use is decided once per process otherwise.
+def _compiled_programs_freed_after_each_module():
+  """Every test module starts with no compiled program of the modules before it alive in the
+  worker: XLA:CPU maps each executable's code pages, and a worker that kept every program of
+  half the suite ran into vm.max_map_count (65,530) and LLVM aborted it (docs/server.md, 'Memory
+  mappings'). The run's persistent cache keeps what was compiled, so a later module that needs
+  a program loads it."""
   yield
-  jax.config.update("jax_enable_compilation_cache", enabled)
-  compilation_cache.reset_cache()
+  import jax
 
+  from looped.engine import step_table
 
-_CRASHED = collections.Counter()  # nodeid -> crashes (in the xdist controller).
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_handlecrashitem(crashitem, report, sched):
-  """xdist: a test that crashed its worker the first time is scheduled once more."""
-  _CRASHED[crashitem] += 1
-  if _CRASHED[crashitem] == 1:
-    sched.mark_test_pending(crashitem)
-    report.outcome = "rerun"
-
-
-def pytest_report_teststatus(report, config):
-  if report.outcome == "rerun":
-    return "rerun", "R", "RERUN"
-  return None
+  for table in list(step_table._TABLES.values()):
+    table.clear()
+  step_table._TABLES.clear()
+  jax.clear_caches()
 
 
 def pytest_unconfigure(config):
@@ -164,10 +143,6 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_terminal_summary(terminalreporter, config):
-  if _CRASHED:
-    terminalreporter.section("tests whose worker crashed (run once more)")
-    for nodeid, crashes in _CRASHED.items():
-      terminalreporter.write_line(f"{nodeid}: {crashes} crash(es)")
   n = config.getoption("--cpu-durations")
   if not n or not _CPU_S:
     return

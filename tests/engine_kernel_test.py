@@ -26,6 +26,7 @@ from looped.engine import executor as executor_lib
 from looped.engine.config import GenConfig
 from looped.engine.engine import Engine, EngineConfig
 from looped.model import init_params
+from looped.model.cache_layout import KVLayout
 from looped.model.looped_lm import LoopedLM
 from pallas_kernels import platform
 
@@ -117,10 +118,10 @@ class EngineKernelTest(parameterized.TestCase):
     """GQA layers read pages by the kernel; MLA layers, and a KV format's multi-token chunks,
     are gathered."""
     hybrid = dataclasses.replace(CFG, core_mixers=("mla", "gqa"), mla_kv_rank=32, mla_rope_dim=32)
-    layers = paged_cache.kernel_layers(hybrid, False, None, "final", 8)
+    layers = paged_cache.kernel_layers(hybrid, KVLayout(False), 8)
     self.assertEqual(layers, {"prelude": (True,), "core": (False, True), "coda": (True,)})
-    self.assertEqual(paged_cache.kernel_layers(hybrid, True, "fp8", "final", 1), layers)
-    none = paged_cache.kernel_layers(hybrid, True, "fp8", "final", 8)
+    self.assertEqual(paged_cache.kernel_layers(hybrid, KVLayout(True, "fp8"), 1), layers)
+    none = paged_cache.kernel_layers(hybrid, KVLayout(True, "fp8"), 8)
     self.assertEqual(none, {"prelude": (False,), "core": (False, False), "coda": (False,)})
 
 
@@ -138,9 +139,8 @@ def _step_text(
     lambda: init_params(LoopedLM(cfg), jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))
   )
   slots = rows if paged_cache.has_state(cfg) else 0  # KDA layers' state slots.
-  pages = jax.eval_shape(
-    lambda: paged_cache.init_pages(cfg, num_pages, page_size, share_kv, kv_format, slots)
-  )
+  layout = KVLayout(share_kv, kv_format, page_size=page_size)
+  pages = jax.eval_shape(lambda: paged_cache.init_pages(cfg, num_pages, layout, slots))
   i32, f32 = jnp.int32, jnp.float32
   row = lambda dtype: S((rows,), dtype)
   args = (
@@ -159,9 +159,7 @@ def _step_text(
     row(i32),  # slot
   )
   mesh = executor_lib.EngineMesh.create(cfg)
-  step = executor_lib.compiled_call(
-    cfg, share_kv, kv_format, False, 0, mesh, attention_impl=attention_impl
-  )
+  step = executor_lib.compiled_call(cfg, layout, False, 0, mesh, attention_impl=attention_impl)
   # The executor's step function in a fresh function: jit's trace cache (keyed by the function)
   # does not see the mock, so one step would reuse its trace for the other target.
   call = step.__wrapped__

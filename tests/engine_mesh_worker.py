@@ -93,9 +93,7 @@ def serve(cfg, params, share_kv: bool, mesh_shape) -> dict:
     "devices": ex.mesh.mesh.size,
     "hit_rate": engine.summary(gens)["hit_rate"],
     "tokens": [g.tokens for g in gens],
-    "logits": [
-      {str(p): v.tolist() for p, v in ex.states[g.request_id].logits.items()} for g in gens
-    ],
+    "logits": [{str(p): v.tolist() for p, v in g.logits.items()} for g in gens],
     "params": layout(ex.params),
     "pages": layout(ex.pages),
     "most_rows": max(step["rows"] for step in ex.step_log),

@@ -15,6 +15,7 @@ from looped.engine.engine import Engine, EngineConfig
 from looped.engine.requests import GenRequest
 from looped.engine.sampling import SamplingParams
 from looped.model import init_params
+from looped.model.cache_layout import KVLayout
 from looped.model.looped_lm import LoopedLM
 from looped.scheduler import pages, replay, scheduler
 from looped.sim import cost_model, hardware, shape
@@ -240,11 +241,11 @@ class PagedCacheTest(absltest.TestCase):
     # 4 per-token layers shared (P + B + C), 8 unshared (P + R*B + C with R = 3): K and V of
     # one head of 32 values each.
     values = 2 * 32
-    self.assertEqual(paged_cache.bytes_per_token(CFG, True, None), 4 * values * 4)
-    self.assertEqual(paged_cache.bytes_per_token(CFG, False, None), 8 * values * 4)
-    self.assertEqual(paged_cache.bytes_per_token(CFG, True, "bf16"), 4 * values * 2)
+    self.assertEqual(KVLayout(True, None).bytes_per_token(CFG), 4 * values * 4)
+    self.assertEqual(KVLayout(False, None).bytes_per_token(CFG), 8 * values * 4)
+    self.assertEqual(KVLayout(True, "bf16").bytes_per_token(CFG), 4 * values * 2)
     # fp8: one byte per value plus a float32 scale per head vector.
-    self.assertEqual(paged_cache.bytes_per_token(CFG, False, "fp8"), 8 * 2 * (32 + 4))
+    self.assertEqual(KVLayout(False, "fp8").bytes_per_token(CFG), 8 * 2 * (32 + 4))
 
   def test_executor_pads_as_the_simulator_prices(self):
     engine = Engine(

@@ -7,6 +7,7 @@ from absl.testing import absltest, parameterized
 
 from looped import kv_quant
 from looped.model import LoopedLM, ModelConfig, init_cache, init_params
+from looped.model.cache_layout import cache_layout
 from looped.model.kv_cache import cache_nbytes, num_cached_values, quantize_roundtrip
 from looped.model.sharing import decode_forward, jacobi_forward
 
@@ -75,8 +76,8 @@ class KvFormatModelTest(parameterized.TestCase):
         cache_nbytes(cache), values * kv_quant.bytes_per_value(fmt, CFG.head_dim) + extra
       )
     self.assertEqual(
-      num_cached_values(cache_un) * CFG.kv_entries_per_token(True),
-      num_cached_values(cache_sh) * CFG.kv_entries_per_token(False),
+      num_cached_values(cache_un) * cache_layout(CFG, True).vectors_per_token,
+      num_cached_values(cache_sh) * cache_layout(CFG, False).vectors_per_token,
     )
 
   def test_roundtrip_is_per_token(self):

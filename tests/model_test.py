@@ -12,6 +12,7 @@ from absl.testing import absltest, parameterized
 
 import looped_testing as testing
 from looped.model import LoopedLM, depth, init_cache, init_params
+from looped.model.cache_layout import cache_layout
 from looped.model.kv_cache import num_cached_values
 from looped.model.sharing import decode_forward, jacobi_forward
 
@@ -253,8 +254,12 @@ class CausalityAndDecodeTest(parameterized.TestCase):
     self.assertEqual(core(unshared), cfg.num_recurrences * core(shared))
     plain = sum(x.size for k in ("prelude", "coda") for x in jax.tree.leaves(shared.layers[k]))
     per_token_slot = 2 * 16 * cfg.head_dim  # batch x max_len slots x head_dim values
-    self.assertEqual(num_cached_values(shared), cfg.kv_entries_per_token(True) * per_token_slot)
-    self.assertEqual(num_cached_values(unshared), cfg.kv_entries_per_token(False) * per_token_slot)
+    self.assertEqual(
+      num_cached_values(shared), cache_layout(cfg, True).vectors_per_token * per_token_slot
+    )
+    self.assertEqual(
+      num_cached_values(unshared), cache_layout(cfg, False).vectors_per_token * per_token_slot
+    )
     self.assertEqual(plain, num_cached_values(shared) - core(shared))
 
   def test_read_shared_first_only_touches_first_recurrence(self):

@@ -1,4 +1,8 @@
-"""Which packages may import which (docs/design.md §1, "Where does X live").
+"""Which packages may import which (docs/design.md §1, "Layers").
+
+The packages form layers (`_LAYERS`): a module imports only from lower layers and its own package,
+at module level or inside a function alike, so a reader can place any module by its layer, and no
+two modules need each other (no import cycle, function-level imports included).
 
 Training is the one heavy dependency (Orbax managers, Grain, optimizers): generation, the
 server, conversion and the simulator read checkpoints through looped.checkpoints and must not
@@ -27,6 +31,34 @@ _TRAINING_PROGRAMS = {
 }
 
 
+# Lowest first. A module may import its own package and the layers below its own.
+_LAYERS = (
+  # Leaves: the package's docstring, validation helpers, KV formats, the loss.
+  ("looped", "looped.config_checks", "looped.kv_quant", "looped.losses"),
+  ("looped.schema",),  # Config sections declared once.
+  ("looped.model", "looped.sharding", "looped.data"),  # The model, the mesh, the data.
+  ("looped.checkpoints", "looped.scheduler"),  # What a workdir keeps; pure-Python batching.
+  ("looped.train", "looped.engine"),  # Training; generation on the scheduler.
+  ("looped.sim", "looped.convert", "looped.benice", "looped.server"),  # Built on those.
+  ("looped.startup", "looped.cli"),  # Process start-up, usage text.
+  ("looped.programs",),  # config.program -> its module.
+  ("looped.main",),  # Flag parsing.
+)
+
+
+def _unit(module: str) -> str:
+  """The layered unit a module belongs to: its package under looped, or itself."""
+  units = sorted((u for layer in _LAYERS for u in layer), key=len, reverse=True)
+  for unit in units:
+    if module == unit or (unit != "looped" and module.startswith(unit + ".")):
+      return unit
+  raise KeyError(f"{module} is in no layer of _LAYERS: add it")
+
+
+def _layer(unit: str) -> int:
+  return next(i for i, layer in enumerate(_LAYERS) if unit in layer)
+
+
 def _modules():
   for root, _, files in os.walk(_PACKAGE):
     for name in sorted(files):
@@ -36,12 +68,23 @@ def _modules():
 
 
 def _imports(path: str, top_level_only: bool = False) -> set[str]:
-  """Dotted names of the looped modules `path` imports (anywhere, or at module level only)."""
+  """Dotted names of the looped modules `path` imports (anywhere, or at module level only).
+  Imports under `if TYPE_CHECKING:` are left out: annotations only, never run (how a layer names
+  the config type that imports the mixer registry, which imports the layer)."""
   with open(path) as f:
     tree = ast.parse(f.read())
+  typing_only = {
+    id(n)
+    for node in ast.walk(tree)
+    if isinstance(node, ast.If)
+    and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+    for n in ast.walk(node)
+  }
   nodes = tree.body if top_level_only else ast.walk(tree)
   names = set()
   for node in nodes:
+    if id(node) in typing_only:
+      continue
     if isinstance(node, ast.Import):
       names.update(a.name for a in node.names)
     elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
@@ -82,13 +125,26 @@ class ModuleDependenciesTest(absltest.TestCase):
     )
     self.assertEqual(out.stdout.strip(), "[]")
 
-  def test_no_module_level_import_cycles(self):
-    """A cycle of module-level imports means two modules each need the other to load: one of
+  def test_layers(self):
+    """Every import, module level or inside a function, goes down the layers or stays in its
+    own package."""
+    known = {_module_name(r) for r, _ in _modules()}
+    offenders = []
+    for relpath, path in _modules():
+      me = _unit(_module_name(relpath))
+      for name in sorted(n for n in _imports(path) if n in known and n != "looped"):
+        other = _unit(name)
+        if other != me and _layer(other) >= _layer(me):
+          offenders.append(f"{relpath} imports {name} (layer {_layer(other)} >= {_layer(me)})")
+    self.assertEqual(offenders, [], "\n".join(offenders))
+
+  def test_no_import_cycles(self):
+    """A cycle of imports (inside functions too) means two modules each need the other: one of
     them holds something both use (how the mixer interface used to live in the GQA file)."""
     graph = {}
     known = {_module_name(r) for r, _ in _modules()}
     for relpath, path in _modules():
-      graph[_module_name(relpath)] = {n for n in _imports(path, True) if n in known}
+      graph[_module_name(relpath)] = {n for n in _imports(path) if n in known}
     cycles = []
     for start in sorted(graph):
       stack, seen = [(start, [start])], set()

@@ -21,6 +21,7 @@ from looped.engine import paged_cache
 from looped.engine.executor import ModelExecutor
 from looped.engine.padding import Padding
 from looped.model import init_params
+from looped.model.cache_layout import KVLayout
 from looped.model.looped_lm import LoopedLM
 
 CFG = engine_test.CFG  # head_dim 32: every KV format can store it.
@@ -44,7 +45,8 @@ class BitsRoundTripTest(absltest.TestCase):
 
 
 def _pool(share_kv, kv_format, as_bits, num_pages=6, page_size=4):
-  return paged_cache.init_pages(CFG, num_pages, page_size, share_kv, kv_format, 0, as_bits=as_bits)
+  layout = KVLayout(share_kv, kv_format, page_size=page_size)
+  return paged_cache.init_pages(CFG, num_pages, layout, 0, as_bits=as_bits)
 
 
 class GatherScatterTest(parameterized.TestCase):
@@ -52,7 +54,8 @@ class GatherScatterTest(parameterized.TestCase):
   def test_as_bits_equals_as_values(self, share_kv, kv_format):
     """Random entries scattered into both pools, then gathered: the same bits everywhere."""
     values, bits = _pool(share_kv, kv_format, False), _pool(share_kv, kv_format, True)
-    dtypes = paged_cache.page_dtypes(CFG, share_kv, kv_format)
+    layout = KVLayout(share_kv, kv_format, page_size=4)
+    dtypes = paged_cache.page_dtypes(CFG, layout)
     self.assertEqual(jax.tree.map(lambda x: x.dtype, values), dtypes)
     narrow = [x for x in jax.tree.leaves(values) if x.dtype.itemsize < 4]
     self.assertEqual(bool(narrow), kv_format is not None)
@@ -60,9 +63,9 @@ class GatherScatterTest(parameterized.TestCase):
       self.assertFalse(jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.dtype.itemsize < 4)
     table_BxP = jnp.array([[2, 4], [1, 0]], jnp.int32)
     context_B, num_new_B = jnp.array([3, 0], jnp.int32), jnp.array([2, 3], jnp.int32)
-    cache = paged_cache.gather(values, table_BxP, context_B, share_kv, kv_format)
+    cache = paged_cache.gather(values, table_BxP, context_B, layout)
     # A chunk of 4 slots per row, shaped as the model's: a one-page gather's cache.
-    one_page = paged_cache.gather(values, table_BxP[:, :1], context_B, share_kv, kv_format)
+    one_page = paged_cache.gather(values, table_BxP[:, :1], context_B, layout)
     keys = iter(jax.random.split(jax.random.PRNGKey(0), 64))
 
     def fill(x):  # Random bits in every slot of the dense cache, at its dtype.
@@ -80,27 +83,25 @@ class GatherScatterTest(parameterized.TestCase):
       return jnp.where(jnp.isnan(value), jnp.zeros_like(value), value)
 
     chunk = jax.tree.map(fill, one_page.layers)
-    args = (table_BxP, context_B, num_new_B, 4, share_kv)
+    args = (table_BxP, context_B, num_new_B, 4, layout)
     out_values = paged_cache.scatter(values, cache, chunk, *args)
     out_bits = paged_cache.scatter(bits, cache, chunk, *args, dtypes=dtypes)
     as_bits = lambda tree: jax.tree.map(lambda x: np.asarray(paged_cache.to_bits(x)), tree)
     for stage in ("prelude", "core", "coda"):  # Every page but the scratch page (padding).
-      axis = paged_cache._batch_axis(stage, share_kv)
+      axis = paged_cache._batch_axis(stage, layout)
       real = lambda x, axis=axis: x[(slice(None),) * axis + (slice(0, 6),)]
       stored = [jax.tree.map(real, as_bits(t[stage])) for t in (out_values, out_bits)]
       jax.tree.map(np.testing.assert_array_equal, *stored)
-    again = paged_cache.gather(out_values, table_BxP, context_B + 2, share_kv, kv_format)
-    again_bits = paged_cache.gather(
-      out_bits, table_BxP, context_B + 2, share_kv, kv_format, dtypes=dtypes
-    )
+    again = paged_cache.gather(out_values, table_BxP, context_B + 2, layout)
+    again_bits = paged_cache.gather(out_bits, table_BxP, context_B + 2, layout, dtypes=dtypes)
     self.assertEqual(
       jax.tree.map(lambda x: x.dtype, again), jax.tree.map(lambda x: x.dtype, again_bits)
     )
     jax.tree.map(np.testing.assert_array_equal, as_bits(again), as_bits(again_bits))
     # Each row's real new slots hold its chunk, at its context; the slots before are untouched.
-    before = paged_cache.gather(values, table_BxP, context_B, share_kv, kv_format)
+    before = paged_cache.gather(values, table_BxP, context_B, layout)
     for stage in ("prelude", "core", "coda"):
-      axis = paged_cache._batch_axis(stage, share_kv)
+      axis = paged_cache._batch_axis(stage, layout)
       layers = (again.layers[stage], chunk[stage], before.layers[stage])
       leaves = zip(*(jax.tree.leaves(x) for x in layers), strict=True)
       for got, new, old in leaves:
@@ -126,15 +127,18 @@ def _compiled_cpu_step(pages) -> str:
   row = lambda dtype: S((2,), dtype)
   args = (params, pages, S((2, 1), i32), S((2, 2), i32), row(i32), row(i32), row(f32))
   args += (row(i32), row(f32), row(i32), row(i32), S((2, 1), i32), row(i32))
-  step = executor_lib.compiled_call(CFG, False, "bf16", False)
+  step = executor_lib.compiled_call(CFG, KVLayout(False, "bf16", page_size=4), False)
   return step.trace(*args).lower().compile().as_text()
+
+
+_UNSHARED_BF16 = KVLayout(False, "bf16", page_size=4)
 
 
 class WholePoolConvertTest(absltest.TestCase):
   def test_cpu_step_converts_no_pool(self):
     """A pool of 37 pages of 4 tokens: its first dims (37 + 1 scratch, 4) name its arrays."""
     shapes = lambda as_bits: jax.eval_shape(
-      lambda: paged_cache.init_pages(CFG, 37, 4, False, "bf16", 0, as_bits=as_bits)
+      lambda: paged_cache.init_pages(CFG, 37, _UNSHARED_BF16, 0, as_bits=as_bits)
     )
     pool = re.compile(r"f32\[(\d+,)?38,4,")  # A float32 array of the pool's shape.
     self.assertRegex(_compiled_cpu_step(shapes(False)), pool)  # Values: the defect is there.
@@ -145,7 +149,7 @@ class WholePoolConvertTest(absltest.TestCase):
     and neither writes the dense cache ([(R,) 2, 8, ...]) nor copies a pool ([(R,) 38, 4, ...]).
     Writing the dense cache and reading the window back made the unshared step copy every
     recurrence's context; writing before the pool's reads are done made XLA copy pools."""
-    pages = jax.eval_shape(lambda: paged_cache.init_pages(CFG, 37, 4, False, "bf16", as_bits=True))
+    pages = jax.eval_shape(lambda: paged_cache.init_pages(CFG, 37, _UNSHARED_BF16, as_bits=True))
     hlo = _compiled_cpu_step(pages)
     pool = r"u16\[(\d+,)?38,4,1,32\]"
     self.assertNotRegex(hlo, rf"= {pool}\S* copy\(")
@@ -158,9 +162,8 @@ class WholePoolConvertTest(absltest.TestCase):
     model = LoopedLM(CFG)
     params = init_params(model, jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))
     padding = Padding.create(4, (2,), (1,), (2,), 16)
-    ex = ModelExecutor(
-      model, params, num_pages=6, page_size=4, share_kv=True, kv_format="nvfp4", padding=padding
-    )
+    layout = KVLayout(True, "nvfp4", page_size=4)
+    ex = ModelExecutor(model, params, num_pages=6, layout=layout, padding=padding)
     dtypes = {x.dtype.name for x in jax.tree.leaves(ex.pages)}
     self.assertEqual(dtypes, {"uint8", "float32"})  # Elements and e4m3 scales; tensor scales.
 

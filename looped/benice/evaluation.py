@@ -252,9 +252,38 @@ def evaluate(
     (metrics['kv_policies']; make_stats_fns(model_cfg, kv_format, policy) per policy).
   """
   passes = sorted({0, *(int(n) for n in jacobi_passes)})
+  masked = "segment_ids" in eval_batches[0]  # Document masking (data.document_mask).
+  ce_rows, residual_R, relative_R = _jacobi_ce(fns, params, eval_batches, passes, masked, place)
+  tokens_per_row = int(eval_batches[0]["targets"].shape[1])
+  subset = _stack_rows(eval_batches[: decode_batches or len(eval_batches)], masked)
+  blocks = sorted({int(c) for c in prefill_blocks})
+  policies = list(dict.fromkeys(kv_policies))
+  policy_fns = {p: make_stats_fns(model_cfg, kv_format, p) for p in policies}
+  sub = _subset_ce(fns, params, subset, decode_rows, blocks, policy_fns, drift, place)
+  unshared_sub = ce_rows[0][: len(sub.decode)]
+  metrics = {
+    "metrics_version": METRICS_VERSION,
+    **_eval_metrics(ce_rows, passes, tokens_per_row),
+    **_subset_metrics(ce_rows, passes, sub, tokens_per_row),
+    **_residual_metrics(residual_R / len(eval_batches), relative_R / len(eval_batches)),
+    "kv_bytes_per_token": kv_bytes_per_token(model_cfg, kv_format, kv_policy),
+    "cache_bytes": cache_bytes(model_cfg, kv_format, kv_policy),
+    "kv_policy": kv_policy,
+    "kv_policies": {
+      p: _policy_metrics(model_cfg, kv_format, p, ce, unshared_sub, tokens_per_row)
+      for p, ce in sub.policy.items()
+    },
+  }
+  if drift:
+    metrics["kv_drift"] = _drift_metrics(*sub.drift)
+  return metrics
+
+
+def _jacobi_ce(fns: StatsFns, params, eval_batches, passes, masked: bool, place):
+  """Row CE after each count of Jacobi passes ({n: ce_rows}) over the whole eval set, and the
+  residual and relative-residual norms summed over its batches."""
   ce_rows = {n: [] for n in passes}
   residual_R, relative_R = 0.0, 0.0
-  masked = "segment_ids" in eval_batches[0]  # Document masking (data.document_mask).
   for batch in eval_batches:
     inputs, targets = place(batch["inputs"]), place(batch["targets"])
     segments = place(batch["segment_ids"]) if masked else None
@@ -264,46 +293,62 @@ def evaluate(
       ce_rows[n].append(ce_IxB[n])
     residual_R = residual_R + np.asarray(res_R, np.float64)
     relative_R = relative_R + np.asarray(rel_R, np.float64)
-  ce_rows = {n: np.concatenate(v) for n, v in ce_rows.items()}
-  tokens_per_row = int(eval_batches[0]["targets"].shape[1])
+  return {n: np.concatenate(v) for n, v in ce_rows.items()}, residual_R, relative_R
 
-  subset = eval_batches[: decode_batches or len(eval_batches)]
-  sub_inputs = np.concatenate([b["inputs"] for b in subset])
-  sub_targets = np.concatenate([b["targets"] for b in subset])
-  sub_segments = np.concatenate([b["segment_ids"] for b in subset]) if masked else None
+
+def _stack_rows(batches: list[dict], masked: bool) -> tuple:
+  """The batches' (inputs, targets, segment ids or None) as host arrays of all their rows."""
+  inputs = np.concatenate([b["inputs"] for b in batches])
+  targets = np.concatenate([b["targets"] for b in batches])
+  segments = np.concatenate([b["segment_ids"] for b in batches]) if masked else None
+  return inputs, targets, segments
+
+
+class _SubsetCE(NamedTuple):
+  """Row CE on the decode subset, and the K/V drift's summed squared norms (or None)."""
+
+  decode: np.ndarray  # Exact shared decode.
+  block: dict  # Block size C -> block prefill.
+  policy: dict  # Extra KV policy -> exact shared decode under it.
+  drift: list | None  # (dk, dv, k, v) of StatsFns.drift, summed over the row groups.
+
+
+def _subset_ce(fns, params, subset, decode_rows, blocks, policy_fns, drift, place) -> _SubsetCE:
+  """Exact decode, block prefill, each extra policy's decode and (with drift) the K/V drift on
+  the decode subset, `decode_rows` rows per call (0: all of them)."""
+  sub_inputs, sub_targets, sub_segments = subset
   rows = len(sub_inputs)
   group = decode_rows or rows
-  blocks = sorted({int(c) for c in prefill_blocks})
   decode_ce, drift_sums = [], None
   block_ce = {c: [] for c in blocks}
-  policies = list(dict.fromkeys(kv_policies))
-  policy_ce = {p: [] for p in policies}
+  policy_ce = {p: [] for p in policy_fns}
   for start in range(0, rows, group):
     inputs = place(sub_inputs[start : start + group])
     targets = place(sub_targets[start : start + group])
-    segments = place(sub_segments[start : start + group]) if masked else None
+    segments = None if sub_segments is None else place(sub_segments[start : start + group])
     decode_ce.append(np.asarray(fns.decode(params, inputs, targets, segments), np.float64))
     for c in blocks:
       ce_B = fns.block(params, inputs, targets, segments, c)
       block_ce[c].append(np.asarray(ce_B, np.float64))
-    for p in policies:
-      ce_B = make_stats_fns(model_cfg, kv_format, p).decode(params, inputs, targets, segments)
+    for p, policy in policy_fns.items():
+      ce_B = policy.decode(params, inputs, targets, segments)
       policy_ce[p].append(np.asarray(ce_B, np.float64))
     if drift:
       part = [np.asarray(x, np.float64) for x in fns.drift(params, inputs, segments)]
       drift_sums = part if drift_sums is None else [a + b for a, b in zip(drift_sums, part)]
-  decode_ce = np.concatenate(decode_ce)
-  block_ce = {c: np.concatenate(v) for c, v in block_ce.items()}
-  unshared_sub = ce_rows[0][:rows]
-  num = len(eval_batches)
-  residual_norms = (residual_R / num).tolist()
+  return _SubsetCE(
+    np.concatenate(decode_ce),
+    {c: np.concatenate(v) for c, v in block_ce.items()},
+    {p: np.concatenate(v) for p, v in policy_ce.items()},
+    drift_sums,
+  )
+
+
+def _eval_metrics(ce_rows: dict, passes: list[int], tokens_per_row: int) -> dict:
+  """The whole eval set's perplexities and Jacobi gaps."""
   ppl_un = _ppl(ce_rows[0], tokens_per_row)
   jacobi = {str(n): _ppl(ce_rows[n], tokens_per_row) for n in passes if n}
-  sub_un = _ppl(unshared_sub, tokens_per_row)
-  sub_exact = _ppl(decode_ce, tokens_per_row)
-  sub_block = {str(c): _ppl(block_ce[c], tokens_per_row) for c in blocks}
-  metrics = {
-    "metrics_version": METRICS_VERSION,
+  return {
     "eval_rows": int(len(ce_rows[0])),
     "eval_tokens": int(len(ce_rows[0]) * tokens_per_row),
     "ppl_unshared_eval": ppl_un,
@@ -312,6 +357,17 @@ def evaluate(
     "gap_jacobi_eval_ci95": {
       str(n): gap_ci95(ce_rows[n], ce_rows[0], tokens_per_row) for n in passes if n
     },
+  }
+
+
+def _subset_metrics(ce_rows: dict, passes: list[int], sub: _SubsetCE, tokens_per_row: int):
+  """The decode subset's perplexities and gaps: exact decode, Jacobi passes, block prefill."""
+  rows = len(sub.decode)
+  unshared_sub = ce_rows[0][:rows]
+  sub_un = _ppl(unshared_sub, tokens_per_row)
+  sub_exact = _ppl(sub.decode, tokens_per_row)
+  sub_block = {str(c): _ppl(ce, tokens_per_row) for c, ce in sub.block.items()}
+  return {
     "decode_subset": {"rows": rows, "tokens": rows * tokens_per_row},
     "ppl_unshared_subset": sub_un,
     "ppl_shared_exact_subset": sub_exact,
@@ -319,25 +375,25 @@ def evaluate(
       str(n): _ppl(ce_rows[n][:rows], tokens_per_row) for n in passes if n
     },
     "gap_exact": sub_exact / sub_un - 1.0,
-    "gap_exact_ci95": gap_ci95(decode_ce, unshared_sub, tokens_per_row),
+    "gap_exact_ci95": gap_ci95(sub.decode, unshared_sub, tokens_per_row),
     "ppl_shared_block_subset": sub_block,
     "gap_block": {c: p / sub_un - 1.0 for c, p in sub_block.items()},
-    "gap_block_ci95": {str(c): gap_ci95(block_ce[c], unshared_sub, tokens_per_row) for c in blocks},
-    "residual_norms": residual_norms,
-    "relative_residuals": (relative_R / num).tolist(),
-    "contraction_ratios": contraction_ratios(residual_norms),
-    "kv_bytes_per_token": kv_bytes_per_token(model_cfg, kv_format, kv_policy),
-    "cache_bytes": cache_bytes(model_cfg, kv_format, kv_policy),
-    "kv_policy": kv_policy,
-    "kv_policies": {
-      p: _policy_metrics(model_cfg, kv_format, p, np.concatenate(ce), unshared_sub, tokens_per_row)
-      for p, ce in policy_ce.items()
+    "gap_block_ci95": {
+      str(c): gap_ci95(ce, unshared_sub, tokens_per_row) for c, ce in sub.block.items()
     },
   }
-  if drift:
-    dk, dv, k, v = drift_sums
-    metrics["kv_drift"] = {
-      "k": np.sqrt(dk / k[:, None]).tolist(),
-      "v": np.sqrt(dv / v[:, None]).tolist(),
-    }
-  return metrics
+
+
+def _residual_metrics(residual_R, relative_R) -> dict:
+  """Mean residual norms per recurrence and their contraction."""
+  residual_norms = residual_R.tolist()
+  return {
+    "residual_norms": residual_norms,
+    "relative_residuals": relative_R.tolist(),
+    "contraction_ratios": contraction_ratios(residual_norms),
+  }
+
+
+def _drift_metrics(dk, dv, k, v) -> dict:
+  """||K_r - K_R|| / ||K_R|| (and V's) per core layer and recurrence."""
+  return {"k": np.sqrt(dk / k[:, None]).tolist(), "v": np.sqrt(dv / v[:, None]).tolist()}

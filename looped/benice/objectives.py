@@ -37,6 +37,8 @@ Recipe knobs (all off by default, so the objective above is unchanged):
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -112,116 +114,164 @@ def kv_passes_at(step, kv_passes: int, ramp_steps: int):
   return jnp.minimum(n, kv_passes)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Recipe:
+  """The objective's static settings, read from the benice config once."""
+
+  w_shared: float
+  w_unshared: float
+  w_kl: float
+  w_residual: float
+  w_distill: float
+  shared_ramp_steps: int
+  kv_ramp_steps: int
+  prefill_block: int | None  # None: token-level reads.
+  kv_passes: int
+  kl_shared: bool  # KL to the frozen model on the shared pass.
+  kl_unshared: bool  # ... and on the unshared pass.
+
+  @property
+  def need_shared(self) -> bool:
+    return self.w_shared > 0 or self.w_residual > 0 or self.kl_shared or self.w_distill > 0
+
+  @property
+  def need_states(self) -> bool:
+    return self.w_residual > 0
+
+  def terms(self) -> tuple[str, ...]:
+    """The loss terms reported, in the trainer's order."""
+    kl_shared, kl_unshared = self.w_kl > 0 and self.kl_shared, self.w_kl > 0 and self.kl_unshared
+    terms = ("ce_shared",) * self.need_shared + ("ce_unshared",)
+    terms += ("kl_shared",) * kl_shared + ("kl_unshared",) * kl_unshared
+    return terms + ("distill",) * (self.w_distill > 0) + ("residual_match",) * self.need_states
+
+
+def _recipe(benice_cfg) -> _Recipe:
+  w_kl = float(benice_cfg.kl_weight)
+  kl_pass = benice_cfg.kl_pass
+  return _Recipe(
+    w_shared=float(benice_cfg.shared_ce_weight),
+    w_unshared=float(benice_cfg.unshared_ce_weight),
+    w_kl=w_kl,
+    w_residual=float(benice_cfg.residual_weight),
+    w_distill=float(benice_cfg.get("distill_weight", 0.0)),
+    shared_ramp_steps=int(benice_cfg.get("shared_ramp_steps", 0)),
+    kv_ramp_steps=int(benice_cfg.get("kv_passes_ramp_steps", 0)),
+    prefill_block=int(benice_cfg.get("prefill_block", 0)) or None,
+    kv_passes=int(benice_cfg.kv_passes),
+    kl_shared=w_kl > 0 and kl_pass in ("shared", "both"),
+    kl_unshared=w_kl > 0 and kl_pass in ("unshared", "both"),
+  )
+
+
 def benice(model: LoopedLM, depth_cfg, benice_cfg, frozen_params=None) -> Objective:
   """BeNice! objective; weights, read mode and kv_passes are static (from the config).
 
   The depth mask and the state-noise key are drawn exactly as in `language_modeling`, so with
   only the unshared CE weighted this is standard finetuning, step for step.
   """
-  w_shared = float(benice_cfg.shared_ce_weight)
-  w_unshared = float(benice_cfg.unshared_ce_weight)
-  w_kl = float(benice_cfg.kl_weight)
-  w_residual = float(benice_cfg.residual_weight)
-  w_distill = float(benice_cfg.get("distill_weight", 0.0))
-  shared_ramp_steps = int(benice_cfg.get("shared_ramp_steps", 0))
-  kv_ramp_steps = int(benice_cfg.get("kv_passes_ramp_steps", 0))
-  prefill_block = int(benice_cfg.get("prefill_block", 0)) or None  # None: token-level reads.
-  kl_pass = benice_cfg.kl_pass
-  kv_passes = int(benice_cfg.kv_passes)
+  recipe = _recipe(benice_cfg)
   read_R = read_mask_R(benice_cfg.read_recurrences, model.cfg.num_recurrences)
-  kl_shared = w_kl > 0 and kl_pass in ("shared", "both")
-  kl_unshared = w_kl > 0 and kl_pass in ("unshared", "both")
-  need_shared = w_shared > 0 or w_residual > 0 or kl_shared or w_distill > 0
-  need_states = w_residual > 0
-  if w_kl > 0 and frozen_params is None:
+  if recipe.w_kl > 0 and frozen_params is None:
     raise ValueError("kl_weight > 0 needs the frozen pretrained params.")
 
   def loss_fn(params, frozen, batch, key, step=None):
-    depth_key, state_key = jax.random.split(key)
-    shared_scale = ramp(step, shared_ramp_steps)  # Multiplies every shared-pass term.
-    inputs_BxT, targets_BxT = batch["inputs"], batch["targets"]
-    mask_BxR = sample_depth(depth_key, inputs_BxT.shape[0], model, depth_cfg)
-    kw = dict(
-      depth_mask_BxR=mask_BxR,
-      backprop_recurrences=depth_cfg.backprop_recurrences,
-      rngs={"state": state_key},
-      segment_ids_BxT=batch.get("segment_ids"),  # Document masking, in every pass.
-    )
-    logits_u, aux_u = model.apply(params, inputs_BxT, collect_states=need_states, **kw)
-    ce_u = jnp.mean(token_cross_entropy(logits_u, targets_BxT))
-    loss = w_unshared * ce_u
-    metrics = {
-      "ce_unshared": ce_u,
-      "mean_depth": jnp.mean(jnp.sum(mask_BxR, axis=1)),
-      "relative_residual_R": aux_u["relative_residual_R"],
-    }
-    if need_shared:
-      passes = kv_passes_at(step, kv_passes, kv_ramp_steps)
-      kv = broadcast_kv(
-        model,
-        params,
-        inputs_BxT,
-        aux_u["final_kv"],
-        read_R,
-        passes,
-        prefill_block=prefill_block,
-        **kw,
-      )
-      logits_s, aux_s = model.apply(
-        params,
-        inputs_BxT,
-        shared_kv=kv,
-        read_shared_R=read_R,
-        collect_states=need_states,
-        prefill_block=prefill_block,
-        **kw,
-      )
-      ce_s = jnp.mean(token_cross_entropy(logits_s, targets_BxT))
-      loss = loss + shared_scale * w_shared * ce_s
-      metrics["ce_shared"] = ce_s
-      metrics["shared_gap"] = jnp.exp(ce_s - ce_u) - 1.0
-      if shared_ramp_steps:
-        metrics["shared_scale"] = shared_scale
-      if kv_ramp_steps:
-        metrics["kv_passes"] = jnp.asarray(passes, jnp.float32)
-    if w_distill > 0:
-      metrics["distill"] = kl_divergence(jax.lax.stop_gradient(logits_u), logits_s)
-      loss = loss + shared_scale * w_distill * metrics["distill"]
-    if w_kl > 0:
-      teacher_BxTxV, _ = model.apply(frozen, inputs_BxT, **kw)
-      teacher_BxTxV = jax.lax.stop_gradient(teacher_BxTxV)
-      kl = 0.0
-      if kl_shared:
-        metrics["kl_shared"] = kl_divergence(teacher_BxTxV, logits_s)
-        kl = kl + shared_scale * metrics["kl_shared"]
-      if kl_unshared:
-        metrics["kl_unshared"] = kl_divergence(teacher_BxTxV, logits_u)
-        kl = kl + metrics["kl_unshared"]
-      loss = loss + w_kl * kl
-    if need_states:
-      res = residual_matching(aux_s["states_RxBxTxD"], aux_u["states_RxBxTxD"])
-      metrics["residual_match"] = res
-      loss = loss + w_residual * res
-    metrics["loss"] = loss
-    return loss, metrics
-
-  terms = ("ce_shared",) * need_shared + ("ce_unshared",)
-  terms += ("kl_shared",) * (w_kl > 0 and kl_shared) + ("kl_unshared",) * (w_kl > 0 and kl_unshared)
-  terms += ("distill",) * (w_distill > 0) + ("residual_match",) * need_states
+    return _loss(model, depth_cfg, recipe, read_R, params, frozen, batch, key, step)
 
   def flops_per_token(seq_len: int, step: int) -> float:
-    """The unshared pass trained; the shared pass trained, after its gradient-free K/V
-    passes (as many as the ramp gives at `step`); the frozen teacher's forward for the KL."""
-    cfg = model.cfg
-    total = flops.train_flops_per_token(cfg, seq_len)
-    if need_shared:
-      passes = kv_passes
-      if kv_ramp_steps:  # kv_passes_at in host integers.
-        passes = min(step * (kv_passes + 1) // kv_ramp_steps, kv_passes)
-      total = flops.benice_flops_per_token(cfg, seq_len, passes)
-    if w_kl > 0:
-      total += flops.forward_flops_per_token(cfg, seq_len)
-    return total
+    return _flops_per_token(model.cfg, recipe, seq_len, step)
 
-  frozen = frozen_params if w_kl > 0 else None
-  return Objective(loss_fn, frozen, terms, flops_per_token=flops_per_token)
+  frozen = frozen_params if recipe.w_kl > 0 else None
+  return Objective(loss_fn, frozen, recipe.terms(), flops_per_token=flops_per_token)
+
+
+def _loss(model: LoopedLM, depth_cfg, recipe: _Recipe, read_R, params, frozen, batch, key, step):
+  """(loss, metrics) of one batch (module docstring)."""
+  depth_key, state_key = jax.random.split(key)
+  shared_scale = ramp(step, recipe.shared_ramp_steps)  # Multiplies every shared-pass term.
+  inputs_BxT, targets_BxT = batch["inputs"], batch["targets"]
+  mask_BxR = sample_depth(depth_key, inputs_BxT.shape[0], model, depth_cfg)
+  kw = dict(
+    depth_mask_BxR=mask_BxR,
+    backprop_recurrences=depth_cfg.backprop_recurrences,
+    rngs={"state": state_key},
+    segment_ids_BxT=batch.get("segment_ids"),  # Document masking, in every pass.
+  )
+  logits_u, aux_u = model.apply(params, inputs_BxT, collect_states=recipe.need_states, **kw)
+  ce_u = jnp.mean(token_cross_entropy(logits_u, targets_BxT))
+  loss = recipe.w_unshared * ce_u
+  metrics = {
+    "ce_unshared": ce_u,
+    "mean_depth": jnp.mean(jnp.sum(mask_BxR, axis=1)),
+    "relative_residual_R": aux_u["relative_residual_R"],
+  }
+  logits_s = aux_s = None
+  if recipe.need_shared:
+    passes = kv_passes_at(step, recipe.kv_passes, recipe.kv_ramp_steps)
+    logits_s, aux_s = _shared_pass(model, recipe, read_R, params, inputs_BxT, aux_u, passes, kw)
+    ce_s = jnp.mean(token_cross_entropy(logits_s, targets_BxT))
+    loss = loss + shared_scale * recipe.w_shared * ce_s
+    metrics["ce_shared"] = ce_s
+    metrics["shared_gap"] = jnp.exp(ce_s - ce_u) - 1.0
+    if recipe.shared_ramp_steps:
+      metrics["shared_scale"] = shared_scale
+    if recipe.kv_ramp_steps:
+      metrics["kv_passes"] = jnp.asarray(passes, jnp.float32)
+  if recipe.w_distill > 0:
+    metrics["distill"] = kl_divergence(jax.lax.stop_gradient(logits_u), logits_s)
+    loss = loss + shared_scale * recipe.w_distill * metrics["distill"]
+  if recipe.w_kl > 0:
+    teacher_BxTxV, _ = model.apply(frozen, inputs_BxT, **kw)
+    kl = _teacher_kl(recipe, teacher_BxTxV, logits_u, logits_s, shared_scale, metrics)
+    loss = loss + recipe.w_kl * kl
+  if recipe.need_states:
+    res = residual_matching(aux_s["states_RxBxTxD"], aux_u["states_RxBxTxD"])
+    metrics["residual_match"] = res
+    loss = loss + recipe.w_residual * res
+  metrics["loss"] = loss
+  return loss, metrics
+
+
+def _shared_pass(model: LoopedLM, recipe: _Recipe, read_R, params, inputs_BxT, aux_u, passes, kw):
+  """(logits, aux) of the shared pass, reading the K/V broadcast after `passes` Jacobi passes."""
+  block = recipe.prefill_block
+  kv = broadcast_kv(
+    model, params, inputs_BxT, aux_u["final_kv"], read_R, passes, prefill_block=block, **kw
+  )
+  return model.apply(
+    params,
+    inputs_BxT,
+    shared_kv=kv,
+    read_shared_R=read_R,
+    collect_states=recipe.need_states,
+    prefill_block=block,
+    **kw,
+  )
+
+
+def _teacher_kl(recipe: _Recipe, teacher_BxTxV, logits_u, logits_s, shared_scale, metrics):
+  """The KL to the frozen model on the configured passes (the shared one ramped); records each
+  pass's KL in `metrics`."""
+  teacher_BxTxV = jax.lax.stop_gradient(teacher_BxTxV)
+  kl = 0.0
+  if recipe.kl_shared:
+    metrics["kl_shared"] = kl_divergence(teacher_BxTxV, logits_s)
+    kl = kl + shared_scale * metrics["kl_shared"]
+  if recipe.kl_unshared:
+    metrics["kl_unshared"] = kl_divergence(teacher_BxTxV, logits_u)
+    kl = kl + metrics["kl_unshared"]
+  return kl
+
+
+def _flops_per_token(cfg, recipe: _Recipe, seq_len: int, step: int) -> float:
+  """The unshared pass trained; the shared pass trained, after its gradient-free K/V passes (as
+  many as the ramp gives at `step`); the frozen teacher's forward for the KL."""
+  total = flops.train_flops_per_token(cfg, seq_len)
+  if recipe.need_shared:
+    passes = recipe.kv_passes
+    if recipe.kv_ramp_steps:  # kv_passes_at in host integers.
+      passes = min(step * (passes + 1) // recipe.kv_ramp_steps, passes)
+    total = flops.benice_flops_per_token(cfg, seq_len, passes)
+  if recipe.w_kl > 0:
+    total += flops.forward_flops_per_token(cfg, seq_len)
+  return total

@@ -34,6 +34,7 @@ from looped.benice.config import MODEL_NAMES, BeniceConfig, EvalConfig, Pipeline
 from looped.checkpoints import checkpointing, model_record
 from looped.data import tokenizers
 from looped.model import kv_policy as kv_policy_lib
+from looped.model import mixers
 from looped.model.looped_lm import LoopedLM
 from looped.train import dry_run, trainer
 from looped.train import objectives as train_objectives
@@ -61,6 +62,22 @@ def validate(config, chosen: tuple[str, ...] = ()) -> None:
   for stage in stages.STAGES:
     stages.validate_stage(config, stage)
   schema.validate(PipelineConfig, config, "pipeline")
+  _check_models(config)
+  _check_benice(config)
+  _check_eval_passes(config)
+  _check_eval_sharing(config)
+  _check_eval_decode(config)
+  _check_eval_samples(config)
+  _check_reused_runs(config)
+
+
+def _upper(names) -> str:
+  """Mixer names as messages write them ('KDA, MLA')."""
+  return ", ".join(m.upper() for m in names)
+
+
+def _check_models(config) -> None:
+  """pipeline.models: distinct names of the models the pipeline trains and evaluates."""
   models = config.pipeline.models
   if (
     not isinstance(models, (tuple, list))
@@ -71,24 +88,32 @@ def validate(config, chosen: tuple[str, ...] = ()) -> None:
     cc.fail(
       "pipeline.models", models, f"must be a non-empty tuple of distinct names from {tuple(MODELS)}"
     )
+
+
+def _check_benice(config) -> None:
+  """The benice section: its schema, ramps within the training steps, block prefill only where
+  every core layer can run it, and some loss to train."""
   schema.validate(BeniceConfig, config, "benice")
   for name in ("shared_ramp_steps", "kv_passes_ramp_steps"):
     cc.integer(config, "benice." + name, min_value=0, max_value=config.post.train.num_steps)
   b = config.benice
   if b.kv_passes_ramp_steps and not b.kv_passes:
     cc.fail("benice.kv_passes_ramp_steps", b.kv_passes_ramp_steps, "needs benice.kv_passes > 0")
-  if b.prefill_block and (
-    config.model.attention_impl != "xla" or "kda" in tuple(config.model.core_mixers)
-  ):
+  lacking = mixers.lacking(config.model, "core", "block_prefill")
+  if b.prefill_block and (config.model.attention_impl != "xla" or lacking):
     cc.fail(
       "benice.prefill_block",
       b.prefill_block,
-      "needs model.attention_impl = 'xla' and no KDA core layers (block prefill's parallel reads)",
+      "needs model.attention_impl = 'xla' and core layers that run block prefill (block "
+      "prefill's parallel reads)" + (f"; {_upper(lacking)} core layers do not" if lacking else ""),
     )
   weights = (b.shared_ce_weight, b.unshared_ce_weight, b.kl_weight, b.residual_weight)
   if sum(weights) + b.distill_weight <= 0:
     cc.fail("benice.shared_ce_weight", b.shared_ce_weight, "some loss weight must be > 0")
 
+
+def _check_eval_passes(config) -> None:
+  """The eval section's schema, its Jacobi pass counts and its prefill block sizes."""
   schema.validate(EvalConfig, config, "eval")
   passes = config.eval.jacobi_passes
   if (
@@ -102,6 +127,11 @@ def validate(config, chosen: tuple[str, ...] = ()) -> None:
     isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in blocks
   ):
     cc.fail("eval.prefill_blocks", blocks, "must be a tuple of integers >= 1 (may be empty)")
+
+
+def _check_eval_sharing(config) -> None:
+  """The KV policies (others than 'final' only where every core layer supports them) and the
+  KV formats the evaluation measures."""
   num_recurrences = config.model.num_recurrences
   kv_policy_lib.check(cc.get(config, "eval.kv_policy"), num_recurrences, "config.eval.kv_policy")
   policies = cc.get(config, "eval.kv_policies")
@@ -110,8 +140,9 @@ def validate(config, chosen: tuple[str, ...] = ()) -> None:
   for name in policies:
     kv_policy_lib.check(name, num_recurrences, "config.eval.kv_policies")
   uses = [config.eval.kv_policy, *policies]
-  if "kda" in tuple(config.model.core_mixers) and any(p != kv_policy_lib.FINAL for p in uses):
-    cc.fail("eval.kv_policies", policies, "KDA core layers share only under 'final'")
+  lacking = mixers.lacking(config.model, "core", "kv_policies")
+  if lacking and any(p != kv_policy_lib.FINAL for p in uses):
+    cc.fail("eval.kv_policies", policies, f"{_upper(lacking)} core layers share only under 'final'")
   formats = cc.get(config, "eval.kv_formats")
   if not isinstance(formats, (tuple, list)) or any(f not in kv_quant.FORMATS for f in formats):
     cc.fail("eval.kv_formats", formats, f"must be a tuple of formats from {kv_quant.FORMATS}")
@@ -120,6 +151,10 @@ def validate(config, chosen: tuple[str, ...] = ()) -> None:
       kv_quant.check_format(fmt, config.model.head_dim)
     except ValueError as e:
       cc.fail("eval.kv_formats", formats, str(e).rstrip("."))
+
+
+def _check_eval_decode(config) -> None:
+  """The decode subset: its batches and the rows a decode call takes."""
   num_eval_batches = cc.get(config, "data.num_eval_batches")
   decode_batches = cc.integer(
     config, "eval.decode_batches", min_value=0, max_value=num_eval_batches
@@ -134,6 +169,12 @@ def validate(config, chosen: tuple[str, ...] = ()) -> None:
       f"must be 0 or a multiple of data.eval_batch_size = {batch} that divides the decode "
       f"subset's {decode_batches * batch} rows",
     )
+
+
+def _check_eval_samples(config) -> None:
+  """The report's samples: how many, and prompt plus continuation within the model's length."""
+  num_eval_batches = cc.get(config, "data.num_eval_batches")
+  batch = config.data.eval_batch_size
   num_samples = cc.integer(config, "eval.samples", min_value=0, max_value=num_eval_batches * batch)
   prompt = cc.integer(
     config, "eval.sample_prompt_tokens", min_value=1, max_value=config.data.seq_len
@@ -146,6 +187,10 @@ def validate(config, chosen: tuple[str, ...] = ()) -> None:
       f"with eval.sample_prompt_tokens = {prompt} must fit model.max_seq_len = "
       f"{config.model.max_seq_len}",
     )
+
+
+def _check_reused_runs(config) -> None:
+  """Reused pretraining and finetuning runs: checkpointed, and the baseline as long as BeNice!."""
   for name, stage in (("pretrain_workdir", "pretrain"), ("finetune_workdir", "finetune")):
     path = config.pipeline[name]
     if path and stages.latest_step(path) is None:
@@ -222,77 +267,19 @@ def _evaluate(config, workdir: str, model: LoopedLM, abstract, stage_dirs: dict,
   eval_batches = data_lib.make_eval_batches(config, process_index=0, process_count=1)
   results, timings = {}, []
   for name in config.pipeline.models:
-    stage = MODELS[name]
-    stage_dir = stage_dirs[stage]
-    key = {
-      "checkpoint": os.path.abspath(stage_dir),
-      "step": stages.latest_step(stage_dir),
-      "eval": _eval_key(config.eval),
-      "metrics_version": evaluation.METRICS_VERSION,
-      "data": config.data.to_dict(),
-    }
-    record = model_record.read(stage_dir)  # Evaluated at a loop count its record does not say?
-    chosen = {
-      f: config.model[f]
-      for f in model_record.READER_FIELDS
-      if record is not None and model_record.recorded_value(record, f) != config.model[f]
-    }
-    if chosen:
-      key["chosen"] = chosen
-    key = json.loads(json.dumps(key))
+    stage_dir = stage_dirs[MODELS[name]]
+    key = _eval_cache_key(config, stage_dir)
     path = os.path.join(workdir, "eval", f"{name}.json")
-    if os.path.exists(path):
-      with open(path) as f:
-        cached = json.load(f)
-      if cached["key"] == key:
-        logging.info("Evaluation %s: cached in %s", name, path)
-        results[name] = cached["metrics"]
-        timings.append(timing.eval_row(name, cached.get("timing"), "cached"))
-        continue
+    cached = _read_cached_eval(path, key)
+    if cached is not None:
+      logging.info("Evaluation %s: cached in %s", name, path)
+      results[name] = cached["metrics"]
+      timings.append(timing.eval_row(name, cached.get("timing"), "cached"))
+      continue
     logging.info("Evaluation %s: %s step %d", name, stage_dir, key["step"])
     start = time.time()
     params = checkpointing.restore_params(stage_dir, abstract)
-    evaluate = functools.partial(
-      evaluation.evaluate,
-      params=params,
-      eval_batches=eval_batches,
-      jacobi_passes=tuple(config.eval.jacobi_passes),
-      decode_batches=config.eval.decode_batches,
-      decode_rows=config.eval.decode_rows,
-      prefill_blocks=tuple(config.eval.prefill_blocks),
-      place=functools.partial(jax.device_put, device=sharding.batch_sharding(mesh)),
-      kv_policy=config.eval.kv_policy,
-    )
-    metrics = evaluate(
-      evaluation.make_stats_fns(model.cfg, None, config.eval.kv_policy),
-      model.cfg,
-      kv_policies=tuple(config.eval.kv_policies),
-    )
-    seconds = {"fp32": time.time() - start}
-    # Per format only what its table reports: unshared and exact shared perplexities (no
-    # Jacobi passes, drift or block prefill).
-    metrics["kv_formats"] = {
-      fmt: evaluate(
-        evaluation.make_stats_fns(model.cfg, fmt, config.eval.kv_policy),
-        model.cfg,
-        kv_format=fmt,
-        jacobi_passes=(),
-        drift=False,
-        prefill_blocks=(),
-      )
-      for fmt in config.eval.kv_formats
-    }
-    seconds["kv_formats"] = time.time() - start - sum(seconds.values())
-    if config.eval.samples and samples.supported(model):
-      metrics["samples"] = samples.generate(
-        model,
-        params,
-        samples.prompts(eval_batches, config.eval.samples, config.eval.sample_prompt_tokens),
-        config.eval.sample_new_tokens,
-        tokenizers.get(config.data).decode,
-        config.eval.kv_policy,
-      )
-    seconds["samples"] = time.time() - start - sum(seconds.values())
+    metrics, seconds = _evaluate_params(config, model, params, eval_batches, mesh, start)
     logging.info("Evaluation %s: %.1f s, %s", name, time.time() - start, report.summary(metrics))
     if jax.process_index() == 0:
       os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -301,6 +288,84 @@ def _evaluate(config, workdir: str, model: LoopedLM, abstract, stage_dirs: dict,
     results[name] = metrics
     timings.append(timing.eval_row(name, seconds, "evaluated"))
   return results, timings
+
+
+def _eval_cache_key(config, stage_dir: str) -> dict:
+  """What a cached evaluation of the checkpoint in stage_dir must match to be reused: the
+  checkpoint, the eval and data settings, the metrics' version, and any model field chosen
+  on the command line that the checkpoint's record does not say (a loop count)."""
+  key = {
+    "checkpoint": os.path.abspath(stage_dir),
+    "step": stages.latest_step(stage_dir),
+    "eval": _eval_key(config.eval),
+    "metrics_version": evaluation.METRICS_VERSION,
+    "data": config.data.to_dict(),
+  }
+  record = model_record.read(stage_dir)
+  chosen = {
+    f: config.model[f]
+    for f in model_record.READER_FIELDS
+    if record is not None and model_record.recorded_value(record, f) != config.model[f]
+  }
+  if chosen:
+    key["chosen"] = chosen
+  return json.loads(json.dumps(key))  # As a cached file reads it back.
+
+
+def _read_cached_eval(path: str, key: dict) -> dict | None:
+  """The evaluation cached at path if it was made under key, else None."""
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    cached = json.load(f)
+  return cached if cached["key"] == key else None
+
+
+def _evaluate_params(config, model: LoopedLM, params, eval_batches, mesh, start: float):
+  """(metrics, seconds per part) of one model's params: the full-precision metrics, the
+  perplexities per KV format, and the report's samples (where the model supports them)."""
+  evaluate = functools.partial(
+    evaluation.evaluate,
+    params=params,
+    eval_batches=eval_batches,
+    jacobi_passes=tuple(config.eval.jacobi_passes),
+    decode_batches=config.eval.decode_batches,
+    decode_rows=config.eval.decode_rows,
+    prefill_blocks=tuple(config.eval.prefill_blocks),
+    place=functools.partial(jax.device_put, device=sharding.batch_sharding(mesh)),
+    kv_policy=config.eval.kv_policy,
+  )
+  metrics = evaluate(
+    evaluation.make_stats_fns(model.cfg, None, config.eval.kv_policy),
+    model.cfg,
+    kv_policies=tuple(config.eval.kv_policies),
+  )
+  seconds = {"fp32": time.time() - start}
+  # Per format only what its table reports: unshared and exact shared perplexities (no Jacobi
+  # passes, drift or block prefill).
+  metrics["kv_formats"] = {
+    fmt: evaluate(
+      evaluation.make_stats_fns(model.cfg, fmt, config.eval.kv_policy),
+      model.cfg,
+      kv_format=fmt,
+      jacobi_passes=(),
+      drift=False,
+      prefill_blocks=(),
+    )
+    for fmt in config.eval.kv_formats
+  }
+  seconds["kv_formats"] = time.time() - start - sum(seconds.values())
+  if config.eval.samples and samples.supported(model):
+    metrics["samples"] = samples.generate(
+      model,
+      params,
+      samples.prompts(eval_batches, config.eval.samples, config.eval.sample_prompt_tokens),
+      config.eval.sample_new_tokens,
+      tokenizers.get(config.data).decode,
+      config.eval.kv_policy,
+    )
+  seconds["samples"] = time.time() - start - sum(seconds.values())
+  return metrics, seconds
 
 
 def run(config, workdir: str, chosen: tuple[str, ...] = ()) -> dict:

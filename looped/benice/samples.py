@@ -16,14 +16,15 @@ import numpy as np
 from looped.engine.engine import Engine, EngineConfig
 from looped.engine.requests import GenRequest
 from looped.engine.sampling import SamplingParams
+from looped.model import mixers
 from looped.model.looped_lm import LoopedLM
 
 PAGE_SIZE = 16  # Engine page size for the samples (their pool is sized to hold every request).
 
 
 def supported(model: LoopedLM) -> bool:
-  cfg = model.cfg
-  return "kda" not in (*cfg.prelude_mixers, *cfg.core_mixers, *cfg.coda_mixers)
+  """Whether every layer pages its cache (a model with a per-sequence state gets no samples)."""
+  return mixers.all_with(model.cfg, None, "pages_its_cache")
 
 
 def prompts(eval_batches: list[dict], num: int, prompt_tokens: int) -> list[tuple[int, ...]]:

@@ -27,7 +27,7 @@ def validate(config) -> None:
     cc.string(config, f"data.{field}", allow_empty=source != "tfds")
   if data.val_fraction >= 1:
     cc.fail("data.val_fraction", data.val_fraction, "must be < 1 (the rest is the train split)")
-  max_seq_len = cc.get(config, "model.max_seq_len")
+  max_seq_len = config.model.max_seq_len
   if data.seq_len > max_seq_len:
     cc.fail("data.seq_len", data.seq_len, f"must be <= config.model.max_seq_len = {max_seq_len}")
   for field in ("batch_size", "eval_batch_size"):

@@ -15,10 +15,10 @@ import ml_collections
 from looped import config_checks as cc
 from looped.engine import paged_cache
 from looped.engine.config import EngineSection
-from looped.engine.engine import EngineConfig, pages_for_budget
+from looped.engine.engine import EngineConfig
 from looped.model import config as model_lib
 from looped.model import kv_policy, mixers
-from looped.model.looped_lm import LoopedLM
+from looped.model.cache_layout import KVLayout
 
 
 def check_model_and_format(settings: EngineSection, section: str, model_cfg):
@@ -48,9 +48,9 @@ def kv_policy_of(settings: EngineSection, section: str, cfg) -> str:
   return name if settings.share_kv else kv_policy.FINAL
 
 
-def slots_note(cfg, share_kv: bool, max_num_seqs: int) -> str:
+def slots_note(cfg, layout: KVLayout, max_num_seqs: int) -> str:
   """What the budget holds before its pages, for a model with KDA layers (else '')."""
-  per_seq = paged_cache.bytes_per_sequence(cfg, share_kv)
+  per_seq = layout.bytes_per_sequence(cfg)
   if not per_seq:
     return ""
   return f" after {max_num_seqs} state slots of {per_seq:.0f} bytes (max_num_seqs)"
@@ -107,30 +107,26 @@ def check_section(settings: EngineSection, section: str, model_cfg, mesh_shape) 
 
 def check_budget(settings: EngineSection, section: str, cfg, policy: str, need: int, what: str):
   """ConfigError unless the section's KV budget holds `need` pages (`what` needs them)."""
-  share, fmt = settings.share_kv, settings.kv_format or None
+  layout = kv_layout(settings, policy)
   have = num_pages(settings, cfg, policy)
   if have < need:
-    page_bytes = settings.page_size * paged_cache.bytes_per_token(cfg, share, fmt, policy)
     cc.fail(
       f"{section}.kv_budget_bytes",
       settings.kv_budget_bytes,
-      f"holds {have} pages of {page_bytes:.0f} bytes"
-      f"{slots_note(cfg, share, settings.max_num_seqs)}; {what} needs {need}",
+      f"holds {have} pages of {layout.page_bytes(cfg):.0f} bytes"
+      f"{slots_note(cfg, layout, settings.max_num_seqs)}; {what} needs {need}",
     )
+
+
+def kv_layout(settings: EngineSection, policy: str) -> KVLayout:
+  """The section's KVLayout (policy: kv_policy_of's, 'final' when unshared)."""
+  return KVLayout(settings.share_kv, settings.kv_format or None, policy, settings.page_size)
 
 
 def num_pages(settings: EngineSection, cfg, policy: str) -> int:
   """Pages the section's KV budget holds in its layout and format."""
-  s = settings
-  return pages_for_budget(
-    LoopedLM(cfg),
-    float(s.kv_budget_bytes),
-    s.page_size,
-    s.share_kv,
-    s.kv_format or None,
-    s.max_num_seqs,
-    policy,
-  )
+  layout = kv_layout(settings, policy)
+  return layout.pages_for_budget(cfg, float(settings.kv_budget_bytes), settings.max_num_seqs)
 
 
 def engine_config(

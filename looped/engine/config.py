@@ -38,10 +38,23 @@ _BUCKETS = "a tuple of positive integers (empty: powers of two)"
 
 
 @dataclasses.dataclass(frozen=True)
-class EngineSection:
+class BatchingLimits:
+  """The scheduler's limits, which the engine and the simulator share (SimConfig extends this
+  class with its own defaults, schema.redefault)."""
+
+  page_size: int = field(16, "Tokens per KV page (prefix-cache granularity).", min=1)
+  max_num_batched_tokens: int = field(
+    64, "Per-step token budget (decodes + prefill chunks).", min=1
+  )
+  max_num_seqs: int = field(8, "Cap on requests running at once.", min=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSection(BatchingLimits):
   """The paged engine's settings, declared once: `config.gen` and `config.serve` take them as
   their own fields (GenConfig and ServeConfig extend this class, so the flags keep their names,
-  e.g. --config.serve.page_size); `engine_config` turns them into an Engine's EngineConfig."""
+  e.g. --config.serve.page_size); looped.engine.checks.engine_config turns them into an Engine's
+  EngineConfig."""
 
   share_kv: bool = field(True, "KV-sharing: cache only the final recurrence's K/V of core layers.")
   kv_policy: str = field("final", KV_POLICY_DOC, by_hand=KV_POLICY_VALUES)
@@ -54,11 +67,6 @@ class EngineSection:
     "every prompt at once).",
     by_hand="a positive number of bytes (or None for generation)",
   )
-  page_size: int = field(16, "Tokens per KV page (prefix-cache granularity).", min=1)
-  max_num_batched_tokens: int = field(
-    64, "Per-step token budget (decodes + prefill chunks).", min=1
-  )
-  max_num_seqs: int = field(8, "Cap on requests running at once.", min=1)
   prefill_block: int = field(32, PREFILL_BLOCK_DOC, min=1)
   attention_impl: str = field("auto", ATTENTION_IMPL_DOC, choices=ATTENTION_IMPLS)
   row_buckets: tuple[int, ...] = field(

@@ -15,18 +15,21 @@ import collections
 import dataclasses
 import logging
 import math
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from looped.engine import padding as padding_lib
-from looped.engine import paged_cache
+from looped.engine import paged_cache, step_table
 from looped.engine.config import ATTENTION_IMPLS
-from looped.engine.executor import ModelExecutor, RequestFailed, RequestState, powers_of_two
+from looped.engine.executor import ModelExecutor, RequestFailed, RequestState
 from looped.engine.mesh import EngineMesh
 from looped.engine.requests import Failure, Generation, GenRequest, StepOutput, TokenEvent
 from looped.model import kv_policy as kv_policy_lib
+from looped.model import mixers
+from looped.model.cache_layout import KVLayout
 from looped.model.looped_lm import LoopedLM
 from looped.scheduler import pages as pages_lib
 from looped.scheduler import scheduler as scheduler_lib
@@ -36,19 +39,11 @@ log = logging.getLogger(__name__)
 
 
 def pages_for_budget(
-  model: LoopedLM,
-  budget_bytes: float,
-  page_size: int,
-  share_kv: bool,
-  kv_format: str | None,
-  max_num_seqs: int,
-  kv_policy: str = "final",
+  model: LoopedLM, budget_bytes: float, layout: KVLayout, max_num_seqs: int
 ) -> int:
-  """Pages a KV budget holds in the given layout (and KV policy) and format once it holds the
-  state slots of max_num_seqs requests (models with KDA layers; 0 bytes otherwise)."""
-  per_page = page_size * paged_cache.bytes_per_token(model.cfg, share_kv, kv_format, kv_policy)
-  slots = max_num_seqs * paged_cache.bytes_per_sequence(model.cfg, share_kv, kv_policy)
-  return max(int((budget_bytes - slots) // per_page), 0)
+  """Pages a KV budget holds in the layout once it holds the state slots of max_num_seqs
+  requests (models with KDA layers; 0 bytes otherwise)."""
+  return layout.pages_for_budget(model.cfg, budget_bytes, max_num_seqs)
 
 
 # The gen and serve configs' default prefill block (their comments say why).
@@ -144,6 +139,11 @@ class EngineConfig:
   # (docs/engine.md).
   attention_impl: str = "auto"
 
+  @property
+  def layout(self) -> KVLayout:
+    """The pages' KVLayout: sharing, format, KV policy and page size as one value."""
+    return KVLayout(self.share_kv, self.kv_format, self.kv_policy, self.page_size)
+
 
 class Engine:
   """The paged generation engine as an online library: `add_request`, `step`, `abort`,
@@ -183,6 +183,8 @@ class Engine:
     stateful = paged_cache.has_state(model.cfg)
     self.num_slots = c.max_num_seqs if stateful else 0  # One state slot per running request.
     self.config = _scheduler_config(c, self.max_model_len, stateful)
+    padding = _padding(c, self.config, self.max_model_len)
+    _check_shape_count(padding, self.config, self.max_model_len)
     self.num_pages = c.num_pages
     self.check_invariants = c.check_invariants
     self.mesh = EngineMesh.create(model.cfg, tuple(c.mesh_shape), c.mesh_rules)
@@ -190,25 +192,21 @@ class Engine:
       model,
       params,
       num_pages=c.num_pages,
-      page_size=c.page_size,
-      share_kv=c.share_kv,
-      kv_format=c.kv_format,
+      layout=c.layout,
       num_slots=self.num_slots,
-      padding=_padding(c, self.config, self.max_model_len),
+      padding=padding,
       clock=clock,
       record_logits=c.record_logits,
       decode=decode,
       top_logprobs=c.top_logprobs,
       mesh=self.mesh,
-      kv_policy=c.kv_policy,
       attention_impl=self.attention_impl,
     )
     self.executor.on_token = self._on_token
-    self.page_bytes = c.page_size * paged_cache.bytes_per_token(
-      model.cfg, c.share_kv, c.kv_format, c.kv_policy
-    )
-    self.slot_bytes = paged_cache.bytes_per_sequence(model.cfg, c.share_kv, c.kv_policy)
+    self.page_bytes = c.layout.page_bytes(model.cfg)
+    self.slot_bytes = c.layout.bytes_per_sequence(model.cfg)
     self.results: dict[int, Generation] = {}  # The last generate call's, by request id.
+    self.compile_thread: threading.Thread | None = None  # start_warmup's background compiles.
     self._events: list[TokenEvent] = []  # The running step's tokens.
     self.reset()
 
@@ -244,6 +242,32 @@ class Engine:
     shapes = self.step_shapes()
     self.executor.warmup(shapes, on_shape)
     return len(shapes)
+
+  def num_compiled_shapes(self) -> int:
+    """Step shapes compiled and alive (what a strict step may run in)."""
+    return len(self.executor.steps.shapes())
+
+  def start_warmup(self, on_shape: Callable | None = None) -> tuple[int, int]:
+    """Ready in the time of a few compiles, and still no step ever compiles: compiles the
+    largest shapes now (cover_shapes: every call fits one of them), makes the steps strict
+    (each runs in the smallest compiled shape that holds it) and compiles the other shapes in
+    a background thread, smallest first. Returns (shapes compiled now, shapes in all);
+    on_shape(done, total) follows the background compiles."""
+    shapes = self.step_shapes()
+    cover = cover_shapes(shapes)
+    self.executor.warmup(cover)
+    self.executor.strict = True
+    rest = sorted(set(shapes) - set(cover), key=lambda s: (s[0] * s[1] * s[2], s))
+
+    def compile_rest() -> None:
+      try:
+        self.executor.warmup(rest, on_shape)
+      except Exception as e:  # noqa: BLE001  The steps still run in the shapes compiled.
+        log.error("background compile stopped: %s: %s", type(e).__name__, e)
+
+    self.compile_thread = threading.Thread(target=compile_rest, name="engine-compile", daemon=True)
+    self.compile_thread.start()
+    return len(cover), len(shapes)
 
   def check_request(self, request: GenRequest) -> None:
     """Raises ValueError naming what makes a request unservable (before any compute)."""
@@ -500,8 +524,9 @@ def _check_config(model: LoopedLM, c: EngineConfig) -> None:
   """ValueError naming what the model and config cannot serve with."""
   paged_cache.check_model(model.cfg)
   kv_policy_lib.parse(c.kv_policy, model.cfg.num_recurrences, "kv_policy")
-  if c.kv_policy != kv_policy_lib.FINAL and "kda" in model.cfg.mixers("core"):
-    raise ValueError(f"kv_policy {c.kv_policy!r}: KDA core layers share as 'final' only.")
+  if c.kv_policy != kv_policy_lib.FINAL and not mixers.all_with(model.cfg, "core", "kv_policies"):
+    others = ", ".join(m.upper() for m in mixers.lacking(model.cfg, "core", "kv_policies"))
+    raise ValueError(f"kv_policy {c.kv_policy!r}: {others} core layers share as 'final' only.")
   if c.num_pages < 1:
     raise ValueError(f"num_pages = {c.num_pages}: the KV budget holds no page.")
   if max(c.mesh_shape) > 1 and not c.mesh_rules:
@@ -538,16 +563,50 @@ def _scheduler_config(
 def _padding(
   c: EngineConfig, sched: scheduler_lib.SchedulerConfig, max_model_len: int
 ) -> padding_lib.Padding:
-  """The padded call shapes: the configured buckets, or geometric / powers-of-two defaults."""
+  """The padded call shapes: the configured buckets, or padding.default_buckets."""
   longest = padding_lib.longest_chunk(sched)
-  row_buckets = tuple(sorted(c.row_buckets or padding_lib.geometric(c.max_num_seqs)))
-  token_buckets = tuple(sorted(c.token_buckets or padding_lib.geometric(longest)))
+  rows, tokens, columns = padding_lib.default_buckets(
+    c.max_num_seqs, longest, -(-max_model_len // c.page_size)
+  )
+  row_buckets = tuple(sorted(c.row_buckets or rows))
+  token_buckets = tuple(sorted(c.token_buckets or tokens))
   if row_buckets[-1] < c.max_num_seqs or token_buckets[-1] < longest:
     raise ValueError(
       f"buckets {row_buckets} x {token_buckets} must reach max_num_seqs = {c.max_num_seqs} "
       f"and the longest chunk, {longest} tokens."
     )
-  columns = c.column_buckets
-  if columns is None:
-    columns = powers_of_two(-(-max_model_len // c.page_size))
+  columns = c.column_buckets or columns
   return padding_lib.Padding.create(c.page_size, row_buckets, token_buckets, columns, max_model_len)
+
+
+def cover_shapes(shapes) -> list[tuple[int, int, int]]:
+  """The shapes no other of their kind (one-token call, chunk call) holds: each holds as many
+  or more rows, tokens and columns, so every call of the list fits one of them."""
+
+  def holds(a, b) -> bool:
+    return (a[1] == 1) == (b[1] == 1) and all(x >= y for x, y in zip(a, b))
+
+  unique = sorted(set(shapes))
+  return [s for s in unique if not any(o != s and holds(o, s) for o in unique)]
+
+
+def _check_shape_count(
+  padding: padding_lib.Padding, sched: scheduler_lib.SchedulerConfig, max_model_len: int
+) -> None:
+  """ValueError, before anything compiles, for buckets reaching more call shapes than a
+  process keeps compiled (step_table.MAX_LIVE_STEPS)."""
+  count = len(
+    padding.reachable(
+      sched.max_num_seqs,
+      sched.max_num_batched_tokens,
+      max_model_len,
+      padding_lib.longest_chunk(sched),
+    )
+  )
+  if count > step_table.MAX_LIVE_STEPS:
+    raise ValueError(
+      f"buckets rows {padding.row_buckets} x tokens {padding.token_buckets} x columns "
+      f"{padding.column_buckets} reach {count} step shapes, over the {step_table.MAX_LIVE_STEPS} "
+      "compiled steps a process keeps (each maps ~300 memory regions on XLA:CPU, against "
+      "vm.max_map_count; docs/server.md): give fewer buckets."
+    )

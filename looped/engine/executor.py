@@ -27,10 +27,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from looped.engine import paged_cache, sampling
+from looped.engine import paged_cache, sampling, step_table
 from looped.engine.mesh import EngineMesh
-from looped.engine.padding import Padding, bucket, powers_of_two  # noqa: F401 (re-exported)
+from looped.engine.padding import (  # noqa: F401 (bucket, powers_of_two re-exported)
+  CallShape,
+  Padding,
+  StepShape,
+  bucket,
+  powers_of_two,
+)
 from looped.engine.requests import GenRequest
+from looped.model.cache_layout import KVLayout
 from looped.model.looped_lm import LoopedLM
 from looped.scheduler import scheduler as scheduler_lib
 
@@ -64,11 +71,9 @@ class RequestState:
 def _call_fn(
   model: LoopedLM,
   mesh: EngineMesh,
-  share_kv: bool,
-  kv_format: str | None,
+  layout: KVLayout,
   return_logits: bool,
   top_logprobs: int,
-  kv_policy: str,
   attention_impl: str,
   params,
   pages,
@@ -85,24 +90,15 @@ def _call_fn(
   slot_B,
 ):
   b, t = tokens_BxT.shape
-  slotted = paged_cache.slotted_core(model.cfg, share_kv, kv_policy)
+  slotted = layout.slotted_core(model.cfg)
   kernel = None
   if attention_impl == "pallas":  # These layers read the pages through paged_decode.
-    kernel = paged_cache.kernel_layers(model.cfg, share_kv, kv_format, kv_policy, t)
+    kernel = paged_cache.kernel_layers(model.cfg, layout, t)
   dtypes = None  # 'xla': the pool is stored as its bits (paged_cache), read as these.
   if attention_impl == "xla":
-    dtypes = paged_cache.page_dtypes(model.cfg, share_kv, kv_format, kv_policy)
+    dtypes = paged_cache.page_dtypes(model.cfg, layout)
   cache = paged_cache.gather(
-    pages,
-    page_table_BxP,
-    context_B,
-    share_kv,
-    kv_format,
-    slot_B,
-    kv_policy,
-    slotted,
-    kernel,
-    dtypes,
+    pages, page_table_BxP, context_B, layout, slot_B, slotted, kernel, dtypes
   )
   logits_BxTxV, aux = model.apply(params, tokens_BxT, cache=cache, num_new_B=num_new_B)
   last_BxV = logits_BxTxV[jnp.arange(b), jnp.maximum(num_new_B - 1, 0)]
@@ -120,13 +116,13 @@ def _call_fn(
     context_B,
     written_B,
     t,
-    share_kv,
+    layout,
     slot_B,
     slotted,
     dtypes,
   )
   # The pool stays where it was placed (split over KV heads), so the next step reuses it.
-  pages = jax.lax.with_sharding_constraint(pages, mesh.pool_shardings(pages, share_kv, slotted))
+  pages = jax.lax.with_sharding_constraint(pages, mesh.pool_shardings(pages, layout, slotted))
   positions = None
   if top_logprobs:  # Every position's distribution over the next token (the raw logits').
     logprobs_BxTxV = jax.nn.log_softmax(logits_BxTxV.astype(jnp.float32), axis=-1)
@@ -139,12 +135,10 @@ def _call_fn(
 
 def compiled_call(
   cfg,
-  share_kv: bool,
-  kv_format: str | None,
+  layout: KVLayout,
   logits: bool,
   top_logprobs: int = 0,
   mesh: EngineMesh | None = None,
-  kv_policy: str = "final",
   attention_impl: str = "xla",
 ) -> Callable:
   """The jitted model call for a model, layout (sharing and its KV policy), mesh (None: one
@@ -152,25 +146,13 @@ def compiled_call(
   them with pallas_kernels.paged_decode, paged_cache.kernel_layers); shared by engines so each
   shape compiles once. Call it inside mesh.context()."""
   mesh = mesh or EngineMesh.create(cfg)
-  return _compiled_call(
-    cfg, share_kv, kv_format, logits, top_logprobs, mesh, kv_policy, attention_impl
-  )
+  return _compiled_call(cfg, layout, logits, top_logprobs, mesh, attention_impl)
 
 
 @functools.lru_cache(maxsize=32)
-def _compiled_call(
-  cfg, share_kv, kv_format, logits, top_logprobs, mesh, kv_policy, attention_impl
-) -> Callable:
+def _compiled_call(cfg, layout, logits, top_logprobs, mesh, attention_impl) -> Callable:
   call = functools.partial(
-    _call_fn,
-    LoopedLM(cfg),
-    mesh,
-    share_kv,
-    kv_format,
-    logits,
-    top_logprobs,
-    kv_policy,
-    attention_impl,
+    _call_fn, LoopedLM(cfg), mesh, layout, logits, top_logprobs, attention_impl
   )
   return jax.jit(call, donate_argnums=(1,))
 
@@ -226,6 +208,24 @@ class _CallInputs:
     )
 
 
+def _abstract_args(params, pages, scratch_page: int, scratch_slot: int, mesh: EngineMesh):
+  """shape -> a call's arguments as lowering sees them: params and pages as they are placed (as
+  ShapeDtypeStructs: nothing of an engine is kept alive by its table) and host arrays of a call
+  on no tokens (replicated on a mesh of several devices)."""
+  spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+  params, pages = jax.tree.map(spec, params), jax.tree.map(spec, pages)
+  replicated = mesh.replicated() if mesh.mesh.size > 1 else None
+
+  def abstract(shape) -> tuple:
+    rows, tokens, columns = shape
+    args = _CallInputs.empty(rows, tokens, columns, scratch_page, scratch_slot).args()
+    if replicated is not None:
+      args = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated) for a in args)
+    return (params, pages, *args)
+
+  return abstract
+
+
 class ModelExecutor:
   """Runs scheduler batches on the model (see the module docstring); returns step durations."""
 
@@ -235,9 +235,7 @@ class ModelExecutor:
     params,
     *,
     num_pages: int,
-    page_size: int,
-    share_kv: bool,
-    kv_format: str | None,
+    layout: KVLayout,
     # Per-sequence state slots of KDA layers (the scheduler's max_num_seqs; Sequence.slot).
     num_slots: int = 0,
     padding: Padding,
@@ -247,22 +245,19 @@ class ModelExecutor:
     on_token: Callable | None = None,
     top_logprobs: int = 0,
     mesh: EngineMesh | None = None,
-    kv_policy: str = "final",
     attention_impl: str = "xla",
   ):
     """padding: the padded call shapes (rows, tokens, page-table columns). top_logprobs: k > 0
     makes every call also compute, per position, the logprob of the next token and the k most
     likely ones, kept for requests with position_logprobs. mesh: where params and pages are
-    placed and the calls run (looped.engine.mesh; None: one device). kv_policy: the shared
-    core's KV-sharing policy (looped/model/kv_policy.py), its pages from the same layout.
+    placed and the calls run (looped.engine.mesh; None: one device). layout: sharing, format,
+    KV policy and page size of the pages (looped/model/cache_layout.py KVLayout).
     attention_impl: 'xla' or 'pallas', how the calls read the pages (compiled_call)."""
     self.model = model
     self.mesh = mesh or EngineMesh.create(model.cfg)
     self.params = self.mesh.place_params(model, params)
-    self.page_size = page_size
-    self.share_kv = share_kv
-    self.kv_format = kv_format
-    self.kv_policy = kv_policy
+    self.layout = layout
+    self.page_size = layout.page_size
     self.scratch_page = num_pages
     self.scratch_slot = num_slots
     self.attention_impl = attention_impl
@@ -278,30 +273,59 @@ class ModelExecutor:
     # the last STEP_LOG_KEPT to 2x that many steps, so a long-running server's memory is bounded.
     self.step_log: list[dict] = []
     self.top_logprobs = top_logprobs
-    self._call = compiled_call(
-      model.cfg,
-      share_kv,
-      kv_format,
-      record_logits,
-      top_logprobs,
-      self.mesh,
-      kv_policy,
-      attention_impl,
+    # Strict: a step runs the smallest compiled shape that holds it and never compiles
+    # (step_table.StepTable.lookup); else a shape not compiled yet is compiled on its step.
+    self.strict = False
+    self.steps = self._step_table(model.cfg, record_logits)
+
+  def _step_table(self, cfg, record_logits: bool) -> step_table.StepTable:
+    """The process's compiled steps for this model, layout, pool and mesh (shared by engines
+    with the same ones: a shape compiles once while it lives)."""
+    signature = lambda tree: (
+      str(jax.tree.structure(tree)),
+      tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(tree)),
     )
+    key = (
+      cfg,
+      self.layout,
+      record_logits,
+      self.top_logprobs,
+      self.mesh,
+      self.attention_impl,
+      signature(self.params),
+      signature(self.pages),
+    )
+    fn = functools.partial(
+      _call_fn,
+      LoopedLM(cfg),
+      self.mesh,
+      self.layout,
+      record_logits,
+      self.top_logprobs,
+      self.attention_impl,
+    )
+    abstract = _abstract_args(
+      self.params, self.pages, self.scratch_page, self.scratch_slot, self.mesh
+    )
+    return step_table.shared(key, lambda: step_table.StepTable(fn, abstract, self.mesh))
+
+  def _call(self, params, pages, *args):
+    """One padded call, its shape read off the tokens and page table: the table's executable."""
+    (rows, tokens), columns = args[0].shape, args[1].shape[1]
+    _, executable = self.steps.lookup((rows, tokens, columns), strict=self.strict)
+    return executable(params, pages, *args)
 
   def add(self, request: GenRequest) -> None:
     self.states[request.request_id] = RequestState(request, list(request.prompt_tokens))
 
   def warmup(self, shapes, on_shape: Callable | None = None) -> None:
     """Compiles (or loads from the persistent compilation cache) the call of each padded
-    (rows, tokens, columns) shape by running it once on no tokens: every row reads and writes
-    only the scratch page, so no cached K/V changes."""
-    for i, (b, q, columns) in enumerate(shapes):
-      inputs = _CallInputs.empty(b, q, columns, self.scratch_page, self.scratch_slot)
-      self.pages, *_ = self._run(inputs)
+    (rows, tokens, columns) shape ahead of time; nothing runs, so it may go on in a thread
+    beside the steps."""
+    for i, shape in enumerate(shapes):
+      self.steps.compile(tuple(shape))
       if on_shape is not None:
         on_shape(i + 1, len(shapes))
-    jax.block_until_ready(self.pages)
 
   def pages_valid(self) -> bool:
     """False once a step failed after donating the pages to the device (they are gone)."""
@@ -314,16 +338,13 @@ class ModelExecutor:
       paged_cache.init_pages,
       cfg,
       self.scratch_page,
-      self.page_size,
-      self.share_kv,
-      self.kv_format,
+      self.layout,
       self.scratch_slot,
-      self.kv_policy,
       as_bits=self.attention_impl == "xla",
     )
     # Made in place, each device its shards only: the whole pool need not fit on one device.
-    slotted = paged_cache.slotted_core(cfg, self.share_kv, self.kv_policy)
-    shardings = self.mesh.pool_shardings(jax.eval_shape(init), self.share_kv, slotted)
+    slotted = self.layout.slotted_core(cfg)
+    shardings = self.mesh.pool_shardings(jax.eval_shape(init), self.layout, slotted)
     with self.mesh.context():  # Not a caller's mesh (e.g. training's, around the evaluation).
       self.pages = jax.jit(init, out_shardings=shardings)()
 
@@ -334,6 +355,16 @@ class ModelExecutor:
       args = jax.device_put(args, self.mesh.replicated())
     with self.mesh.context():
       return self._call(self.params, self.pages, *args)
+
+  def _fit(self, padded: StepShape) -> StepShape:
+    """Strict: each call in the smallest compiled shape that holds it (StepTable.lookup)."""
+    if not self.strict:
+      return padded
+    calls = []
+    for c in padded.calls:
+      rows, tokens, columns = self.steps.lookup((c.rows, c.tokens, c.columns), strict=True)[0]
+      calls.append(CallShape(rows, tokens, columns))
+    return StepShape(tuple(calls), padded.groups)
 
   def _inputs(self, batch, shape, group) -> _CallInputs:
     """The host arrays of one call; a row that cannot be built raises RequestFailed."""
@@ -368,7 +399,7 @@ class ModelExecutor:
     step as a whole; either way the scheduler's state is that of before the step."""
     n = len(batch.seqs)
     self.last_batch = [seq.request.request_id for seq in batch.seqs]
-    padded = self.padding.shape(batch.num_new_tokens, batch.num_context_tokens)
+    padded = self._fit(self.padding.shape(batch.num_new_tokens, batch.num_context_tokens))
     inputs = [self._inputs(batch, c, g) for c, g in zip(padded.calls, padded.groups)]
     # Per batch row: (call, row within it), and each call's outputs.
     where = {i: (k, row) for k, g in enumerate(padded.groups) for row, i in enumerate(g)}

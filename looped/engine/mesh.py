@@ -74,7 +74,7 @@ def from_config(config, cfg: ModelConfig) -> tuple[tuple[int, int, int], tuple]:
   """(mesh_shape, mesh_rules) for EngineConfig from config.mesh and config.mesh_rules, checked
   against the devices and the model before anything is built; ConfigError naming the field."""
   schema.validate(sharding.MeshConfig, config, "mesh")
-  rule_table = cc.get(config, "mesh_rules")
+  rule_table = config.mesh_rules
   sharding.check_rules(rule_table)
   rule_table = tuple((name, tuple(a) if isinstance(a, list) else a) for name, a in rule_table)
   sizes = resolve_shape(config.mesh, jax.device_count())
@@ -150,17 +150,17 @@ class EngineMesh:
       raise ValueError("params do not have the model's structure ({'params': ...}).")
     return jax.device_put(params, self.param_shardings(model))
 
-  def pool_shardings(self, pages: dict, share_kv: bool, slotted: bool = False):
+  def pool_shardings(self, pages: dict, layout, slotted: bool = False):
     """NamedShardings of paged_cache's pages: each leaf split on its KV-head dimension (the one
     after [.., pages, page_size]) by the 'kv_heads' rule where that dimension divides evenly
     and is more than one head; replicated otherwise, and KDA state slots (per-sequence, not per
-    token) are replicated. slotted: the shared core's pages lead with a KV policy's copies
-    (paged_cache.slotted_core)."""
+    token) are replicated. layout: the pages' KVLayout; slotted: the shared core's pages lead
+    with a KV policy's copies (KVLayout.slotted_core)."""
     axes = mesh_axes(self.rules, "kv_heads")
     shards = math.prod(self.mesh.shape[a] for a in axes)
 
     def one(stage, leaf):
-      lead = cache_layout.per_recurrence(stage, share_kv) or (stage == "core" and slotted)
+      lead = cache_layout.per_recurrence(stage, layout.share_kv) or (stage == "core" and slotted)
       dim = (1 if lead else 0) + 2
       # A per-token scalar (nvfp4's tensor scale) has no such dimension; one head stays whole.
       if not axes or leaf.ndim <= dim or leaf.shape[dim] <= 1 or leaf.shape[dim] % shards:

@@ -40,9 +40,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from looped.model import cache_layout, mixers
+from looped.model import cache_layout, mixer_registry, mixers
 from looped.model import kv_cache as kv_cache_lib
-from looped.model.cache_layout import STAGES
+from looped.model.cache_layout import STAGES, KVLayout
 from looped.model.config import ModelConfig
 from looped.model.kda import KDAState
 from looped.model.kv_cache import KVCache
@@ -52,9 +52,10 @@ from looped.model.mixer_interface import PagedKV
 def check_model(cfg: ModelConfig) -> None:
   """Raises ValueError if the model has no layer the paged engine can page."""
   if not cache_layout.cache_layout(cfg, True).per_token_layers:
+    paged, stateful = (mixer_registry.names_with("pages_its_cache", v) for v in (True, False))
     raise ValueError(
-      "The engine needs at least one 'gqa' or 'mla' layer to page; a model of 'kda' layers "
-      "only keeps a per-sequence state."
+      f"The engine needs at least one {' or '.join(map(repr, paged))} layer to page; a model of "
+      f"{' or '.join(map(repr, stateful))} layers only keeps a per-sequence state."
     )
 
 
@@ -82,29 +83,21 @@ def from_bits(x: jax.Array, dtype) -> jax.Array:
   return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
 
 
-def page_dtypes(
-  cfg: ModelConfig, share_kv: bool, kv_format: str | None, kv_policy: str = "final"
-) -> dict:
+def page_dtypes(cfg: ModelConfig, layout: KVLayout) -> dict:
   """{stage: [entry]} of the dtypes the model reads the pool's leaves as (init_pages' pytree,
   a dtype per leaf)."""
-  shapes = jax.eval_shape(lambda: init_pages(cfg, 1, 1, share_kv, kv_format, 1, kv_policy))
+  shapes = jax.eval_shape(lambda: init_pages(cfg, 1, layout, 1))
   return jax.tree.map(lambda x: x.dtype, shapes)
 
 
 def init_pages(
-  cfg: ModelConfig,
-  num_pages: int,
-  page_size: int,
-  share_kv: bool,
-  kv_format: str | None,
-  num_slots: int = 0,
-  kv_policy: str = "final",
-  as_bits: bool = False,
+  cfg: ModelConfig, num_pages: int, layout: KVLayout, num_slots: int = 0, as_bits: bool = False
 ) -> dict:
   """Zeroed pages (plus the scratch page) for every paged layer and state slots (plus the
   scratch slot) for every layer with a per-sequence state: {stage: [entry]}. as_bits: narrow
   floats stored as their bits (module docstring)."""
   check_model(cfg)
+  kv_format, page_size = layout.format, layout.page_size
   if kv_format is not None:
     mixers.check_kv_format(cfg, kv_format)
   if has_state(cfg) and num_slots < 1:
@@ -121,43 +114,17 @@ def init_pages(
       return KDAState(state, conv)
     return tuple(zeros(lead + (num_pages + 1, page_size, *s)) for s in cache.token_shapes)
 
-  layout = cache_layout.cache_layout(cfg, share_kv, kv_policy)
-  pages = {stage: [entry(layer) for layer in layout.stage(stage)] for stage in STAGES}
+  cached = layout.cache(cfg)
+  pages = {stage: [entry(layer) for layer in cached.stage(stage)] for stage in STAGES}
   return jax.tree.map(to_bits, pages) if as_bits else pages
 
 
-def slotted_core(cfg: ModelConfig, share_kv: bool, kv_policy: str) -> bool:
-  """Whether the shared core's pages lead with a copies axis (a KV policy caching several
-  recurrences, looped/model/kv_policy.py); the unshared core's R axis is per_recurrence's."""
-  layout = cache_layout.cache_layout(cfg, share_kv, kv_policy)
-  return share_kv and any(layer.lead for layer in layout.stage("core"))
-
-
-def bytes_per_token(
-  cfg: ModelConfig, share_kv: bool, kv_format: str | None, kv_policy: str = "final"
-) -> float:
-  """Stored bytes per token over all paged layers: raw pages at the compute dtype, or packed
-  elements and scales with nvfp4's per-token tensor scale included, as init_pages stores them
-  (KDA's per-sequence state is not paged: bytes_per_sequence)."""
-  return cache_layout.cache_layout(cfg, share_kv, kv_policy).bytes_per_token(
-    kv_format, raw_itemsize=cfg.compute_dtype.itemsize, tensor_scales=True
-  )
-
-
-def bytes_per_sequence(cfg: ModelConfig, share_kv: bool, kv_policy: str = "final") -> float:
-  """Bytes of one state slot over all layers with a per-sequence state (float32, never in a KV
-  format), as init_pages stores them; 0 for a model without such layers."""
-  return cache_layout.cache_layout(cfg, share_kv, kv_policy).bytes_per_sequence()
-
-
-def _batch_axis(stage: str, share_kv: bool, slotted: bool = False) -> int:
-  lead = cache_layout.per_recurrence(stage, share_kv) or (stage == "core" and slotted)
+def _batch_axis(stage: str, layout: KVLayout, slotted: bool = False) -> int:
+  lead = cache_layout.per_recurrence(stage, layout.share_kv) or (stage == "core" and slotted)
   return 1 if lead else 0
 
 
-def kernel_layers(
-  cfg: ModelConfig, share_kv: bool, kv_format: str | None, kv_policy: str, tokens: int
-) -> dict:
+def kernel_layers(cfg: ModelConfig, layout: KVLayout, tokens: int) -> dict:
   """{stage: (bool per layer)}: which layers a call of `tokens` new tokens per row reads
   straight from the pages with pallas_kernels.paged_decode instead of a dense gather.
 
@@ -166,10 +133,10 @@ def kernel_layers(
   CacheAndOwnChunk), which the kernel, reading the own chunk raw, does not do. MLA's latent
   cache and KDA's state slots are gathered as before.
   """
-  layout = cache_layout.cache_layout(cfg, share_kv, kv_policy)
-  kernel = kv_format is None or tokens == 1
+  cached = layout.cache(cfg)
+  kernel = layout.format is None or tokens == 1
   return {
-    stage: tuple(kernel and layer.mixer == "gqa" for layer in layout.stage(stage))
+    stage: tuple(kernel and mixer_registry.get(c.mixer).paged_kernel for c in cached.stage(stage))
     for stage in STAGES
   }
 
@@ -178,17 +145,15 @@ def gather(
   pages: dict,
   page_table_BxP: jax.Array,
   context_B: jax.Array,
-  share_kv: bool,
-  kv_format,
+  layout: KVLayout,
   slot_B: jax.Array | None = None,
-  kv_policy: str = "final",
   slotted: bool = False,
   paged: dict | None = None,
   dtypes: dict | None = None,
 ) -> KVCache:
   """Dense cache of each row's pages (slots = P * page_size), with length_B = context_B, and of
-  each row's state slot (slot_B; a zero state for a row starting at position 0). kv_policy and
-  slotted (slotted_core): the shared core's policy and whether its pages lead with copies.
+  each row's state slot (slot_B; a zero state for a row starting at position 0). slotted
+  (KVLayout.slotted_core): whether the shared core's pages lead with its policy's copies.
   paged ({stage: bool per layer}, kernel_layers): layers passed as their pages and the page
   table (a PagedKV, read by the kernel) instead of gathered. dtypes (page_dtypes): the pool is
   stored as_bits; what is gathered is read as these."""
@@ -206,7 +171,7 @@ def gather(
     return PagedKV(k, v, table)
 
   def one(stage):
-    axis = _batch_axis(stage, share_kv, slotted)
+    axis = _batch_axis(stage, layout, slotted)
 
     def leaf(x, dtype):
       g = from_bits(x[page_table_BxP] if axis == 0 else x[:, page_table_BxP], dtype)
@@ -228,8 +193,7 @@ def gather(
     ]
 
   layers = {stage: one(stage) for stage in STAGES}
-  policy = kv_policy if share_kv else "final"
-  return KVCache(context_B.astype(jnp.int32), layers, share_kv, kv_format, policy)
+  return KVCache(context_B.astype(jnp.int32), layers, layout.share_kv, layout.format, layout.policy)
 
 
 def scatter(
@@ -240,7 +204,7 @@ def scatter(
   context_B: jax.Array,
   num_new_B: jax.Array,
   num_slots: int,
-  share_kv: bool,
+  layout: KVLayout,
   slot_B: jax.Array | None = None,
   slotted: bool = False,
   dtypes: dict | None = None,
@@ -258,15 +222,15 @@ def scatter(
   35 ms a step with the window, 16-21 ms without; experiments/results/serving_live/
   engine_chunk_write.json).
   """
-  page_size = _page_size(pages, share_kv, slotted)
-  num_pages = _num_pages(pages, share_kv, slotted)
+  page_size = _page_size(pages, layout, slotted)
+  num_pages = _num_pages(pages, layout, slotted)
   page_BxT, slot_BxT = kv_cache_lib.token_pages(
     page_table_BxP, context_B, num_new_B, num_slots, page_size, num_pages - 1
   )
 
   out = {}
   for stage in STAGES:
-    axis = _batch_axis(stage, share_kv, slotted)
+    axis = _batch_axis(stage, layout, slotted)
 
     def write(page_leaf, new, dtype, axis=axis):  # new: [.., B, T, ...].
       index = (slice(None),) * axis + (page_BxT, slot_BxT)
@@ -303,7 +267,7 @@ def _stage_dtypes(pages: dict, dtypes: dict | None, stage: str) -> list:
   return dtypes[stage] if dtypes else [jax.tree.map(lambda x: x.dtype, e) for e in pages[stage]]
 
 
-def _first_leaf(pages: dict, share_kv: bool):
+def _first_leaf(pages: dict):
   """The first paged (per-token) leaf: state slots have no page axes."""
   for stage in STAGES:
     for entry in pages[stage]:
@@ -312,12 +276,12 @@ def _first_leaf(pages: dict, share_kv: bool):
   raise ValueError("The model caches nothing per token.")
 
 
-def _num_pages(pages: dict, share_kv: bool, slotted: bool = False) -> int:
+def _num_pages(pages: dict, layout: KVLayout, slotted: bool = False) -> int:
   """Pages in the arrays, the scratch page included."""
-  stage, leaf = _first_leaf(pages, share_kv)
-  return leaf.shape[_batch_axis(stage, share_kv, slotted)]
+  stage, leaf = _first_leaf(pages)
+  return leaf.shape[_batch_axis(stage, layout, slotted)]
 
 
-def _page_size(pages: dict, share_kv: bool, slotted: bool = False) -> int:
-  stage, leaf = _first_leaf(pages, share_kv)
-  return leaf.shape[_batch_axis(stage, share_kv, slotted) + 1]
+def _page_size(pages: dict, layout: KVLayout, slotted: bool = False) -> int:
+  stage, leaf = _first_leaf(pages)
+  return leaf.shape[_batch_axis(stage, layout, slotted) + 1]

@@ -3,22 +3,25 @@
 The layer (mixer_interface.SequenceMixer) returns post-RoPE keys and values as its cache entry;
 its `MixerContext` says what the new tokens attend to (docs/design.md §3): nothing past (causal
 within the chunk), a function of its own K/V (Jacobi and BeNice! passes), or the cache (decode,
-chunked prefill). `attend` is the reference math; attention_impl='pallas' routes through
-pallas_attention.py instead, and so does a past held as pages (mixer_interface.PagedKV).
+chunked prefill). `attend` is the reference math; attention_impl='pallas' (and 'auto' on GPU/TPU,
+pallas_attention.uses_kernel) routes through pallas_attention.py instead, and so does a past held
+as pages (mixer_interface.PagedKV).
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from looped.model import pallas_attention
-from looped.model.config import ModelConfig
 from looped.model.layers import RMSNorm, projection, rope, rope_table
 from looped.model.mixer_interface import KV, MixerContext, gqa_cache
+
+if TYPE_CHECKING:  # Annotations only: the config imports the mixer registry, which imports this.
+  from looped.model.config import ModelConfig
 
 
 def attend(
@@ -129,7 +132,8 @@ class Attention(nn.Module):
     own = (k_BxTxKxH, v_BxTxKxH)
 
     # Flash / paged kernels; a page pool as the past (the engine's) is only read by the kernel.
-    kernel = cfg.attention_impl == "pallas" and pallas_attention.handles(ctx)
+    t = q_BxTxNxH.shape[1]
+    kernel = pallas_attention.uses_kernel(cfg.attention_impl, ctx, cfg.head_dim, t)
     if kernel or pallas_attention.is_paged(ctx):
       out_BxTxNxH = pallas_attention.attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, ctx)
     else:

@@ -8,8 +8,9 @@ page pool (looped/engine/paged_cache.py) and the serving simulator (looped/sim/s
   without sharing, and under sharing once per recurrence its KV policy caches (kv_policy.py:
   one, the final recurrence, for the default 'final').
 
-What one copy of a layer holds is its mixer's `MixerCache` (mixer_interface.py): per-token
-entries (GQA, MLA), which KV formats store packed, and per-sequence state (KDA), always float32.
+What one copy of a layer holds is its mixer's `MixerCache` (its record's `cache`,
+mixer_registry.py): per-token entries (GQA, MLA), which KV formats store packed, and
+per-sequence state (KDA), always float32.
 
 `cache_layout(cfg, share_kv, kv_policy)` reads only these fields of cfg, so a ModelConfig and the
 simulator's ModelShape both describe a model: num_{prelude,core,coda}_layers,
@@ -23,8 +24,9 @@ import dataclasses
 from typing import Any
 
 from looped.model import kv_policy as kv_policy_lib
+from looped.model import mixer_registry
 from looped.model.config import STAGES
-from looped.model.mixer_interface import MIXER_CACHES, MixerCache
+from looped.model.mixer_interface import MixerCache
 
 __all__ = ["STAGES", "CacheLayout", "CachedLayer", "cache_layout", "per_recurrence", "stage_mixers"]
 
@@ -140,5 +142,56 @@ def cache_layout(cfg: Any, share_kv: bool, kv_policy: str = kv_policy_lib.FINAL)
       copies = cfg.num_recurrences if repeat else 1
       if stage == "core" and share_kv:
         copies = shared_copies
-      layers.append(CachedLayer(stage, i, mixer, repeat, copies, MIXER_CACHES[mixer](cfg)))
+      cache = mixer_registry.get(mixer).cache(cfg)
+      layers.append(CachedLayer(stage, i, mixer, repeat, copies, cache))
   return CacheLayout(share_kv, tuple(layers), kv_policy if share_kv else kv_policy_lib.FINAL)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVLayout:
+  """How a model's KV cache is laid out and stored, as one static value: whether the core shares
+  its cache across recurrences, the KV format, the sharing policy and the page size. Built once
+  by a program (or a test) and passed whole to the model's caches, the engine's pages, the
+  evaluation's byte counts and the simulator, which ask it for the layers it caches and their
+  bytes instead of rebuilding that from loose flags. Hashable: a jit static argument."""
+
+  share_kv: bool
+  format: str | None = None  # A looped.kv_quant format; None: raw compute-dtype arrays.
+  policy: str = kv_policy_lib.FINAL  # Under sharing, kv_policy.py's policy; 'final' unshared.
+  page_size: int = 16  # Tokens per page (the engine's unit of allocation and of prefix hits).
+
+  def __post_init__(self):
+    object.__setattr__(self, "format", self.format or None)
+    if not self.share_kv:
+      object.__setattr__(self, "policy", kv_policy_lib.FINAL)
+    if self.page_size < 1:
+      raise ValueError(f"page_size = {self.page_size}: a page holds at least one token.")
+
+  def cache(self, cfg: Any) -> CacheLayout:
+    """The model's cached layers in this layout (cfg: a ModelConfig or the simulator's shape)."""
+    return cache_layout(cfg, self.share_kv, self.policy)
+
+  def bytes_per_token(self, cfg: Any, raw_itemsize: float | None = None) -> float:
+    """Stored bytes per token over all paged layers: raw at the compute dtype (raw_itemsize, for
+    a shape without one), or packed elements and scales with nvfp4's per-token tensor scale, as
+    the engine's pages store them (a per-sequence state is bytes_per_sequence's)."""
+    itemsize = raw_itemsize if raw_itemsize is not None else cfg.compute_dtype.itemsize
+    return self.cache(cfg).bytes_per_token(self.format, itemsize, tensor_scales=True)
+
+  def bytes_per_sequence(self, cfg: Any) -> float:
+    """Bytes of one sequence's state slot (float32, never in a KV format); 0 without states."""
+    return self.cache(cfg).bytes_per_sequence()
+
+  def page_bytes(self, cfg: Any) -> float:
+    return self.page_size * self.bytes_per_token(cfg)
+
+  def pages_for_budget(self, cfg: Any, budget_bytes: float, max_num_seqs: int) -> int:
+    """Pages a byte budget holds once it holds the state slots of max_num_seqs requests (models
+    with a per-sequence state; 0 bytes otherwise)."""
+    slots = max_num_seqs * self.bytes_per_sequence(cfg)
+    return max(int((budget_bytes - slots) // self.page_bytes(cfg)), 0)
+
+  def slotted_core(self, cfg: Any) -> bool:
+    """Whether the shared core's pages lead with a copies axis (a KV policy caching several
+    recurrences, kv_policy.py); the unshared core's R axis is per_recurrence's."""
+    return self.share_kv and any(layer.lead for layer in self.cache(cfg).stage("core"))

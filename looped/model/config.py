@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from looped import config_checks as cc
 from looped import schema
+from looped.model import mixer_registry
 from looped.schema import field
 
 MLP_TYPES = ("swiglu", "relu2")
@@ -28,9 +29,9 @@ BLOCK_NORMS = ("pre", "sandwich", "post")
 CORE_OUT_NORMS = ("none", "final", "every")
 STATE_INITS = ("like_init", "zeros", "embed")
 DTYPES = ("float32", "bfloat16")
-ATTENTION_IMPLS = ("xla", "pallas")
+ATTENTION_IMPLS = ("auto", "xla", "pallas")  # 'auto': pallas_attention.uses_kernel decides.
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
-MIXERS = ("gqa", "mla", "kda")  # Sequence mixers (attention.py, mla.py, kda.py).
+MIXERS = tuple(mixer_registry.REGISTRY)  # Sequence mixers: the registry's names.
 STAGES = ("prelude", "core", "coda")
 
 
@@ -94,8 +95,9 @@ class ModelConfig:
   )
   remat: str = field("none", "Per-recurrence remat (saves memory).", choices=REMAT_POLICIES)
   attention_impl: str = field(
-    "xla",
-    "'xla' (einsum) or 'pallas' (pallas_kernels; interpreted on CPU).",
+    "auto",
+    "'xla' (einsum), 'pallas' (pallas_kernels; interpreted on CPU) or 'auto' (the flash kernel "
+    "in parallel passes on GPU/TPU where it lowers, on one device; else XLA).",
     choices=ATTENTION_IMPLS,
   )
   prelude_mixers: tuple[str, ...] = field(
@@ -192,13 +194,6 @@ class ModelConfig:
   def num_layers(self) -> int:
     """Distinct layers (parameters), not applications."""
     return self.num_prelude_layers + self.num_core_layers + self.num_coda_layers
-
-  def kv_entries_per_token(self, share_kv: bool) -> int:
-    """Cached head vectors per token over all layers (an all-GQA model: layers x K and V x kv
-    heads), from looped.model.cache_layout; mixers.cache_bytes counts bytes."""
-    from looped.model.cache_layout import cache_layout  # It reads this config's fields.
-
-    return cache_layout(self, share_kv).vectors_per_token
 
 
 def from_config(model_cfg) -> ModelConfig:

@@ -14,62 +14,20 @@ and the serving simulator (looped/sim/shape.py).
 
 from __future__ import annotations
 
-import dataclasses
-
+from looped.model import mixer_registry
 from looped.model.config import STAGES, ModelConfig
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerMacs:
-  """Multiply-adds per token of one application of a layer's sequence mixer.
-
-  weights: its projections (and KDA's depthwise conv, one multiply-add per weight);
-  per_key: for each position the token attends over (scores and the weighted values);
-  state: KDA's delta-rule update and read of its per-sequence state.
-  """
-
-  weights: int
-  per_key: int = 0
-  state: int = 0
+from looped.model.mixer_interface import LayerMacs
 
 
 def mixer_macs(cfg: ModelConfig, mixer: str, *, absorbed: bool = False) -> LayerMacs:
-  """Multiply-adds per token of one layer's sequence mixer (`mixer` of looped.model.config).
-
-  MLA in the expanded form (training's parallel forward: keys and values projected up from the
-  latent, per_key N (H + Y) + N H), or with `absorbed` in the form every cached call runs
-  (decode, block prefill, the engine: W_UK folded into the query and W_UV applied after the
-  sum, so the same 2 L N H weights per token and per_key N (L + Y) + N L over the latents as
-  cached).
-
-  KDA (looped/model/kda.py), N heads of key width H and value width E = H, W conv taps:
-  projections x -> q|k|v (D x 3NH), decay D x H then H x NH, beta D x N, output gate D x H then
-  H x NH, output NH x D, and the conv (W x 3NH). Its recurrent form per token and head
-  (`kda_recurrent`) decays S [H, E] (elementwise, not counted), reads k^T S (H E), adds
-  b k (v - k^T S)^T (H E) and reads q^T S (H E): state = 3 N H E multiply-adds.
-  """
-  d, n, h = cfg.d_model, cfg.num_heads, cfg.head_dim
-  if mixer == "gqa":
-    weights = d * h * (2 * n + 2 * cfg.num_kv_heads)  # Q, O; K, V.
-    return LayerMacs(weights, per_key=2 * n * h)  # Q K^T and P V.
-  if mixer == "mla":
-    latent, rope = cfg.mla_kv_rank, cfg.mla_rope_dim
-    if cfg.mla_q_rank:  # Down to the query latent, then up to every head's query.
-      query = d * cfg.mla_q_rank + cfg.mla_q_rank * n * (h + rope)
-    else:
-      query = d * n * (h + rope)
-    # kv_down to the latent and the shared RoPE key; key_up and value_up at every position;
-    # the output projection.
-    weights = query + d * (latent + rope) + 2 * latent * n * h + n * h * d
-    if absorbed:  # Scores against the latent and the RoPE key; P times the latent.
-      return LayerMacs(weights, per_key=n * (latent + rope) + n * latent)
-    return LayerMacs(weights, per_key=n * (h + rope) + n * h)  # Scores (with RoPE); P V.
-  if mixer == "kda":
-    channels = 3 * n * h  # q, k, v.
-    projections = d * channels + (d * h + h * n * h) * 2 + d * n + n * h * d
-    weights = projections + cfg.kda_conv_size * channels
-    return LayerMacs(weights, state=3 * n * h * h)
-  raise ValueError(f"FLOP counts cover GQA, MLA and KDA layers; this model has {mixer} layers.")
+  """Multiply-adds per token of one layer's sequence mixer (its registry record's `macs`,
+  looped/model/mixer_registry.py): MLA in the expanded form training runs, or with `absorbed`
+  in the form every cached call runs; KDA in its recurrent form (module docstring)."""
+  if mixer not in mixer_registry.REGISTRY:
+    names = [m.upper() for m in mixer_registry.REGISTRY]
+    covered = f"{', '.join(names[:-1])} and {names[-1]}" if len(names) > 1 else names[0]
+    raise ValueError(f"FLOP counts cover {covered} layers; this model has {mixer} layers.")
+  return mixer_registry.REGISTRY[mixer].macs(cfg, absorbed)
 
 
 def mlp_macs(cfg: ModelConfig) -> int:

@@ -33,16 +33,18 @@ tokens of another document than the chunk's previous token, which is exactly tha
 from __future__ import annotations
 
 import math
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
 
-from looped.model.config import ModelConfig
 from looped.model.layers import projection
 from looped.model.mixer_interface import MixerContext, kda_cache
+
+if TYPE_CHECKING:  # Annotations only: the config imports the mixer registry, which imports this.
+  from looped.model.config import ModelConfig
 
 
 @flax.struct.dataclass
@@ -127,6 +129,54 @@ def _unit_lower_solve(lhs_CxC, rhs_CxC):
   return jax.lax.fori_loop(0, c, row, jnp.zeros_like(rhs_CxC))
 
 
+def _chunked(x, n: int, c: int):
+  """[B, T, H, ...] -> [B, H, N, C, ...] float32, zero-padded to N * C."""
+  b, t = x.shape[:2]
+  x = x.astype(jnp.float32)
+  x = jnp.pad(x, [(0, 0), (0, n * c - t)] + [(0, 0)] * (x.ndim - 2))
+  x = x.reshape((b, n, c) + x.shape[2:])
+  return jnp.moveaxis(x, 3, 1)
+
+
+def _pair_decay(rows_g, cum_g, mask_CxC):
+  """exp(rows_G_i - cum_G_j) where mask, else 0: [..., C, C, K]."""
+  diff = rows_g[..., :, None, :] - cum_g[..., None, :, :]
+  mask = mask_CxC[..., None]
+  return jnp.where(mask, jnp.exp(jnp.where(mask, diff, 0.0)), 0.0)
+
+
+def _document_masks(segment_ids_BxT, n: int, c: int, strict_CxC, qk_mask_CxC):
+  """kda_chunkwise's document masking: (strict_CxC, qk_mask_CxC) kept to same-document pairs,
+  and float [B, 1, J, (C,) 1] factors: from_start (no document starts between the chunk's start
+  state and the token), to_end (the token is in the chunk's last token's document), end_keeps
+  (the chunk's last token is in the start state's document)."""
+  b, t = segment_ids_BxT.shape
+  seg_BxJxC = jnp.pad(segment_ids_BxT, [(0, 0), (0, n * c - t)], mode="edge").reshape(b, n, c)
+  prev_BxJ = jnp.concatenate([seg_BxJxC[:, :1, 0], seg_BxJxC[:, :-1, -1]], axis=1)
+  same_Bx1xJxCxC = (seg_BxJxC[..., :, None] == seg_BxJxC[..., None, :])[:, None]
+  as_f32 = lambda x: x.astype(jnp.float32)[:, None, ..., None]  # [B, 1, J, (C,) 1]
+  from_start = as_f32(seg_BxJxC == prev_BxJ[..., None])  # No document starts since S0.
+  to_end = as_f32(seg_BxJxC == seg_BxJxC[..., -1:])  # Same document as the chunk's last.
+  end_keeps = as_f32(seg_BxJxC[..., -1:] == prev_BxJ[..., None])
+  masks = (strict_CxC & same_Bx1xJxCxC, qk_mask_CxC & same_Bx1xJxCxC)
+  return (*masks, from_start, to_end, end_keeps)
+
+
+def _scan_chunks(state_BxNxHxE, w_CxH, u_CxE, a_qk_CxC, q_decayed, k_to_end, decay_end):
+  """Carries the state from chunk to chunk: (final state, outputs [J, B, N, C, E])."""
+
+  def step(s_BxNxHxE, xs):
+    w, u, a_qk, q_dec, k_end, decay_end = xs
+    delta_BxNxCxE = u - w @ s_BxNxHxE
+    o_BxNxCxE = q_dec @ s_BxNxHxE + a_qk @ delta_BxNxCxE
+    s_BxNxHxE = decay_end[..., 0, :, None] * s_BxNxHxE + jnp.swapaxes(k_end, -1, -2) @ delta_BxNxCxE
+    return s_BxNxHxE, o_BxNxCxE
+
+  per_chunk = lambda x: jnp.moveaxis(x, 2, 0)
+  xs = tuple(map(per_chunk, (w_CxH, u_CxE, a_qk_CxC, q_decayed, k_to_end, decay_end)))
+  return jax.lax.scan(step, state_BxNxHxE.astype(jnp.float32), xs)
+
+
 def kda_chunkwise(
   q_BxTxNxH,
   k_BxTxNxH,
@@ -159,61 +209,34 @@ def kda_chunkwise(
   scale = kd**-0.5 if scale is None else scale
   c = min(chunk_size, t)
   n = -(-t // c)
-
-  def chunks(x):  # [B, T, H, ...] -> [B, H, N, C, ...] float32, zero-padded to N * C.
-    x = x.astype(jnp.float32)
-    x = jnp.pad(x, [(0, 0), (0, n * c - t)] + [(0, 0)] * (x.ndim - 2))
-    x = x.reshape((b, n, c) + x.shape[2:])
-    return jnp.moveaxis(x, 3, 1)
-
-  q, k, v, g = map(chunks, (q_BxTxNxH * scale, k_BxTxNxH, v_BxTxNxE, g_BxTxNxH))
-  beta_BxNxJxC = chunks(beta_BxTxN)
+  q, k, v, g = (_chunked(x, n, c) for x in (q_BxTxNxH * scale, k_BxTxNxH, v_BxTxNxE, g_BxTxNxH))
+  beta_BxNxJxC = _chunked(beta_BxTxN, n, c)
   cum_g = jnp.cumsum(g, axis=-2)  # [B, N, J, C, H], inclusive.
   q_g = cum_g - g if read_previous else cum_g
-
-  def pair_decay(rows_g, mask_CxC):  # exp(rows_G_i - cum_G_j) where mask, else 0: [.., C, C, K]
-    diff = rows_g[..., :, None, :] - cum_g[..., None, :, :]
-    mask = mask_CxC[..., None]
-    return jnp.where(mask, jnp.exp(jnp.where(mask, diff, 0.0)), 0.0)
-
   strict_CxC = jnp.tril(jnp.ones((c, c), bool), -1)
   qk_mask_CxC = strict_CxC if read_previous else jnp.tril(jnp.ones((c, c), bool))
   from_start, to_end, end_keeps = 1.0, 1.0, 1.0
   if segment_ids_BxT is not None:
-    seg_BxJxC = jnp.pad(segment_ids_BxT, [(0, 0), (0, n * c - t)], mode="edge").reshape(b, n, c)
-    prev_BxJ = jnp.concatenate([seg_BxJxC[:, :1, 0], seg_BxJxC[:, :-1, -1]], axis=1)
-    same_Bx1xJxCxC = (seg_BxJxC[..., :, None] == seg_BxJxC[..., None, :])[:, None]
-    strict_CxC = strict_CxC & same_Bx1xJxCxC
-    qk_mask_CxC = qk_mask_CxC & same_Bx1xJxCxC
-    as_f32 = lambda x: x.astype(jnp.float32)[:, None, ..., None]  # [B, 1, J, (C,) 1]
-    from_start = as_f32(seg_BxJxC == prev_BxJ[..., None])  # No document starts since S0.
-    to_end = as_f32(seg_BxJxC == seg_BxJxC[..., -1:])  # Same document as the chunk's last.
-    end_keeps = as_f32(seg_BxJxC[..., -1:] == prev_BxJ[..., None])
-  m_CxC = _decayed_dot(k, k, pair_decay(cum_g, strict_CxC))
+    strict_CxC, qk_mask_CxC, from_start, to_end, end_keeps = _document_masks(
+      segment_ids_BxT, n, c, strict_CxC, qk_mask_CxC
+    )
+  m_CxC = _decayed_dot(k, k, _pair_decay(cum_g, cum_g, strict_CxC))
   eye_CxC = jnp.eye(c, dtype=jnp.float32)
   lhs = eye_CxC + beta_BxNxJxC[..., :, None] * m_CxC
   rhs = jnp.broadcast_to(eye_CxC * beta_BxNxJxC[..., None, :], lhs.shape)
   t_CxC = _unit_lower_solve(lhs, rhs)
   w_CxH = t_CxC @ (k * jnp.exp(cum_g) * from_start)
   u_CxE = t_CxC @ v
-  a_qk_CxC = _decayed_dot(q, k, pair_decay(q_g, qk_mask_CxC))
+  a_qk_CxC = _decayed_dot(q, k, _pair_decay(q_g, cum_g, qk_mask_CxC))
   q_decayed = q * jnp.exp(q_g) * from_start
   last_g = cum_g[..., -1:, :]
   k_to_end = k * jnp.exp(last_g - cum_g) * to_end
-
-  def step(s_BxNxHxE, xs):
-    w, u, a_qk, q_dec, k_end, decay_end = xs
-    delta_BxNxCxE = u - w @ s_BxNxHxE
-    o_BxNxCxE = q_dec @ s_BxNxHxE + a_qk @ delta_BxNxCxE
-    s_BxNxHxE = decay_end[..., 0, :, None] * s_BxNxHxE + jnp.swapaxes(k_end, -1, -2) @ delta_BxNxCxE
-    return s_BxNxHxE, o_BxNxCxE
-
-  per_chunk = lambda x: jnp.moveaxis(x, 2, 0)
   decay_end = jnp.exp(last_g) * end_keeps
-  xs = tuple(map(per_chunk, (w_CxH, u_CxE, a_qk_CxC, q_decayed, k_to_end, decay_end)))
   if state_BxNxHxE is None:
     state_BxNxHxE = jnp.zeros((b, h, kd, vd), jnp.float32)
-  state, o_JxBxNxCxE = jax.lax.scan(step, state_BxNxHxE.astype(jnp.float32), xs)
+  state, o_JxBxNxCxE = _scan_chunks(
+    state_BxNxHxE, w_CxH, u_CxE, a_qk_CxC, q_decayed, k_to_end, decay_end
+  )
   o_BxTxNxE = jnp.moveaxis(o_JxBxNxCxE, 0, 2).reshape(b, h, n * c, vd)[:, :, :t]
   return jnp.swapaxes(o_BxTxNxE, 1, 2), state
 
@@ -323,8 +346,32 @@ class KDA(nn.Module):
   def __call__(self, x_BxTxD, positions_BxT, ctx: MixerContext):
     del positions_BxT  # The conv carries position information.
     cfg = self.cfg
+    conv_in_BxTxM, conv_w, g_BxTxNxH, beta_BxTxN = self._inputs(x_BxTxD)
+    own = KDARecord(conv_in_BxTxM, g_BxTxNxH, beta_BxTxN)
+    conv_w = conv_w.astype(jnp.float32)
+    past = ctx.past(own) if callable(ctx.past) else ctx.past
+    conv_in32 = conv_in_BxTxM.astype(jnp.float32)
+    seg_BxT = ctx.segment_ids_BxT
+    if past is None:
+      q, k, v = _split_qkv(causal_conv(conv_in32, conv_w, segment_ids_BxT=seg_BxT), cfg)
+      o_BxTxNxE, _ = kda_chunkwise(
+        q, k, v, g_BxTxNxH, beta_BxTxN, chunk_size=cfg.kda_chunk_size, segment_ids_BxT=seg_BxT
+      )
+      entry = own
+    elif isinstance(past, KDAState):
+      o_BxTxNxE, entry = _decode_from_state(
+        cfg, ctx, past, conv_in32, conv_w, g_BxTxNxH, beta_BxTxN
+      )
+    else:
+      o_BxTxNxE = _read_shared_records(cfg, seg_BxT, past, conv_in32, conv_w, g_BxTxNxH, beta_BxTxN)
+      entry = own
+    return self._output(x_BxTxD, o_BxTxNxE), entry
+
+  def _inputs(self, x_BxTxD):
+    """The chunk's conv input [B, T, 3 N H], conv kernel, log-decay g [B, T, N, H] and beta
+    [B, T, N] (both float32)."""
+    cfg = self.cfg
     h, kd = cfg.num_heads, cfg.head_dim
-    b, t, _ = x_BxTxD.shape
     channels = 3 * h * kd
     conv_in_BxTxM = projection(cfg, channels, cfg.init_std, "qkv", axes=("embed", None))(x_BxTxD)
     conv_w = self.param("conv", _conv_init, (cfg.kda_conv_size, channels), cfg.weight_dtype)
@@ -340,54 +387,12 @@ class KDA(nn.Module):
     beta_BxTxN = jax.nn.sigmoid(
       projection(cfg, h, cfg.init_std, "beta", axes=("embed", None))(x_BxTxD).astype(jnp.float32)
     )
-    own = KDARecord(conv_in_BxTxM, g_BxTxNxH, beta_BxTxN)
-    conv_w = conv_w.astype(jnp.float32)
-    chunk = cfg.kda_chunk_size
+    return conv_in_BxTxM, conv_w, g_BxTxNxH, beta_BxTxN
 
-    def split(conv_out_BxTxM):
-      q, k, v = jnp.split(jax.nn.silu(conv_out_BxTxM).reshape(b, -1, 3 * h, kd), 3, axis=2)
-      return l2_normalize(q), l2_normalize(k), v
-
-    past = ctx.past(own) if callable(ctx.past) else ctx.past
-    conv_in32 = conv_in_BxTxM.astype(jnp.float32)
-    seg_BxT = ctx.segment_ids_BxT
-    if past is None:
-      q, k, v = split(causal_conv(conv_in32, conv_w, segment_ids_BxT=seg_BxT))
-      o_BxTxNxE, _ = kda_chunkwise(
-        q, k, v, g_BxTxNxH, beta_BxTxN, chunk_size=chunk, segment_ids_BxT=seg_BxT
-      )
-      entry = own
-    elif isinstance(past, KDAState):
-      tail_seg, reset_BxT = None, None
-      if seg_BxT is not None:  # The tail's documents, and which tokens start one.
-        before_BxW = ctx.tail_segment_ids_BxW
-        tail_seg = before_BxW[:, before_BxW.shape[1] - (cfg.kda_conv_size - 1) :]
-        previous_BxT = jnp.concatenate([before_BxW[:, -1:], seg_BxT[:, :-1]], axis=1)
-        reset_BxT = seg_BxT != previous_BxT
-      q, k, v = split(causal_conv(conv_in32, conv_w, past.conv_BxWxM, seg_BxT, tail_seg))
-      g_step, beta_step = g_BxTxNxH, beta_BxTxN
-      if ctx.num_new_B is not None:  # Padding: g = b = 0 leaves the state exactly as it is.
-        real_BxT = jnp.arange(t)[None, :] < ctx.num_new_B[:, None]
-        g_step = jnp.where(real_BxT[:, :, None, None], g_BxTxNxH, 0.0)
-        beta_step = jnp.where(real_BxT[:, :, None], beta_BxTxN, 0.0)
-        if reset_BxT is not None:  # Nor does a padding token start a document.
-          reset_BxT = reset_BxT & real_BxT
-      o_BxTxNxE, state = kda_recurrent(
-        q, k, v, g_step, beta_step, past.state_BxNxHxE, reset_BxT=reset_BxT
-      )
-      window = jnp.concatenate([past.conv_BxWxM, conv_in32], axis=1)
-      entry = KDAState(state, conv_tail(window, cfg.kda_conv_size - 1, ctx.num_new_B))
-    else:  # Shared read of past records (s < t); the diagonal is the token's own.
-      past_in32 = past.conv_in_BxTxM.astype(jnp.float32)
-      past_conv = causal_conv(past_in32, conv_w, segment_ids_BxT=seg_BxT)
-      _, k_p, v_p = split(past_conv)
-      q, k, v = split(past_conv + conv_w[-1] * (conv_in32 - past_in32))
-      past_seq = (k_p, v_p, past.g_BxTxNxH, past.beta_BxTxN)
-      o_BxTxNxE = shared_read(
-        q, k, v, g_BxTxNxH, beta_BxTxN, past_seq, chunk_size=chunk, segment_ids_BxT=seg_BxT
-      )
-      entry = own
-
+  def _output(self, x_BxTxD, o_BxTxNxE):
+    """The heads' outputs RMS-normed, gated by a low-rank projection of x, projected out."""
+    cfg = self.cfg
+    h, kd = cfg.num_heads, cfg.head_dim
     gate_BxTxA = projection(cfg, kd, cfg.init_std, "gate_down", axes=("embed", None))(x_BxTxD)
     gate_BxTxNxE = nn.DenseGeneral(
       (h, kd),
@@ -401,7 +406,53 @@ class KDA(nn.Module):
     o32 = o_BxTxNxE * jax.lax.rsqrt(jnp.mean(jnp.square(o_BxTxNxE), -1, keepdims=True) + 1e-5)
     o32 = o32 * norm_scale.astype(jnp.float32) * jax.nn.sigmoid(gate_BxTxNxE.astype(jnp.float32))
     out = o32.astype(cfg.compute_dtype)
-    y_BxTxD = projection(
+    return projection(
       cfg, cfg.d_model, self.out_std, "out", axis=(-2, -1), axes=("heads", "head_dim", "embed")
     )(out)
-    return y_BxTxD, entry
+
+
+def _split_qkv(conv_out_BxTxM, cfg: ModelConfig):
+  """(q, k, v) [B, T, N, H] of the conv's output: SiLU, then q and k L2-normalized."""
+  b, h, kd = conv_out_BxTxM.shape[0], cfg.num_heads, cfg.head_dim
+  q, k, v = jnp.split(jax.nn.silu(conv_out_BxTxM).reshape(b, -1, 3 * h, kd), 3, axis=2)
+  return l2_normalize(q), l2_normalize(k), v
+
+
+def _decode_from_state(
+  cfg: ModelConfig, ctx: MixerContext, past: KDAState, conv_in32, conv_w, g, beta
+):
+  """Recurrent decode of a chunk from the cached state and conv tail: (outputs, new KDAState).
+  Padding tokens (ctx.num_new_B) leave both as they are; a document start resets them."""
+  t = conv_in32.shape[1]
+  seg_BxT = ctx.segment_ids_BxT
+  tail_seg, reset_BxT = None, None
+  if seg_BxT is not None:  # The tail's documents, and which tokens start one.
+    before_BxW = ctx.tail_segment_ids_BxW
+    tail_seg = before_BxW[:, before_BxW.shape[1] - (cfg.kda_conv_size - 1) :]
+    previous_BxT = jnp.concatenate([before_BxW[:, -1:], seg_BxT[:, :-1]], axis=1)
+    reset_BxT = seg_BxT != previous_BxT
+  q, k, v = _split_qkv(causal_conv(conv_in32, conv_w, past.conv_BxWxM, seg_BxT, tail_seg), cfg)
+  g_step, beta_step = g, beta
+  if ctx.num_new_B is not None:  # Padding: g = b = 0 leaves the state exactly as it is.
+    real_BxT = jnp.arange(t)[None, :] < ctx.num_new_B[:, None]
+    g_step = jnp.where(real_BxT[:, :, None, None], g, 0.0)
+    beta_step = jnp.where(real_BxT[:, :, None], beta, 0.0)
+    if reset_BxT is not None:  # Nor does a padding token start a document.
+      reset_BxT = reset_BxT & real_BxT
+  o_BxTxNxE, state = kda_recurrent(
+    q, k, v, g_step, beta_step, past.state_BxNxHxE, reset_BxT=reset_BxT
+  )
+  window = jnp.concatenate([past.conv_BxWxM, conv_in32], axis=1)
+  return o_BxTxNxE, KDAState(state, conv_tail(window, cfg.kda_conv_size - 1, ctx.num_new_B))
+
+
+def _read_shared_records(cfg: ModelConfig, seg_BxT, past: KDARecord, conv_in32, conv_w, g, beta):
+  """Shared read of past records (s < t); the diagonal is the token's own."""
+  past_in32 = past.conv_in_BxTxM.astype(jnp.float32)
+  past_conv = causal_conv(past_in32, conv_w, segment_ids_BxT=seg_BxT)
+  _, k_p, v_p = _split_qkv(past_conv, cfg)
+  q, k, v = _split_qkv(past_conv + conv_w[-1] * (conv_in32 - past_in32), cfg)
+  past_seq = (k_p, v_p, past.g_BxTxNxH, past.beta_BxTxN)
+  return shared_read(
+    q, k, v, g, beta, past_seq, chunk_size=cfg.kda_chunk_size, segment_ids_BxT=seg_BxT
+  )

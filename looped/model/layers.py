@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from looped.model.config import ModelConfig
+if TYPE_CHECKING:  # Annotations only: the config imports the mixer registry, which imports this.
+  from looped.model.config import ModelConfig
 
 
 def normal_init(std: float):

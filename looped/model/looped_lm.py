@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 from looped.model import depth as depth_lib
 from looped.model import kv_cache as kv_cache_lib
 from looped.model import kv_policy as kv_policy_lib
+from looped.model import mixer_registry
 from looped.model import mixers as mixers_lib
 from looped.model.config import ModelConfig
 from looped.model.injection import Injection
@@ -77,7 +79,7 @@ class Block(nn.Module):
   """Transformer layer: x + mixer(norm(x)), then x + mlp(norm(x)) (cfg.block_norm 'pre');
   'sandwich' also normalizes each branch's output, 'post' each sum.
 
-  mixer: 'gqa', 'mla' or 'kda' (looped.model.mixers); returns its cache entry with the output.
+  mixer: a name in looped.model.mixer_registry; returns its cache entry with the output.
   """
 
   cfg: ModelConfig
@@ -88,7 +90,8 @@ class Block(nn.Module):
   @nn.compact
   def __call__(self, x_BxTxD, positions_BxT, ctx: MixerContext) -> tuple[jax.Array, KV]:
     cfg = self.cfg
-    module, name = mixers_lib.MODULES[self.mixer]
+    mixer = mixer_registry.get(self.mixer)
+    module, name = mixer.module, mixer.scope
     extra = {"value_embed": True} if self.value_embed else {}
     y_BxTxD, kv = module(cfg, self.out_std, name=name, **extra)(
       RMSNorm(cfg.weight_dtype, cfg.norm_eps, name="attn_norm")(x_BxTxD), positions_BxT, ctx
@@ -258,7 +261,7 @@ def _policy_inputs(
   policy = kv_policy_lib.parse(name, cfg.num_recurrences)
   if name == kv_policy_lib.FINAL:
     return policy, {}
-  if "kda" in cfg.mixers("core"):
+  if not mixers_lib.all_with(cfg, "core", "kv_policies"):
     raise ValueError(f"kv_policy {name!r} needs attention core layers (KDA: 'final' only).")
   xs = {}
   if policy.copies > 1:
@@ -293,6 +296,115 @@ def block_masks(t: int, batch: int, block: int) -> tuple[jax.Array, jax.Array]:
   return jnp.broadcast_to(past_TxS, (batch, t, 2 * t)), diagonal_mask(t, batch)
 
 
+def _check_mode_options(
+  cache, prefill_block, kv_policy, num_new_B, segment_ids_BxT, cache_segment_ids_BxS
+) -> None:
+  """Refuses an option of the other mode: parallel has no cache, decode reads one."""
+  if cache is None:
+    if num_new_B is not None:
+      raise ValueError("num_new_B is a decode-mode option (it marks a chunk's padding).")
+    if cache_segment_ids_BxS is not None:
+      raise ValueError("cache_segment_ids_BxS is a decode-mode option (it needs a cache).")
+    return
+  if prefill_block is not None:
+    raise ValueError("prefill_block is a parallel-mode option; a decode call is one block.")
+  if kv_policy not in (kv_policy_lib.FINAL, cache.kv_policy):
+    raise ValueError(f"Decode reads the cache's kv_policy {cache.kv_policy!r}: {kv_policy!r}.")
+  if (segment_ids_BxT is None) != (cache_segment_ids_BxS is None):
+    raise ValueError("Decode with document masking needs segment_ids_BxT and the cache's ids.")
+
+
+@dataclasses.dataclass(frozen=True)
+class _DecodeReads:
+  """What a decode chunk's attention reads: its positions, the masks over the cache's slots
+  (past) and over the chunk itself, the document-masking arguments of its mixers, and with a KV
+  format the quantizer of the chunk's own K/V (then the past is [cache ; own chunk])."""
+
+  positions_BxT: jax.Array
+  past_mask_BxTxS: jax.Array
+  self_mask_BxTxT: jax.Array
+  segments: dict
+  quantize_own: Callable | None
+
+
+def _decode_reads(
+  cfg: ModelConfig, cache: KVCache, b: int, t: int, segment_ids_BxT, cache_segment_ids_BxS
+) -> _DecodeReads:
+  """New tokens attend to the cache's slots below each row's length and causally to each
+  other, within their document when segment ids are given."""
+  positions_BxT = cache.length_B[:, None] + jnp.arange(t)[None, :]
+  s = cache.max_len
+  past_mask_BxTxS = jnp.broadcast_to(
+    (jnp.arange(s)[None, :] < cache.length_B[:, None])[:, None, :], (b, t, s)
+  )
+  self_mask_BxTxT = causal_mask(t, b)
+  segments = {}
+  if segment_ids_BxT is not None:  # Document masking: cache slots and chunk of its document.
+    if cache_segment_ids_BxS.shape[1] < max(s, 1):
+      raise ValueError(
+        f"cache_segment_ids_BxS has {cache_segment_ids_BxS.shape[1]} positions; the cache "
+        f"has {s} slots (at least 1 position is needed)."
+      )
+    slots_BxS = cache_segment_ids_BxS[:, :s]
+    past_mask_BxTxS = past_mask_BxTxS & same_segment(segment_ids_BxT, slots_BxS)
+    self_mask_BxTxT = self_mask_BxTxT & same_segment(segment_ids_BxT, segment_ids_BxT)
+    width = max(cfg.kda_conv_size - 1, 1)  # The conv tail's, and at least the state's.
+    tail_BxW = tail_segment_ids(cache_segment_ids_BxS, cache.length_B, width)
+    segments = dict(segment_ids_BxT=segment_ids_BxT, tail_segment_ids_BxW=tail_BxW)
+  quantize_own = None
+  if cache.kv_format is not None:
+    # The chunk's earlier tokens are read through the format too (past = [cache ; own chunk]),
+    # so a chunk computes what its tokens one at a time would: a cache never returns raw K/V.
+    fmt = cache.kv_format
+    quantize_own = lambda own: tuple(kv_cache_lib.quantize_tokens(x, fmt) for x in own)
+    own_mask_BxTxT = self_mask_BxTxT & ~diagonal_mask(t, b)
+    past_mask_BxTxS = jnp.concatenate([past_mask_BxTxS, own_mask_BxTxT], axis=-1)
+    self_mask_BxTxT = diagonal_mask(t, b)
+  return _DecodeReads(positions_BxT, past_mask_BxTxS, self_mask_BxTxT, segments, quantize_own)
+
+
+def _decode_core_reads(cfg: ModelConfig, cache: KVCache, xs: dict):
+  """(policy, shared_kv, paged_pools) of the core layers' cache reads; adds the per-recurrence
+  inputs to `xs`. Shared: recurrence r reads the copy of its policy's c(r). Unshared:
+  recurrence r reads its own cached K/V; a paged entry keeps every recurrence's pages in one
+  pool, so only its tables are scanned."""
+  if cache.share_kv:
+    policy, policy_xs = _policy_inputs(cfg, cache.kv_policy, parallel=False)
+    xs.update(policy_xs)
+    return policy, cache.layers["core"], {}
+  core = cache.layers["core"]
+  xs["past"] = [e.page_table_BxP if isinstance(e, PagedKV) else e for e in core]
+  paged_pools = {i: (e.k_pages, e.v_pages) for i, e in enumerate(core) if isinstance(e, PagedKV)}
+  return None, None, paged_pools
+
+
+def _decode_broadcasts(reads: _DecodeReads, paged_pools: dict, num_new_B) -> dict:
+  """The recurrences' broadcast inputs that only decode has."""
+  bcast = {}
+  if reads.quantize_own is not None:
+    bcast["quantize_own"] = reads.quantize_own
+  if paged_pools:
+    bcast["paged_pools"] = paged_pools
+  if num_new_B is not None:
+    bcast["num_new_B"] = num_new_B
+  if reads.segments:
+    bcast["segment_ids"] = reads.segments["segment_ids_BxT"]
+    bcast["tail_segment_ids"] = reads.segments["tail_segment_ids_BxW"]
+  return bcast
+
+
+def _cached_core(cache: KVCache, policy, kv_per_layer: list) -> tuple[list, bool]:
+  """(the core layers' entries the cache stores, whether they are [copies, ...] slotted):
+  every recurrence's K/V unshared; under sharing the policy's cached recurrences' (one, the
+  last, for 'final')."""
+  if cache.share_kv and policy.copies > 1:
+    cached = jnp.asarray(policy.cached, jnp.int32) - 1
+    return [jax.tree.map(lambda a: a[cached], kv) for kv in kv_per_layer], True
+  if cache.share_kv:
+    return [jax.tree.map(lambda a: a[policy.cached[0] - 1], kv) for kv in kv_per_layer], False
+  return kv_per_layer, False
+
+
 def init_params(model: LoopedLM, rng: jax.Array, tokens_BxT: jax.Array) -> dict:
   """{'params': ...} of a fresh model as plain arrays.
 
@@ -303,7 +415,24 @@ def init_params(model: LoopedLM, rng: jax.Array, tokens_BxT: jax.Array) -> dict:
 
 
 class LoopedLM(nn.Module):
-  """Parcae-style looped LM with optional KV-sharing across recurrences."""
+  """Parcae-style looped LM with optional KV-sharing across recurrences.
+
+  `__call__`'s parallel-mode options (decode mode takes the KV format and policy from the
+  cache, and a decode call is one block):
+    shared_kv: per core layer (k, v) of the final recurrence from a previous pass; switches
+      the core attention to shared reads (Jacobi pass).
+    read_shared_R: which recurrences read `shared_kv` (default: all).
+    kv_format: every attention read of an earlier position's K/V goes through this format's
+      per-token quantize/dequantize round trip, as a cache stored in the format would return it.
+    prefill_block: with shared_kv, block prefill's reads (docs/design.md §3): a token reads
+      `shared_kv` for positions before its block of this many tokens (blocks aligned from
+      position 0) and its own recurrence's K/V inside it. Jacobi passes in this mode reach
+      block prefill exactly after (number of blocks - 1) passes.
+    kv_policy: which cached recurrence c(r) each recurrence reads from `shared_kv`
+      (looped/model/kv_policy.py); 'final_kv' then holds the policy's cached recurrences,
+      [copies, ...] per layer when it keeps several. Decode mode takes the policy from the
+      cache (init_cache's kv_policy).
+  """
 
   cfg: ModelConfig
 
@@ -332,22 +461,12 @@ class LoopedLM(nn.Module):
       tokens_BxT: int token ids (in decode mode: the new chunk).
       depth_mask_BxR: active recurrences (default: all).
       backprop_recurrences: k > 0 cuts the gradient before the last k active recurrences.
-      shared_kv: per core layer (k, v) of the final recurrence from a previous pass; switches
-        the core attention to shared reads (Jacobi pass). Parallel mode only.
-      read_shared_R: which recurrences read `shared_kv` (default: all). Parallel mode only.
       cache: a KVCache: decode mode (prefill a chunk or decode tokens; returned updated).
       collect_states: also return every recurrence's state h_r (aux['states_RxBxTxD']).
         With core_out_norm 'every' and no coda, the head on h_r gives recurrence r's logits
         (`head_logits`).
-      kv_format: parallel mode: every attention read of an earlier position's K/V goes
-        through this format's per-token quantize/dequantize round trip, as a cache stored in
-        the format would return it (decode mode takes the format from the cache).
       initial_state_BxTxD: h_0 of the new tokens instead of cfg.state_init's (a reference's
         own noise draw, to compare with it exactly).
-      prefill_block: with shared_kv, block prefill's reads (docs/design.md §3): a token reads
-        `shared_kv` for positions before its block of this many tokens (blocks aligned from
-        position 0) and its own recurrence's K/V inside it. Jacobi passes in this mode reach
-        block prefill exactly after (number of blocks - 1) passes. Parallel mode only.
       num_new_B: decode mode: per row, how many of the chunk's tokens are real (None: all T);
         the rest are padding of a batched call. The row's length advances by its real tokens
         and padding never advances a recurrent state (KDA) or its conv tail.
@@ -357,19 +476,16 @@ class LoopedLM(nn.Module):
         a zero state and conv window. Positions stay row positions. None: no masking.
       cache_segment_ids_BxS: decode mode with segment_ids_BxT: the documents of the cache's
         positions 0..S-1 (S >= the cache's slots, covering every filled one).
-      kv_policy: parallel mode: which cached recurrence c(r) each recurrence reads from
-        `shared_kv` (looped/model/kv_policy.py); 'final_kv' then holds the policy's cached
-        recurrences, [copies, ...] per layer when it keeps several. Decode mode takes the
-        policy from the cache (init_cache's kv_policy).
+      shared_kv, read_shared_R, kv_format, prefill_block, kv_policy: parallel-mode options
+        (the class docstring).
     aux: 'final_kv' (parallel) or 'cache' (decode), 'residual_norm_R',
       'relative_residual_R' (means over active sequences), optionally 'states_RxBxTxD', and
       with cfg.exit_gate 'exit_logits_RxBxT' (each recurrence's exit-gate logit per token).
     """
+    _check_mode_options(
+      cache, prefill_block, kv_policy, num_new_B, segment_ids_BxT, cache_segment_ids_BxS
+    )
     if cache is None:
-      if num_new_B is not None:
-        raise ValueError("num_new_B is a decode-mode option (it marks a chunk's padding).")
-      if cache_segment_ids_BxS is not None:
-        raise ValueError("cache_segment_ids_BxS is a decode-mode option (it needs a cache).")
       return self._parallel(
         tokens_BxT,
         depth_mask_BxR,
@@ -383,12 +499,6 @@ class LoopedLM(nn.Module):
         segment_ids_BxT,
         kv_policy,
       )
-    if prefill_block is not None:
-      raise ValueError("prefill_block is a parallel-mode option; a decode call is one block.")
-    if kv_policy not in (kv_policy_lib.FINAL, cache.kv_policy):
-      raise ValueError(f"Decode reads the cache's kv_policy {cache.kv_policy!r}: {kv_policy!r}.")
-    if (segment_ids_BxT is None) != (cache_segment_ids_BxS is None):
-      raise ValueError("Decode with document masking needs segment_ids_BxT and the cache's ids.")
     return self._decode(
       tokens_BxT,
       cache,
@@ -459,7 +569,7 @@ class LoopedLM(nn.Module):
         raise ValueError("prefill_block needs shared_kv (it says which reads are shared).")
       if prefill_block < 1:
         raise ValueError(f"prefill_block must be >= 1, got {prefill_block}.")
-      if "kda" in cfg.mixers("core"):
+      if not mixers_lib.all_with(cfg, "core", "block_prefill"):
         raise ValueError("prefill_block in a parallel forward needs no KDA core layers.")
       core_past_mask, core_self_mask = block_masks(t, b, prefill_block)
       if segment_ids_BxT is not None:  # Both halves of the block past are positions 0..T-1.
@@ -501,41 +611,20 @@ class LoopedLM(nn.Module):
     cfg = self.cfg
     b, t = tokens_BxT.shape
     read_past = kv_cache_lib.reader(cache.kv_format, cfg.compute_dtype)
-    positions_BxT = cache.length_B[:, None] + jnp.arange(t)[None, :]
-    s = cache.max_len
-    past_mask_BxTxS = jnp.broadcast_to(
-      (jnp.arange(s)[None, :] < cache.length_B[:, None])[:, None, :], (b, t, s)
-    )
-    self_mask_BxTxT = causal_mask(t, b)
-    segments = {}
-    if segment_ids_BxT is not None:  # Document masking: cache slots and chunk of its document.
-      if cache_segment_ids_BxS.shape[1] < max(s, 1):
-        raise ValueError(
-          f"cache_segment_ids_BxS has {cache_segment_ids_BxS.shape[1]} positions; the cache "
-          f"has {s} slots (at least 1 position is needed)."
-        )
-      slots_BxS = cache_segment_ids_BxS[:, :s]
-      past_mask_BxTxS = past_mask_BxTxS & same_segment(segment_ids_BxT, slots_BxS)
-      self_mask_BxTxT = self_mask_BxTxT & same_segment(segment_ids_BxT, segment_ids_BxT)
-      width = max(cfg.kda_conv_size - 1, 1)  # The conv tail's, and at least the state's.
-      tail_BxW = tail_segment_ids(cache_segment_ids_BxS, cache.length_B, width)
-      segments = dict(segment_ids_BxT=segment_ids_BxT, tail_segment_ids_BxW=tail_BxW)
-    quantize_own = None
-    if cache.kv_format is not None:
-      # The chunk's earlier tokens are read through the format too (past = [cache ; own chunk]),
-      # so a chunk computes what its tokens one at a time would: a cache never returns raw K/V.
-      fmt = cache.kv_format
-      quantize_own = lambda own: tuple(kv_cache_lib.quantize_tokens(x, fmt) for x in own)
-      own_mask_BxTxT = self_mask_BxTxT & ~diagonal_mask(t, b)
-      past_mask_BxTxS = jnp.concatenate([past_mask_BxTxS, own_mask_BxTxT], axis=-1)
-      self_mask_BxTxT = diagonal_mask(t, b)
+    reads = _decode_reads(cfg, cache, b, t, segment_ids_BxT, cache_segment_ids_BxS)
+    positions_BxT = reads.positions_BxT
 
     def plain_context(prefix: str, i: int) -> MixerContext:
       past = cache.layers[prefix][i]
-      if quantize_own is not None:
-        past = _with_own_chunk(past, quantize_own)
+      if reads.quantize_own is not None:
+        past = _with_own_chunk(past, reads.quantize_own)
       return MixerContext(
-        self_mask_BxTxT, past, past_mask_BxTxS, read_past, num_new_B=num_new_B, **segments
+        reads.self_mask_BxTxT,
+        past,
+        reads.past_mask_BxTxS,
+        read_past,
+        num_new_B=num_new_B,
+        **reads.segments,
       )
 
     embed, x_BxTxD = self._embed(tokens_BxT)
@@ -547,47 +636,26 @@ class LoopedLM(nn.Module):
       noise_BxT = document_positions(
         positions_BxT, segment_ids_BxT, cache_segment_ids_BxS, cache.length_B
       )
-    e_BxTxD, h0_BxTxD = self._prelude_out(x_BxTxD, noise_BxT, initial_state_BxTxD, s + t)
+    num_positions = cache.max_len + t
+    e_BxTxD, h0_BxTxD = self._prelude_out(x_BxTxD, noise_BxT, initial_state_BxTxD, num_positions)
     depth_mask_BxR, xs = self._recurrence_inputs(b, depth_mask_BxR, backprop_recurrences)
-    shared_kv = cache.layers["core"] if cache.share_kv else None
-    policy = None
-    if cache.share_kv:  # Recurrence r reads the copy of its policy's c(r).
-      policy, policy_xs = _policy_inputs(cfg, cache.kv_policy, parallel=False)
-      xs.update(policy_xs)
-    paged_pools = {}
-    if not cache.share_kv:  # Unshared: recurrence r reads its own cached K/V.
-      # A paged entry keeps every recurrence's pages in one pool: only its tables are scanned.
-      core = cache.layers["core"]
-      xs["past"] = [e.page_table_BxP if isinstance(e, PagedKV) else e for e in core]
-      paged_pools = {
-        i: (e.k_pages, e.v_pages) for i, e in enumerate(core) if isinstance(e, PagedKV)
-      }
+    policy, shared_kv, paged_pools = _decode_core_reads(cfg, cache, xs)
     bcast = self._broadcasts(
-      tokens_BxT, e_BxTxD, positions_BxT, self_mask_BxTxT, past_mask_BxTxS, shared_kv, read_past
+      tokens_BxT,
+      e_BxTxD,
+      positions_BxT,
+      reads.self_mask_BxTxT,
+      reads.past_mask_BxTxS,
+      shared_kv,
+      read_past,
     )
-    if quantize_own is not None:
-      bcast["quantize_own"] = quantize_own
-    if paged_pools:
-      bcast["paged_pools"] = paged_pools
-    if num_new_B is not None:
-      bcast["num_new_B"] = num_new_B
-    if segments:
-      bcast["segment_ids"] = segments["segment_ids_BxT"]
-      bcast["tail_segment_ids"] = segments["tail_segment_ids_BxW"]
+    bcast.update(_decode_broadcasts(reads, paged_pools, num_new_B))
     carry, ys = self._recurrences(True, collect_states)({"h": h0_BxTxD}, xs, bcast)
     logits_BxTxV, coda_kvs = self._coda_and_head(
       carry["h"], embed, positions_BxT, plain_context, tokens_BxT
     )
     aux = self._diagnostics(ys, depth_mask_BxR, collect_states)
-    slotted = False
-    if cache.share_kv and policy.copies > 1:  # The cached recurrences' K/V, [copies, ...].
-      cached = jnp.asarray(policy.cached, jnp.int32) - 1
-      core_new = [jax.tree.map(lambda a: a[cached], kv) for kv in ys["kv"]]
-      slotted = True
-    elif cache.share_kv:  # One cached recurrence ('final': the last).
-      core_new = [jax.tree.map(lambda a: a[policy.cached[0] - 1], kv) for kv in ys["kv"]]
-    else:
-      core_new = ys["kv"]
+    core_new, slotted = _cached_core(cache, policy, ys["kv"])
     new_cache = {"prelude": prelude_kvs, "core": core_new, "coda": coda_kvs}
     num = t if num_new_B is None else num_new_B
     aux["cache"] = write_chunk(cache, new_cache, num, slotted_core=slotted)

@@ -9,9 +9,10 @@ by a `MixerContext`, so the same layer serves every KV-sharing mode (docs/design
   token's own entry on the diagonal;
 - decode / chunked prefill: past = the cache (slots < length), plus the new chunk causally.
 
-What each mixer caches is stated here once, as a `MixerCache` (`MIXER_CACHES`), so that the
-cache layout (cache_layout.py), the model's caches, the engine's pages, the evaluation's byte
-counts and the serving simulator all read the same shapes:
+What each mixer caches is stated here once, as a `MixerCache`, and named by its record (`Mixer`,
+in the registry mixer_registry.py), so that the cache layout (cache_layout.py), the model's
+caches, the engine's pages, the evaluation's byte counts and the serving simulator all read the
+same shapes:
 
 gqa  per token K and V, [num_kv_heads, head_dim] each.
 mla  per token the latent c_kv [1, mla_kv_rank] and the RoPE key [1, mla_rope_dim].
@@ -185,12 +186,62 @@ def kda_cache(cfg) -> MixerCache:
   return MixerCache(state_shapes=((h, d, d), (cfg.kda_conv_size - 1, 3 * h * d)))
 
 
-# cfg needs the fields each function reads (a ModelConfig, or the simulator's ModelShape).
-MIXER_CACHES: dict[str, Callable[[Any], MixerCache]] = {
-  "gqa": gqa_cache,
-  "mla": mla_cache,
-  "kda": kda_cache,
-}
+@dataclasses.dataclass(frozen=True)
+class LayerMacs:
+  """Multiply-adds per token of one application of a layer's sequence mixer.
+
+  weights: its projections (and KDA's depthwise conv, one multiply-add per weight);
+  per_key: for each position the token attends over (scores and the weighted values);
+  state: KDA's delta-rule update and read of its per-sequence state.
+  """
+
+  weights: int
+  per_key: int = 0
+  state: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Mixer:
+  """Everything the code outside a mixer's layer needs of it: one record per mixer, registered
+  by name in mixer_registry.py. Callers ask a capability (the boolean fields), never a name.
+
+  Every function takes a cfg with the fields it reads (a ModelConfig, or the simulator's
+  ModelShape).
+
+  module, scope: the layer (a SequenceMixer) and its param scope in a Block (checkpoints name it).
+  cache: what one layer caches (MixerCache); the layer's `mixer_cache`.
+  macs: (cfg, absorbed) -> LayerMacs per token of one application (looped/model/flops.py;
+    `absorbed`: the form cached calls run, where it differs).
+  params: cfg -> stored values of one layer's mixer (matrices, norms, biases).
+  entry_zeros: (cfg, batch, length) -> zeros shaped like the per-token entry a parallel forward
+    returns (the Jacobi passes' first 'final K/V').
+
+  pages_its_cache: per-token entries, which the engine stores in pages and KV formats quantize
+    (else a per-sequence state, which neither does).
+  attends: computes scores over the positions it reads (its cost grows with the context).
+  kv_policies: can be cached under KV policies other than 'final' (kv_policy.py: several
+    recurrences' entries, a recurrence reading another's).
+  block_prefill: a parallel forward can run block prefill (reads the past as [shared-or-own ;
+    own] under block masks, looped_lm.block_masks).
+  paged_kernel: the engine's 'pallas' attention reads its pages in place
+    (pallas_kernels.paged_decode) instead of gathering them into a dense cache.
+  """
+
+  name: str
+  module: type
+  scope: str
+  cache: Callable[[Any], MixerCache]
+  macs: Callable[[Any, bool], LayerMacs]
+  params: Callable[[Any], int]
+  entry_zeros: Callable[[Any, int, int], Any]
+  pages_its_cache: bool
+  attends: bool
+  kv_policies: bool
+  block_prefill: bool
+  paged_kernel: bool
+
+
+CAPABILITIES = tuple(f.name for f in dataclasses.fields(Mixer) if f.type == "bool")
 
 
 @runtime_checkable
@@ -199,7 +250,7 @@ class SequenceMixer(Protocol):
 
   Called with x_BxTxD, positions_BxT and a MixerContext; returns y_BxTxD and the layer's
   per-token entry for the cache (GQA: (k, v); MLA: (c_kv, k_rope); KDA: a KDARecord from
-  parallel forwards, a KDAState from decode). `mixer_cache` is the mixer's entry in MIXER_CACHES.
+  parallel forwards, a KDAState from decode). `mixer_cache` is its record's `cache` (Mixer).
   """
 
   mixer_cache: ClassVar[Callable[[Any], MixerCache]]

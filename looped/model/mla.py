@@ -15,15 +15,17 @@ on the diagonal, as for GQA.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from looped.model.config import ModelConfig
 from looped.model.layers import RMSNorm, normal_init, projection, rope
 from looped.model.mixer_interface import MixerContext, mla_cache
+
+if TYPE_CHECKING:  # Annotations only: the config imports the mixer registry, which imports this.
+  from looped.model.config import ModelConfig
 
 Entry = tuple[jax.Array, jax.Array]  # (c_kv_BxSx1xL, k_rope_BxSx1xY)
 

@@ -17,6 +17,12 @@ past mask, a prefix of the cache); a context with other masks needs attention_im
 Document masking: parallel contexts pass ctx.segment_ids_BxT to shared_attention (past and own
 K/V hold the same positions); a decode context with segment ids is not one paged_decode handles
 (its slots are a prefix, not a document), so `handles` says no and the layer uses its XLA math.
+
+model.attention_impl = 'auto' (`uses_kernel`) takes the flash kernel where it is known to lower
+and pay: the parallel contexts (training, evaluation, Jacobi and BeNice! passes) on GPU or TPU,
+on one device (a pallas_call has no partitioning rule, so on a mesh GSPMD would gather its
+operands), with Triton's tiles on GPU. Everything else (CPU, decode from a dense cache, block
+prefill through a KV format) is the XLA math.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import jax.numpy as jnp
 import pallas_kernels
 from looped import kv_quant
 from looped.model.mixer_interface import CacheAndOwnChunk, MixerContext, PagedKV
+from pallas_kernels import platform
 
 _PAGE_SIZES = (64, 32, 16, 8, 4, 2, 1)
 
@@ -86,6 +93,33 @@ def is_paged(ctx: MixerContext) -> bool:
 def handles(ctx: MixerContext) -> bool:
   """Whether `attend` computes ctx on the kernels (not: decode with document masking)."""
   return not (_is_decode(ctx) and ctx.segment_ids_BxT is not None)
+
+
+def _one_device() -> bool:
+  """Whether the trace runs on one device: no ambient mesh (jax.set_mesh), or one of size 1."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return mesh.empty or mesh.size == 1
+
+
+def _triton_tiles(head_dim: int, t: int) -> bool:
+  """Whether Triton takes the kernel's tiles: [block, head_dim] dot operands, both powers of
+  two of at least 16 (the default block is T's next power of two, at least 8: T > 8)."""
+  return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and t > 8
+
+
+def uses_kernel(attention_impl: str, ctx: MixerContext, head_dim: int, t: int) -> bool:
+  """Whether a GQA layer computes ctx on the kernels under model.attention_impl (module
+  docstring); a PagedKV past is read by the kernel whatever this says."""
+  if attention_impl == "pallas":
+    return handles(ctx)
+  if attention_impl != "auto":
+    return False
+  device = platform.platform()
+  if device == "cpu" or _is_decode(ctx) or not _one_device():
+    return False
+  if ctx.prefill_block is not None and ctx.read_past is not None:  # Needs 'xla' (attend).
+    return False
+  return device == "tpu" or _triton_tiles(head_dim, t)
 
 
 def attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, ctx: MixerContext) -> jax.Array:

@@ -100,6 +100,11 @@ class EngineLoop:
     metrics.gauge("looped:kv_pages_total", "KV pages in the pool.", lambda: engine.num_pages)
     metrics.gauge("looped:engine_steps", "Engine steps run.", lambda: self.stats.num_steps)
     metrics.gauge(
+      "looped:step_shapes_compiled",
+      "Step shapes compiled (the rest compile in the background; a step never compiles).",
+      engine.num_compiled_shapes,
+    )
+    metrics.gauge(
       "looped:engine_busy_seconds",
       "Wall time spent inside engine steps.",
       lambda: self.stats.busy_s,
@@ -177,16 +182,24 @@ class EngineLoop:
   # -- The loop thread -------------------------------------------------------------------------
 
   def _warm(self) -> None:
+    """Compiles the shapes every step fits, then opens; the rest compile in the background
+    (Engine.start_warmup), so no request waits for a compile."""
     start = time.monotonic()
 
     def progress(done: int, total: int) -> None:
-      self.warmup_progress = f"{done} of {total}"
-      if done == total or done % max(1, total // 4) == 0:
-        log.info("warm-up: %d of %d step shapes compiled", done, total)
+      self.warmup_progress = f"{done} of {total} in the background"
+      if done == total:
+        log.info("background compile: %d more step shapes in %.1f s", total, self.now())
 
-    self.warmup_shapes = self.engine.warmup(progress)
+    now, total = self.engine.start_warmup(progress)
+    self.warmup_shapes = now
     self.warmup_s = time.monotonic() - start
-    log.info("warm-up: %d step shapes in %.1f s", self.warmup_shapes, self.warmup_s)
+    log.info(
+      "warm-up: %d of %d step shapes in %.1f s; the rest compile in the background",
+      now,
+      total,
+      self.warmup_s,
+    )
     self.ready.set()
 
   def _run(self) -> None:

@@ -1,270 +1,159 @@
 """The server's OpenAPI 3.0 document, served at /openapi.json.
 
-Written from protocol.py's rules and the served model's limits (vocabulary, context, logprobs,
-batch size), not generated from handler signatures (the handlers read raw bodies so that each
-refusal names its field): it tells clients what is accepted, and an API fuzzer (schemathesis,
-tests/server_fuzz_test.py) sends what it allows and what it does not.
+Generated from protocol.py's declarations for the served model's limits (vocabulary, context,
+logprobs, batch size): the completion request's field records (each field's type, range,
+default and doc) and the request and response types of every route. Not generated from handler
+signatures: the handlers read raw bodies so that each refusal names its field. It tells clients
+what is accepted, and an API fuzzer (schemathesis, tests/server_fuzz_test.py) sends what it
+allows and what it does not.
 """
 
 from __future__ import annotations
 
-from looped.engine import sampling
+import dataclasses
+import types
+import typing
+from typing import Any
+
 from looped.server import protocol
 
-_ERROR = {
-  "type": "object",
-  "required": ["error"],
-  "properties": {
-    "error": {
-      "type": "object",
-      "required": ["message", "type"],
-      "properties": {
-        "message": {"type": "string"},
-        "type": {"type": "string"},
-        "param": {"type": "string", "nullable": True},
-        "code": {"nullable": True},
-      },
-    }
-  },
-}
+_PRIMITIVES = {bool: "boolean", int: "integer", float: "number", str: "string"}
 
 
-def _json(schema: dict, description: str) -> dict:
-  return {"description": description, "content": {"application/json": {"schema": schema}}}
+def schema_of(kind: Any, limits: protocol.Limits) -> dict:
+  """The JSON schema of a declared type: a primitive, list, dict, Literal, `X | None`, a
+  TypedDict, an Annotated type (its metadata is extra schema, a dict or a function of Limits)
+  or a tuple of protocol.Field records (a request body that refuses other fields)."""
+  if isinstance(kind, tuple):
+    return _request_body(kind, limits)
+  origin, args = typing.get_origin(kind), typing.get_args(kind)
+  if origin is typing.Annotated:
+    return {**schema_of(args[0], limits), **protocol.at(args[1], limits)}
+  if origin in (typing.Union, types.UnionType):
+    rest = [a for a in args if a is not type(None)]
+    (one,) = rest  # A union is only ever `X | None` here.
+    return {**schema_of(one, limits), "nullable": True}
+  if origin is list:
+    return {"type": "array", "items": schema_of(args[0], limits)}
+  if origin is dict:
+    return {"type": "object", "additionalProperties": schema_of(args[1], limits)}
+  if origin is typing.Literal:
+    return {"type": _PRIMITIVES[type(args[0])], "enum": list(args)}
+  if typing.is_typeddict(kind):
+    return _object(kind, limits)
+  if kind is Any:
+    return {}
+  return {"type": _PRIMITIVES[kind]}
 
 
-def _errors(*codes: int) -> dict:
-  why = {
-    400: "a field is invalid (the message names it)",
-    404: "another model is asked for",
-    413: "the body is over serve.max_body_bytes",
-    429: "the queue is full (retry later)",
-    503: "the server is warming up or shutting down",
-  }
-  return {str(c): _json(_ERROR, why[c]) for c in codes}
+def _object(kind: type, limits: protocol.Limits) -> dict:
+  """A TypedDict's schema: every key required but those marked NotRequired."""
+  hints = typing.get_type_hints(kind, include_extras=True)
+  properties, required = {}, []
+  for name, hint in hints.items():
+    if typing.get_origin(hint) is typing.NotRequired:
+      hint = typing.get_args(hint)[0]
+    else:
+      required.append(name)
+    properties[name] = schema_of(hint, limits)
+  out = {"type": "object", "required": required, "properties": properties}
+  return {**out, "description": kind.__doc__} if kind.__doc__ else out
 
 
-def _completion_request(limits: protocol.Limits) -> dict:
-  token = {"type": "integer", "minimum": 0, "maximum": limits.vocab_size - 1}
-  text = {"type": "string", "minLength": 1}
-  tokens = {"type": "array", "items": token, "minItems": 1}
-  batch = {"minItems": 1, "maxItems": limits.max_batch}
-  stop_text = {"type": "string", "minLength": 1, "maxLength": protocol.MAX_STOP_CHARS}
+def _request_body(fields: tuple[protocol.Field, ...], limits: protocol.Limits) -> dict:
+  """The schema of a body of protocol.Field records: only those fields."""
   return {
     "type": "object",
-    "required": ["prompt"],
+    "required": [f.name for f in fields if f.required],
     "additionalProperties": False,
-    "properties": {
-      "model": {"type": "string", "enum": [limits.model_name]},
-      "prompt": {
-        "oneOf": [text, tokens, {"type": "array", "items": {"oneOf": [text, tokens]}, **batch}]
-      },
-      "max_tokens": {"type": "integer", "minimum": 1, "maximum": limits.max_model_len},
-      "temperature": {"type": "number", "minimum": 0, "maximum": sampling.MAX_TEMPERATURE},
-      "top_p": {"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 1},
-      "top_k": {"type": "integer", "minimum": -1, "maximum": limits.vocab_size},
-      "seed": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1, "nullable": True},
-      "stop": {
-        "oneOf": [
-          stop_text,
-          {
-            "type": "array",
-            "items": stop_text,
-            "maxItems": protocol.MAX_STOP_STRINGS,
-          },
-        ],
-        "nullable": True,
-      },
-      "n": {"type": "integer", "enum": [1]},
-      "stream": {"type": "boolean"},
-      "stream_options": {
-        "type": "object",
-        "additionalProperties": False,
-        "properties": {"include_usage": {"type": "boolean"}},
-        "nullable": True,
-      },
-      "logprobs": {
-        "type": "integer",
-        "minimum": 0,
-        "maximum": limits.max_logprobs,
-        "nullable": True,
-      },
-      "echo": {"type": "boolean"},
-      "ignore_eos": {"type": "boolean"},
-      "user": {"type": "string"},
-    },
+    "properties": {f.name: f.schema(limits) for f in fields},
   }
 
 
-_LOGPROBS = {
-  "type": "object",
-  "nullable": True,
-  "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
-  "properties": {
-    "tokens": {"type": "array", "items": {"type": "string"}},
-    "token_logprobs": {"type": "array", "items": {"type": "number", "nullable": True}},
-    "top_logprobs": {
-      "type": "array",
-      "items": {"type": "object", "nullable": True, "additionalProperties": {"type": "number"}},
-    },
-    "text_offset": {"type": "array", "items": {"type": "integer"}},
-  },
+_WHY = {
+  400: "a field is invalid (the message names it)",
+  404: "another model is asked for",
+  413: "the body is over serve.max_body_bytes",
+  429: "the queue is full (retry later)",
+  503: "the server is warming up or shutting down",
 }
 
-_COMPLETION = {
-  "type": "object",
-  "required": ["id", "object", "created", "model", "choices", "usage"],
-  "properties": {
-    "id": {"type": "string"},
-    "object": {"type": "string", "enum": ["text_completion"]},
-    "created": {"type": "integer"},
-    "model": {"type": "string"},
-    "choices": {
-      "type": "array",
-      "items": {
-        "type": "object",
-        "required": ["index", "text", "logprobs", "finish_reason"],
-        "properties": {
-          "index": {"type": "integer", "minimum": 0},
-          "text": {"type": "string"},
-          "logprobs": _LOGPROBS,
-          "finish_reason": {"type": "string", "enum": ["length", "stop"]},
-        },
-      },
-    },
-    "usage": {
-      "type": "object",
-      "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-      "properties": {
-        k: {"type": "integer", "minimum": 0}
-        for k in ("prompt_tokens", "completion_tokens", "total_tokens")
-      },
-    },
-  },
-}
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+  """One route: its body's type (None: no body), what a 200 is (its description and its
+  type per media type) and the error statuses it may answer."""
+
+  path: str
+  method: str
+  ok: str
+  content: dict
+  body: Any = None
+  errors: tuple[int, ...] = ()
+
+  def operation(self, limits: protocol.Limits) -> dict:
+    ok = {"description": self.ok, "content": _content(self.content, limits)}
+    error = _content({"application/json": protocol.Error}, limits)
+    responses = {
+      "200": ok,
+      **{str(c): {"description": _WHY[c], "content": error} for c in self.errors},
+    }
+    if self.body is None:
+      return {"responses": responses}
+    body = {"required": True, "content": _content({"application/json": self.body}, limits)}
+    return {"requestBody": body, "responses": responses}
+
+
+def _content(by_media_type: dict, limits: protocol.Limits) -> dict:
+  return {media: {"schema": schema_of(t, limits)} for media, t in by_media_type.items()}
+
+
+def routes() -> tuple[Route, ...]:
+  """The server's routes (app.py's), read at call time: the request fields as declared now."""
+  completion = {
+    "application/json": protocol.CompletionResponse,
+    "text/event-stream": protocol.StreamEvent,
+  }
+  return (
+    Route(
+      "/v1/completions",
+      "post",
+      "the completion (a JSON object, or server-sent events with stream)",
+      completion,
+      body=protocol.REQUEST,
+      errors=(400, 404, 413, 429, 503),
+    ),
+    Route("/v1/models", "get", "the served model", {"application/json": protocol.Models}),
+    Route("/health", "get", "ready", {"application/json": protocol.Health}, errors=(503,)),
+    Route(
+      "/tokenize",
+      "post",
+      "the prompt's token ids",
+      {"application/json": protocol.Tokens},
+      body=protocol.TokenizeRequest,
+      errors=(400, 413),
+    ),
+    Route(
+      "/detokenize",
+      "post",
+      "the tokens' text",
+      {"application/json": protocol.Detokenized},
+      body=protocol.DetokenizeRequest,
+      errors=(400, 413),
+    ),
+    Route(
+      "/tokenizer_info",
+      "get",
+      "the served tokenizer",
+      {"application/json": protocol.TokenizerInfo},
+    ),
+    Route("/metrics", "get", "Prometheus text format", {"text/plain": str}),
+  )
 
 
 def document(limits: protocol.Limits) -> dict:
   """The OpenAPI document of the server's routes for the served model's limits."""
-  completion_ok = {
-    "description": "the completion (a JSON object, or server-sent events with stream)",
-    "content": {
-      "application/json": {"schema": _COMPLETION},
-      "text/event-stream": {
-        "schema": {
-          "type": "object",
-          "required": ["data"],
-          "properties": {"data": {"type": "string"}},
-        }
-      },
-    },
-  }
-  tokens = {"type": "array", "items": {"type": "integer", "minimum": 0}}
-  return {
-    "openapi": "3.0.3",
-    "info": {"title": "looped", "version": "1"},
-    "paths": {
-      "/v1/completions": {
-        "post": {
-          "requestBody": {
-            "required": True,
-            "content": {"application/json": {"schema": _completion_request(limits)}},
-          },
-          "responses": {"200": completion_ok, **_errors(400, 404, 413, 429, 503)},
-        }
-      },
-      "/v1/models": {
-        "get": {
-          "responses": {
-            "200": _json(
-              {
-                "type": "object",
-                "required": ["object", "data"],
-                "properties": {"object": {"type": "string"}, "data": {"type": "array"}},
-              },
-              "the served model",
-            )
-          }
-        }
-      },
-      "/health": {
-        "get": {
-          "responses": {
-            "200": _json({"type": "object"}, "ready"),
-            **_errors(503),
-          }
-        }
-      },
-      "/tokenize": {
-        "post": {
-          "requestBody": {
-            "required": True,
-            "content": {
-              "application/json": {
-                "schema": {
-                  "type": "object",
-                  "required": ["prompt"],
-                  "properties": {"prompt": {"type": "string"}},
-                }
-              }
-            },
-          },
-          "responses": {
-            "200": _json(
-              {
-                "type": "object",
-                "required": ["tokens", "count", "max_model_len"],
-                "properties": {
-                  "tokens": tokens,
-                  "count": {"type": "integer"},
-                  "max_model_len": {"type": "integer"},
-                },
-              },
-              "the prompt's token ids",
-            ),
-            **_errors(400, 413),
-          },
-        }
-      },
-      "/detokenize": {
-        "post": {
-          "requestBody": {
-            "required": True,
-            "content": {
-              "application/json": {
-                "schema": {
-                  "type": "object",
-                  "required": ["tokens"],
-                  "properties": {"tokens": tokens},
-                }
-              }
-            },
-          },
-          "responses": {
-            "200": _json(
-              {
-                "type": "object",
-                "required": ["prompt"],
-                "properties": {"prompt": {"type": "string"}},
-              },
-              "the tokens' text",
-            ),
-            **_errors(400, 413),
-          },
-        }
-      },
-      "/tokenizer_info": {
-        "get": {"responses": {"200": _json({"type": "object"}, "the served tokenizer")}}
-      },
-      "/metrics": {
-        "get": {
-          "responses": {
-            "200": {
-              "description": "Prometheus text format",
-              "content": {"text/plain": {"schema": {"type": "string"}}},
-            }
-          }
-        }
-      },
-    },
-  }
+  paths = {}
+  for route in routes():
+    paths.setdefault(route.path, {})[route.method] = route.operation(limits)
+  return {"openapi": "3.0.3", "info": {"title": "looped", "version": "1"}, "paths": paths}

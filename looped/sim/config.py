@@ -8,12 +8,13 @@ from __future__ import annotations
 import dataclasses
 
 from looped import kv_quant
-from looped.schema import field
+from looped.engine.config import BatchingLimits
+from looped.schema import field, redefault
 from looped.sim import cost_model, hardware
 
 
 @dataclasses.dataclass(frozen=True)
-class SimConfig:
+class SimConfig(BatchingLimits):
   """`config.sim`: the trace, the sweep (budgets x layouts x formats) and the engine's limits."""
 
   trace: str = field(
@@ -44,11 +45,9 @@ class SimConfig:
     "KV formats swept ('bf16,fp8' on a command line is a tuple).",
     by_hand="a tuple of formats from " + ", ".join(kv_quant.FORMATS),
   )
-  page_size: int = field(16, "Tokens per KV page (vLLM's default block size).", min=1)
-  max_num_batched_tokens: int = field(
-    8192, "Per-step token budget (decodes + prefill chunks).", min=1
-  )
-  max_num_seqs: int = field(256, "Cap on running requests.", min=1)
+  # The scheduler's limits (BatchingLimits), at vLLM's defaults for a serving accelerator.
+  max_num_batched_tokens: int = redefault(BatchingLimits, "max_num_batched_tokens", 8192)
+  max_num_seqs: int = redefault(BatchingLimits, "max_num_seqs", 256)
   prefill_block: int = field(
     32,
     "Prefill block as the engine runs it (docs/design.md §3): chunks end at its multiples; "

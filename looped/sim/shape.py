@@ -17,10 +17,8 @@ import dataclasses
 import functools
 from typing import Any
 
-from looped.model import cache_layout, flops, mixer_interface
+from looped.model import cache_layout, flops, mixer_interface, mixer_registry
 from looped.model.config import STAGES, ModelConfig
-
-ATTENTION_MIXERS = ("gqa", "mla")  # Mixers that compute scores over the positions read.
 
 
 class ModelShape(ModelConfig):
@@ -44,16 +42,9 @@ class ModelShape(ModelConfig):
 
   def mixer_params(self, mixer: str) -> int:
     """Stored values of one layer's sequence mixer: its matrices (the multiply-adds
-    looped.model.flops counts per token) plus its vectors (norms, biases, KDA's decay)."""
-    n, h, k = self.num_heads, self.head_dim, self.num_kv_heads
-    matrices = flops.mixer_macs(self, mixer).weights
-    if mixer == "gqa":
-      return matrices + 2 * h * self.qk_norm + (n + k) * h * self.qk_bias
-    if mixer == "mla":
-      return matrices + self.mla_kv_rank + self.mla_q_rank  # kv_norm; query_norm (if any).
-    if mixer == "kda":
-      return matrices + n + 2 * n * h + h  # A_log, dt_bias, gate bias, out_norm.
-    raise ValueError(f"unknown mixer {mixer!r}")
+    looped.model.flops counts per token) plus its vectors (norms, biases, KDA's decay), as its
+    registry record counts them (looped/model/mixer_registry.py)."""
+    return mixer_registry.get(mixer).params(self)
 
   def layer_params(self, mixer: str) -> int:
     """Stored values of one layer: mixer, MLP and its 2 (pre) or 4 (sandwich, post) norms."""
@@ -140,7 +131,7 @@ def _counts(shape: ModelShape) -> tuple[int, int, int, int]:
     weights += runs * (m.weights + flops.mlp_macs(shape))
     state += runs * m.state
     per_key += runs * m.per_key
-    heads += runs * shape.num_heads * (mixer in ATTENTION_MIXERS)
+    heads += runs * shape.num_heads * mixer_registry.get(mixer).attends
   return weights, state, per_key, heads
 
 

@@ -1,0 +1,160 @@
+"""The OpenAPI document is generated from protocol.py: the completion request's properties are
+its declared fields, a field added there is documented and parsed with no second edit, every
+bound the document states is the one the parser checks, and the response types' keys are the
+documented ones."""
+
+import json
+from typing import Annotated, Literal, NotRequired, TypedDict
+from unittest import mock
+
+from absl.testing import absltest
+
+from looped.data.tokenizers import BytesTokenizer
+from looped.server import openapi, protocol
+
+_LIMITS = protocol.Limits("tiny", 32, 257, 5, 32, 4, max_batch=4)
+
+
+def _request_schema(limits: protocol.Limits = _LIMITS) -> dict:
+  post = openapi.document(limits)["paths"]["/v1/completions"]["post"]
+  return post["requestBody"]["content"]["application/json"]["schema"]
+
+
+def _ok_schema(path: str, method: str, media: str = "application/json") -> dict:
+  route = openapi.document(_LIMITS)["paths"][path][method]
+  return route["responses"]["200"]["content"][media]["schema"]
+
+
+def _parse(**fields):
+  body = {"prompt": "x", "max_tokens": 1, **fields}
+  return protocol.parse(json.dumps(body).encode(), BytesTokenizer(), _LIMITS)
+
+
+class RequestDocumentTest(absltest.TestCase):
+  def test_properties_are_the_declared_fields(self):
+    schema = _request_schema()
+    self.assertEqual(list(schema["properties"]), [f.name for f in protocol.REQUEST])
+    self.assertEqual(set(schema["properties"]), protocol.FIELDS)
+    self.assertEqual(schema["required"], ["prompt"])
+    self.assertFalse(schema["additionalProperties"])
+    for f in protocol.REQUEST:
+      self.assertEqual(schema["properties"][f.name]["description"], f.doc)
+
+  def test_a_field_added_to_the_request_is_documented_and_parsed(self):
+    added = protocol.Integer(
+      name="beams", doc="Beams searched.", default=1, lo=1, hi=lambda limits: limits.max_batch
+    )
+    with mock.patch.object(protocol, "REQUEST", protocol.REQUEST + (added,)):
+      prop = _request_schema()["properties"]["beams"]
+      self.assertEqual(
+        prop,
+        {
+          "type": "integer",
+          "minimum": 1,
+          "maximum": _LIMITS.max_batch,
+          "default": 1,
+          "description": "Beams searched.",
+        },
+      )
+      _parse(beams=_LIMITS.max_batch)  # Not an unknown field any more.
+      with self.assertRaises(protocol.RequestError) as e:
+        _parse(beams=_LIMITS.max_batch + 1)
+      self.assertEqual(e.exception.param, "beams")
+    with self.assertRaises(protocol.RequestError) as e:
+      _parse(beams=1)
+    self.assertIn("unknown", str(e.exception))
+
+  def test_every_documented_bound_is_what_the_parser_checks(self):
+    """Each numeric bound, enum value and nullability the document states: the value on the
+    bound is accepted, the one just past it refused naming the field."""
+    checked = 0
+    for name, prop in _request_schema()["properties"].items():
+      kind = prop.get("type")
+      step = 1 if kind == "integer" else 0.5
+      accepted, refused = [], []
+      if "minimum" in prop:
+        lo = prop["minimum"]
+        (refused if prop.get("exclusiveMinimum") else accepted).append(lo)
+        refused.append(lo - step)
+      if "maximum" in prop:
+        accepted.append(prop["maximum"])
+        refused.append(prop["maximum"] + step)
+      accepted += prop.get("enum", [])
+      if kind == "boolean":
+        accepted += [True, False]
+        refused.append("yes")
+      (accepted if prop.get("nullable") else refused).append(None)
+      for value in accepted:  # max_tokens' maximum leaves room for the 1-token prompt alone.
+        _parse(**{name: value})
+      for value in refused:
+        with self.assertRaises(protocol.RequestError, msg=(name, value)) as e:
+          _parse(**{name: value})
+        self.assertEqual(e.exception.param, name, (name, value))
+      checked += len(accepted) + len(refused)
+    self.assertGreater(checked, 40)
+
+  def test_limits_reach_the_document(self):
+    bigger = protocol.Limits("other", 64, 300, 7, 32, 4, max_batch=9)
+    props = _request_schema(bigger)["properties"]
+    self.assertEqual(props["model"]["enum"], ["other"])
+    self.assertEqual(props["max_tokens"]["maximum"], 63)
+    self.assertEqual(props["top_k"]["maximum"], 300)
+    self.assertEqual(props["logprobs"]["maximum"], 7)
+    self.assertEqual(props["prompt"]["oneOf"][1]["items"]["maximum"], 299)
+    self.assertEqual(props["prompt"]["oneOf"][2]["maxItems"], 9)
+
+
+class ResponseDocumentTest(absltest.TestCase):
+  def test_response_keys_are_the_declared_types(self):
+    routes = [
+      ("/v1/completions", "post", protocol.CompletionResponse),
+      ("/v1/models", "get", protocol.Models),
+      ("/health", "get", protocol.Health),
+      ("/tokenize", "post", protocol.Tokens),
+      ("/detokenize", "post", protocol.Detokenized),
+      ("/tokenizer_info", "get", protocol.TokenizerInfo),
+    ]
+    for path, method, kind in routes:
+      schema = _ok_schema(path, method)
+      self.assertEqual(list(schema["properties"]), list(kind.__annotations__), path)
+      self.assertEqual(schema["required"], list(kind.__annotations__), path)
+    choice = _ok_schema("/v1/completions", "post")["properties"]["choices"]["items"]
+    self.assertEqual(list(choice["properties"]), list(protocol.Choice.__annotations__))
+
+  def test_schema_of_a_declared_type(self):
+    class Inner(TypedDict):
+      """An inner object."""
+
+      ids: list[Annotated[int, lambda limits: {"maximum": limits.vocab_size}]]
+
+    class Outer(TypedDict):
+      kind: Literal["a", "b"]
+      inner: Inner | None
+      scores: dict[str, float]
+      note: NotRequired[str]
+
+    self.assertEqual(
+      openapi.schema_of(Outer, _LIMITS),
+      {
+        "type": "object",
+        "required": ["kind", "inner", "scores"],
+        "properties": {
+          "kind": {"type": "string", "enum": ["a", "b"]},
+          "inner": {
+            "type": "object",
+            "description": "An inner object.",
+            "required": ["ids"],
+            "properties": {
+              "ids": {"type": "array", "items": {"type": "integer", "maximum": 257}},
+            },
+            "nullable": True,
+          },
+          "scores": {"type": "object", "additionalProperties": {"type": "number"}},
+          "note": {"type": "string"},
+        },
+      },
+    )
+
+
+if __name__ == "__main__":
+  absltest.main()
