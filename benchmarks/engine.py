@@ -404,7 +404,7 @@ def _engine_pricer(model_shape, hw, layout, args, max_num_seqs=None):
   share, fmt = LAYOUTS[layout]
   pad = _padding(args, max_num_seqs or args.max_num_seqs)
   return engine_cost.EngineCostExecutor(
-    model_shape, hw, pad, share_kv=share, kv_format=fmt, weight_format="fp32"
+    model_shape, hw, pad, KVLayout(share, fmt), weight_format="fp32"
   )
 
 
@@ -424,13 +424,13 @@ def features(model_shape, rows, pricing, args):
     dequant = [0.0] * len(formats)
     if pricing == "batch":
       ex = cost_model.CostModelExecutor(
-        model_shape, unit, share_kv=share, kv_format=fmt or "bf16", weight_format="fp32"
+        model_shape, unit, KVLayout(share, fmt or "bf16"), weight_format="fp32"
       )
       flops, moved = ex.terms(_batch(r))
       calls = 0
     else:
       ex = engine_cost.EngineCostExecutor(
-        model_shape, unit, _grid_padding(args), share_kv=share, kv_format=fmt
+        model_shape, unit, _grid_padding(args), KVLayout(share, fmt)
       )
       flops, moved, calls = ex.terms(_batch(r))
       if fmt:

@@ -63,6 +63,7 @@ from configs import serve as serve_config  # noqa: E402
 from looped import kv_quant  # noqa: E402
 from looped.checkpoints import model_record  # noqa: E402
 from looped.engine.padding import Padding  # noqa: E402
+from looped.model.cache_layout import KVLayout  # noqa: E402
 from looped.scheduler import pages as pages_lib  # noqa: E402
 from looped.scheduler import replay, scheduler  # noqa: E402
 from looped.sim import engine_cost, hardware, sessions, shape, traces  # noqa: E402
@@ -274,7 +275,7 @@ def _pricer(args, share_kv: bool, kv_format: str) -> engine_cost.EngineCostExecu
     args.max_model_len,
   )
   return engine_cost.EngineCostExecutor(
-    model_shape, hw, padding, share_kv=share_kv, kv_format=kv_format or None, weight_format="fp32"
+    model_shape, hw, padding, KVLayout(share_kv, kv_format or None), weight_format="fp32"
   )
 
 

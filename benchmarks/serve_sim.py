@@ -21,6 +21,7 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _REPO)
 
 from configs import serve_sim  # noqa: E402
+from looped.model.cache_layout import KVLayout  # noqa: E402
 from looped.scheduler import scheduler  # noqa: E402
 from looped.sim import hardware, simulate, traces  # noqa: E402
 
@@ -68,8 +69,7 @@ def main():
       shape,
       hardware.load(config.sim.hardware),
       budget=args.budget_gb * 1e9,
-      share_kv=args.layout == "shared",
-      kv_format=args.kv_format,
+      layout=KVLayout(args.layout == "shared", args.kv_format),
       config=sched_config,
       label="replay",
     )

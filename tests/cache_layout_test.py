@@ -93,7 +93,7 @@ class SimulatorMatchesEngineTest(parameterized.TestCase):
     mixers.check_kv_format(cfg, fmt or "bf16")  # Every case here is a format the model accepts.
     sim = _sim_shape(cfg)
     raw = cfg.compute_dtype.itemsize
-    sim_bytes = sim.kv_bytes_per_token(share_kv, fmt, raw_itemsize=raw)
+    sim_bytes = sim.kv_bytes_per_token(KVLayout(share_kv, fmt), raw_itemsize=raw)
     engine_bytes = KVLayout(share_kv, fmt).bytes_per_token(cfg)
     # The engine stores nvfp4's float32 tensor scale per token slice; the simulator does not.
     tensor_scales = 4 * _per_token_entries(cfg, share_kv) if fmt == "nvfp4" else 0
@@ -101,7 +101,7 @@ class SimulatorMatchesEngineTest(parameterized.TestCase):
 
     # Pages a budget holds, and bytes a request of a given length takes.
     page_size, length, budget = 16, 100, 3_000_000
-    sim_page = page_size * sim.kv_bytes_per_token(share_kv, fmt, raw_itemsize=raw)
+    sim_page = page_size * sim.kv_bytes_per_token(KVLayout(share_kv, fmt), raw_itemsize=raw)
     if model == "kda":  # Nothing per token: nothing to page (the simulator refuses the model).
       self.assertEqual(sim_page, 0)
       return
@@ -109,7 +109,7 @@ class SimulatorMatchesEngineTest(parameterized.TestCase):
     seqs = 8
     layout = KVLayout(share_kv, fmt, page_size=page_size)
     engine_pages = engine_lib.pages_for_budget(LoopedLM(cfg), budget, layout, seqs)
-    pages_budget = budget - seqs * sim.kv_bytes_per_sequence(share_kv)
+    pages_budget = budget - seqs * sim.kv_bytes_per_sequence(KVLayout(share_kv))
     pages_per_request = math.ceil(length / page_size)  # The scheduler's pool, for both.
     if fmt != "nvfp4":
       self.assertEqual(engine_pages, int(pages_budget // sim_page))
@@ -126,15 +126,17 @@ class SimulatorMatchesEngineTest(parameterized.TestCase):
     cache = jax.eval_shape(lambda: init_cache(cfg, 1, 1, share_kv))  # One row, one slot.
     per_token = KVLayout(share_kv, None).bytes_per_token(cfg)  # Raw, compute dtype.
     sim = _sim_shape(cfg)
-    self.assertEqual(_nbytes(cache.layers), per_token + sim.kv_bytes_per_sequence(share_kv))
+    self.assertEqual(
+      _nbytes(cache.layers), per_token + sim.kv_bytes_per_sequence(KVLayout(share_kv))
+    )
 
   def test_formats_refused_alike(self):
     cfg = dataclasses.replace(MODELS["kda_mla"], mla_rope_dim=8)  # Off nvfp4's 16-value block.
     with self.assertRaisesRegex(ValueError, "block size 16"):
       mixers.check_kv_format(cfg, "nvfp4")
     with self.assertRaisesRegex(ValueError, "block size 16"):
-      _sim_shape(cfg).kv_bytes_per_token(True, "nvfp4")
-    self.assertGreater(_sim_shape(cfg).kv_bytes_per_token(True, "fp8"), 0)
+      _sim_shape(cfg).kv_bytes_per_token(KVLayout(True, "nvfp4"))
+    self.assertGreater(_sim_shape(cfg).kv_bytes_per_token(KVLayout(True, "fp8")), 0)
 
 
 class ArraysTest(parameterized.TestCase):
@@ -144,7 +146,7 @@ class ArraysTest(parameterized.TestCase):
   def test_engine_pages_and_model_cache(self, model, share_kv, fmt):
     cfg = MODELS[model]
     per_token = KVLayout(share_kv, fmt).bytes_per_token(cfg)
-    state = _sim_shape(cfg).kv_bytes_per_sequence(share_kv)
+    state = _sim_shape(cfg).kv_bytes_per_sequence(KVLayout(share_kv))
     if model == "kda":  # Nothing per token: the engine has nothing to page.
       with self.assertRaisesRegex(ValueError, "kda"):
         paged_cache.init_pages(cfg, 1, KVLayout(share_kv, fmt, page_size=1), num_slots=1)
@@ -198,11 +200,13 @@ class HandDerivedTest(absltest.TestCase):
     k, h = cfg.num_kv_heads, cfg.head_dim
     sim = _sim_shape(cfg)
     for share, layers in ((True, 1 + 2 + 1), (False, 1 + 2 * R + 1)):
-      self.assertEqual(sim.kv_bytes_per_token(share, "bf16"), layers * 2 * k * h * 2)
-      self.assertEqual(sim.kv_bytes_per_token(share, "fp8"), layers * 2 * k * (h + 4))
-      self.assertEqual(sim.kv_bytes_per_token(share, "nvfp4"), layers * 2 * k * (h // 2 + h // 16))
-      self.assertEqual(sim.kv_layers(share), layers)
-      self.assertEqual(sim.kv_bytes_per_sequence(share), 0)
+      self.assertEqual(sim.kv_bytes_per_token(KVLayout(share, "bf16")), layers * 2 * k * h * 2)
+      self.assertEqual(sim.kv_bytes_per_token(KVLayout(share, "fp8")), layers * 2 * k * (h + 4))
+      self.assertEqual(
+        sim.kv_bytes_per_token(KVLayout(share, "nvfp4")), layers * 2 * k * (h // 2 + h // 16)
+      )
+      self.assertEqual(sim.kv_layers(KVLayout(share)), layers)
+      self.assertEqual(sim.kv_bytes_per_sequence(KVLayout(share)), 0)
       # The engine: raw float32 pages; nvfp4 with a 4-byte tensor scale per K and V slice.
       self.assertEqual(KVLayout(share, None).bytes_per_token(cfg), layers * 2 * k * h * 4)
       self.assertEqual(
@@ -215,9 +219,9 @@ class HandDerivedTest(absltest.TestCase):
     lat, rope = cfg.mla_kv_rank, cfg.mla_rope_dim
     sim = _sim_shape(cfg)
     for share, layers in ((True, 4), (False, 8)):
-      self.assertEqual(sim.kv_bytes_per_token(share, "bf16"), layers * (lat + rope) * 2)
+      self.assertEqual(sim.kv_bytes_per_token(KVLayout(share, "bf16")), layers * (lat + rope) * 2)
       mx = (lat + lat // 32) + (rope + rope // 32)  # e4m3 bytes + one E8M0 per 32 values.
-      self.assertEqual(sim.kv_bytes_per_token(share, "mxfp8"), layers * mx)
+      self.assertEqual(sim.kv_bytes_per_token(KVLayout(share, "mxfp8")), layers * mx)
       self.assertEqual(KVLayout(share, "mxfp8").bytes_per_token(cfg), layers * mx)
 
   def test_kda(self):
@@ -226,10 +230,10 @@ class HandDerivedTest(absltest.TestCase):
     state = 4 * (n * h * h + (w - 1) * 3 * n * h)  # float32 state [N, H, H] and conv tail.
     sim = _sim_shape(cfg)
     for share, layers in ((True, 4), (False, 8)):
-      self.assertEqual(sim.kv_bytes_per_sequence(share), layers * state)
+      self.assertEqual(sim.kv_bytes_per_sequence(KVLayout(share)), layers * state)
       for fmt in kv_quant.FORMATS:  # Never quantized; nothing per token.
-        self.assertEqual(sim.kv_bytes_per_token(share, fmt), 0)
-      self.assertEqual(sim.kv_layers(share), 0)
+        self.assertEqual(sim.kv_bytes_per_token(KVLayout(share, fmt)), 0)
+      self.assertEqual(sim.kv_layers(KVLayout(share)), 0)
 
   def test_kda_mla_hybrid(self):
     cfg = MODELS["kda_mla"]  # prelude mla; core kda, mla; coda mla.
@@ -237,10 +241,10 @@ class HandDerivedTest(absltest.TestCase):
     state = 4 * (n * h * h + (w - 1) * 3 * n * h)
     mla = (cfg.mla_kv_rank + cfg.mla_rope_dim) * 2
     sim = _sim_shape(cfg)
-    self.assertEqual(sim.kv_bytes_per_token(True, "bf16"), (1 + 1 + 1) * mla)
-    self.assertEqual(sim.kv_bytes_per_token(False, "bf16"), (1 + R + 1) * mla)
-    self.assertEqual(sim.kv_bytes_per_sequence(True), state)
-    self.assertEqual(sim.kv_bytes_per_sequence(False), R * state)
+    self.assertEqual(sim.kv_bytes_per_token(KVLayout(True, "bf16")), (1 + 1 + 1) * mla)
+    self.assertEqual(sim.kv_bytes_per_token(KVLayout(False, "bf16")), (1 + R + 1) * mla)
+    self.assertEqual(sim.kv_bytes_per_sequence(KVLayout(True)), state)
+    self.assertEqual(sim.kv_bytes_per_sequence(KVLayout(False)), R * state)
     # The evaluation's count (mixers.cache_bytes) reads the same layout.
     got = mixers.cache_bytes(cfg, "bf16")
     self.assertEqual(got["per_token"], {"shared": 3 * mla, "unshared": (2 + R) * mla})
@@ -288,7 +292,7 @@ class SimulatorConfigTest(absltest.TestCase):
       page_size=16, max_num_batched_tokens=256, max_num_seqs=8, max_model_len=8192
     )
     out = simulate.simulate_one(
-      requests, s, hardware.PROFILES["h200"], budget=4e6, share_kv=True, kv_format="bf16",
+      requests, s, hardware.PROFILES["h200"], budget=4e6, layout=KVLayout(True, "bf16"),
       config=sched,
     )  # fmt: skip
     cfg = from_config(config.model)
@@ -298,7 +302,7 @@ class SimulatorConfigTest(absltest.TestCase):
     self.assertEqual(out["num_pages"], engine_pages)
     self.assertLess(engine_pages, int(4e6 // (16 * out["kv_bytes_per_token"])))
     self.assertFalse(out["prefix_caching"])  # A state is not a function of a page.
-    self.assertEqual(out["kv_state_bytes_per_sequence"], s.kv_bytes_per_sequence(True))
+    self.assertEqual(out["kv_state_bytes_per_sequence"], s.kv_bytes_per_sequence(KVLayout(True)))
     self.assertGreater(out["kv_state_bytes_per_sequence"], 0)
 
   def test_kda_only_model_and_off_block_formats_are_refused(self):

@@ -18,6 +18,7 @@ from benchmarks import engine as engine_bench  # noqa: E402
 from configs import pretrain  # noqa: E402
 from looped.engine import padding  # noqa: E402
 from looped.model import config as model_lib  # noqa: E402
+from looped.model.cache_layout import KVLayout  # noqa: E402
 from looped.scheduler import scheduler  # noqa: E402
 from looped.sim import engine_cost, hardware, shape  # noqa: E402
 
@@ -83,7 +84,7 @@ class FitTest(absltest.TestCase):
     rows = []
     for layout in args.grid_layouts:
       share, fmt = engine_bench.LAYOUTS[layout]
-      ex = engine_cost.EngineCostExecutor(model_shape, truth, pad, share_kv=share, kv_format=fmt)
+      ex = engine_cost.EngineCostExecutor(model_shape, truth, pad, KVLayout(share, fmt))
       # (chunk rows, their tokens, context, one-token rows beside them: a second call).
       shapes = ((1, 1, 0, 0), (3, 1, 150, 0), (5, 24, 40, 0), (8, 64, 150, 0), (3, 6, 200, 3))
       for j, (b, q, c, d) in enumerate(shapes + ((2, 1, 90, 0), (4, 16, 60, 4))):

@@ -196,7 +196,7 @@ class EngineConcurrencyTest(parameterized.TestCase):
     sched_config = dict(max_num_batched_tokens=16, max_num_seqs=8)
     model_shape = shape.ModelShape.from_config(dataclasses.asdict(CFG))
     price = lambda: cost_model.CostModelExecutor(
-      model_shape, hardware.PROFILES["h200"], share_kv=share_kv, kv_format="bf16"
+      model_shape, hardware.PROFILES["h200"], KVLayout(share_kv, "bf16")
     )
     engine = Engine(
       model,

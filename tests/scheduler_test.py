@@ -5,6 +5,7 @@ import random
 
 from absl.testing import absltest
 
+from looped.model.cache_layout import KVLayout
 from looped.scheduler import pages, replay, scheduler
 from looped.sim import cost_model, hardware, metrics, shape, traces
 
@@ -195,7 +196,7 @@ class StateSlotsTest(absltest.TestCase):
 class CostModelTimingTest(absltest.TestCase):
   def _executor(self):
     hw = hardware.Hardware("slow", 1e9, 1e9, 1.0, 1e-3, "test")
-    return cost_model.CostModelExecutor(_TINY, hw, share_kv=True, kv_format="bf16")
+    return cost_model.CostModelExecutor(_TINY, hw, KVLayout(True, "bf16"))
 
   def test_lone_request_ttft_is_the_prefill_time(self):
     # Hand-derived for _TINY: N = 64*64*2 + 64*32*2 + 3*64*128 = 36864 per layer, L = 1+4*2+1 =
@@ -248,7 +249,7 @@ class RandomWorkloadTest(absltest.TestCase):
       num_pages = rng.choice([None, int(longest * rng.uniform(0.8, 3.0)) + 1])
       finish = {}
       for ff in (True, False):
-        executor = cost_model.CostModelExecutor(_TINY, hw, share_kv=share, kv_format="fp8")
+        executor = cost_model.CostModelExecutor(_TINY, hw, KVLayout(share, "fp8"))
         pool = pages.PagePool(num_pages, debug=ff)
         sched = scheduler.Scheduler(config, pool, executor, fast_forward=ff, check_invariants=ff)
         replay.replay(reqs, sched)
@@ -282,7 +283,7 @@ class MooncakeReuseTest(absltest.TestCase):
           total += r.prompt_len
           seen.update(r.block_hashes)
         executor = cost_model.CostModelExecutor(
-          _TINY, hardware.PROFILES["h200"], share_kv=True, kv_format="bf16"
+          _TINY, hardware.PROFILES["h200"], KVLayout(True, "bf16")
         )
         config = scheduler.SchedulerConfig(page_size, 8192, 64)
         sched = scheduler.Scheduler(config, pages.PagePool(None), executor)

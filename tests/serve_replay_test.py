@@ -17,6 +17,7 @@ from benchmarks import serve_replay  # noqa: E402
 from configs import pretrain  # noqa: E402
 from looped.checkpoints import model_record  # noqa: E402
 from looped.engine.padding import Padding  # noqa: E402
+from looped.model.cache_layout import KVLayout  # noqa: E402
 from looped.scheduler import scheduler  # noqa: E402
 from looped.sim import engine_cost, hardware, shape  # noqa: E402
 
@@ -198,7 +199,7 @@ class PricedStepsTest(absltest.TestCase):
     hw = dataclasses.replace(hw, call_overhead_s=1e-3, dequant_s_per_value={"nvfp4": 2e-9})
     padding = Padding.create(4, (2, 8), (1, 4, 8), (2, 4, 16), max_model_len=64)
     pricer = engine_cost.EngineCostExecutor(
-      model_shape, hw, padding, share_kv=True, kv_format="nvfp4", weight_format="fp32"
+      model_shape, hw, padding, KVLayout(True, "nvfp4"), weight_format="fp32"
     )
     batches = [([1, 1, 1], [5, 0, 30]), ([3, 1], [5, 9]), ([7, 2, 6], [40, 1, 20]), ([8], [0])]
     log, prices = [], []

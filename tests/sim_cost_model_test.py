@@ -10,6 +10,7 @@ from absl.testing import absltest
 
 from configs import serve_sim
 from looped.engine import padding
+from looped.model.cache_layout import KVLayout
 from looped.scheduler import scheduler
 from looped.sim import cost_model, engine_cost, hardware, shape
 
@@ -30,11 +31,13 @@ class ShapeTest(absltest.TestCase):
     self.assertEqual(s.weight_macs_per_token, 80 * _PAPER_LAYER)
     self.assertEqual(s.macs_per_key, 80 * 2 * 12 * 128)
     self.assertEqual((s.state_macs_per_token, s.attention_heads_executed), (0, 80 * 12))
-    self.assertEqual((s.kv_layers(True), s.kv_layers(False)), (24, 80))
+    self.assertEqual((s.kv_layers(KVLayout(True)), s.kv_layers(KVLayout(False))), (24, 80))
     per_layer = 4 * 128 * 2 * 2  # KV heads * head_dim * (K and V) * bf16.
-    self.assertEqual(s.kv_bytes_per_token(True, "bf16"), 24 * per_layer)  # 48 KiB.
-    self.assertEqual(s.kv_bytes_per_token(False, "bf16"), 80 * per_layer)  # 160 KiB.
-    self.assertEqual(s.kv_bytes_per_token(True, "nvfp4"), 24 * 4 * 128 * 2 * (0.5 + 1 / 16))
+    self.assertEqual(s.kv_bytes_per_token(KVLayout(True, "bf16")), 24 * per_layer)  # 48 KiB.
+    self.assertEqual(s.kv_bytes_per_token(KVLayout(False, "bf16")), 80 * per_layer)  # 160 KiB.
+    self.assertEqual(
+      s.kv_bytes_per_token(KVLayout(True, "nvfp4")), 24 * 4 * 128 * 2 * (0.5 + 1 / 16)
+    )
     # Layers add their q/k norms (2 x 128) and 2 norms of 1536; then the tied embedding,
     # prelude and final norms and the diagonal injection (B, A_log, dt).
     layer = _PAPER_LAYER + 2 * 128 + 2 * 1536
@@ -56,20 +59,20 @@ class CostModelTest(absltest.TestCase):
     self.shape = _paper_shape()
 
   def test_decode_step_is_memory_bound_and_reads_context_per_execution(self):
-    ex = cost_model.CostModelExecutor(self.shape, self.hw, share_kv=True, kv_format="bf16")
+    ex = cost_model.CostModelExecutor(self.shape, self.hw, KVLayout(True, "bf16"))
     ctx = 10_000
     weights = 2 * (80 * _PAPER_LAYER + 32768 * 1536)
     moved = weights + 80 * 2048 * ctx + 24 * 2048 * 1  # Read by all 80 executions, 24 written.
     self.assertAlmostEqual(ex.decode_step_time(1, ctx), moved / 1e12 + 0.002, places=12)
 
   def test_sharing_changes_only_the_written_bytes(self):
-    shared = cost_model.CostModelExecutor(self.shape, self.hw, share_kv=True, kv_format="bf16")
-    unshared = cost_model.CostModelExecutor(self.shape, self.hw, share_kv=False, kv_format="bf16")
+    shared = cost_model.CostModelExecutor(self.shape, self.hw, KVLayout(True, "bf16"))
+    unshared = cost_model.CostModelExecutor(self.shape, self.hw, KVLayout(False, "bf16"))
     diff = unshared.decode_step_time(4, 40_000) - shared.decode_step_time(4, 40_000)
     self.assertAlmostEqual(diff, 4 * (80 - 24) * 2048 / 1e12, places=15)
 
   def test_prefill_is_compute_bound_with_causal_attention(self):
-    ex = cost_model.CostModelExecutor(self.shape, self.hw, share_kv=False, kv_format="fp8")
+    ex = cost_model.CostModelExecutor(self.shape, self.hw, KVLayout(False, "fp8"))
     q, c = 4096, 1000
     flops = 2 * 80 * _PAPER_LAYER * q
     flops += 4 * 12 * 128 * 80 * (q * c + q * (q + 1) // 2)
@@ -78,7 +81,7 @@ class CostModelTest(absltest.TestCase):
     self.assertAlmostEqual(ex.execute(batch), flops / 1e15 + 0.002, places=12)
 
   def test_execute_agrees_with_decode_step_time(self):
-    ex = cost_model.CostModelExecutor(self.shape, self.hw, share_kv=True, kv_format="nvfp4")
+    ex = cost_model.CostModelExecutor(self.shape, self.hw, KVLayout(True, "nvfp4"))
     batch = scheduler.StepBatch([None] * 3, [1, 1, 1], [10, 2000, 70_000], num_sampled=3)
     self.assertEqual(ex.execute(batch), ex.decode_step_time(3, 72_010))
 
@@ -131,7 +134,7 @@ class LegacyPricingTest(absltest.TestCase):
       hw = hardware.load(name)
       self.assertEqual((hw.combine, hw.pricing, hw.call_overhead_s), ("max", "batch", 0.0))
       ex = engine_cost.executor_for(
-        _paper_shape(), hw, config, share_kv=share, kv_format=fmt, weight_format=wf
+        _paper_shape(), hw, config, KVLayout(share, fmt), weight_format=wf
       )
       self.assertIsInstance(ex, cost_model.CostModelExecutor)
       got = [ex.execute(scheduler.StepBatch([None] * len(q), q, c, n)) for q, c, n in _BATCHES]
@@ -139,7 +142,7 @@ class LegacyPricingTest(absltest.TestCase):
 
   def test_sum_adds_compute_and_memory(self):
     hw = hardware.Hardware("t", 1e15, 1e12, 1e9, 0.002, "test", combine="sum")
-    ex = cost_model.CostModelExecutor(_paper_shape(), hw, share_kv=True, kv_format="bf16")
+    ex = cost_model.CostModelExecutor(_paper_shape(), hw, KVLayout(True, "bf16"))
     flops = 2 * 80 * _PAPER_LAYER + 4 * 12 * 128 * 80 * 1 + 2 * 32768 * 1536
     weights = 2 * (80 * _PAPER_LAYER + 32768 * 1536)
     moved = weights + 24 * 2048
@@ -196,9 +199,10 @@ class PaddingTest(absltest.TestCase):
   def test_engine_default_needs_max_model_len(self):
     config = scheduler.SchedulerConfig(16, 64, 8, 256, prefill_block=32)
     p = padding.Padding.engine_default(config)
-    self.assertEqual(p.row_buckets, (1, 2, 3, 4, 6, 8))
-    self.assertEqual(p.token_buckets, (1, 2, 3, 4, 6, 8, 12, 16, 24, 32))  # Up to the block.
-    self.assertEqual(p.column_buckets, (1, 2, 4, 8, 16, 18))  # ceil((256 + 32) / 16) = 18.
+    # Powers of two (padding.default_buckets): chunks from 4 tokens, page tables from 4 pages.
+    self.assertEqual(p.row_buckets, (1, 2, 4, 8))
+    self.assertEqual(p.token_buckets, (4, 8, 16, 32))  # Up to the block.
+    self.assertEqual(p.column_buckets, (4, 8, 16, 18))  # ceil((256 + 32) / 16) = 18.
     with self.assertRaisesRegex(ValueError, "max_model_len"):
       padding.Padding.engine_default(scheduler.SchedulerConfig(16, 64, 8))
 
@@ -212,9 +216,7 @@ class EngineCostTest(absltest.TestCase):
   batch = scheduler.StepBatch([None] * 3, [3, 1, 1], [5, 0, 9], num_sampled=2)
 
   def test_unshared_raw(self):
-    ex = engine_cost.EngineCostExecutor(
-      _tiny_shape(), self.hw, _padding(), share_kv=False, kv_format=None
-    )
+    ex = engine_cost.EngineCostExecutor(_tiny_shape(), self.hw, _padding(), KVLayout(False, None))
     # Two calls over 16 slots: 2 rows x 1 token, 1 row x 4 tokens. Per position: linear
     # 2*4*192 = 1536, LM head 2*10*4 = 80, attention 4*2*4*4*(16 + t) = 128*(16 + t).
     flops = 2 * (1536 + 80 + 128 * 17) + 4 * (1536 + 80 + 128 * 20)
@@ -231,9 +233,7 @@ class EngineCostTest(absltest.TestCase):
     self.assertAlmostEqual(ex.execute(self.batch), 0.5 + 2 * 0.25 + flops / 1e6 + moved / 1e5)
 
   def test_shared_fp8(self):
-    ex = engine_cost.EngineCostExecutor(
-      _tiny_shape(), self.hw, _padding(), share_kv=True, kv_format="fp8"
-    )
+    ex = engine_cost.EngineCostExecutor(_tiny_shape(), self.hw, _padding(), KVLayout(True, "fp8"))
     flops = 2 * (1536 + 80 + 128 * 17) + 4 * (1536 + 80 + 128 * 20)
     # fp8 page: 4 values of K and V at 1 B plus a 4 B scale each: 16 B per token and layer, so
     # the packed past read plus its dequantized copy is rows * 16 * (4 * 16 + 128); the gather
@@ -256,7 +256,7 @@ class EngineCostTest(absltest.TestCase):
   def test_simulator_maps_formats_to_the_engine(self):
     config = scheduler.SchedulerConfig(4, 8, 4, 16)
     make = lambda share, fmt: engine_cost.executor_for(
-      _tiny_shape(), self.hw, config, share_kv=share, kv_format=fmt, weight_format="fp32"
+      _tiny_shape(), self.hw, config, KVLayout(share, fmt), weight_format="fp32"
     )
     raw = make(False, "bf16")  # Raw pages at the weights' precision.
     self.assertIsNone(raw.kv_format)

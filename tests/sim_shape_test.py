@@ -11,6 +11,7 @@ from absl.testing import absltest, parameterized
 
 from looped.engine import padding
 from looped.model import LoopedLM, ModelConfig, flops, init_params, mla
+from looped.model.cache_layout import KVLayout
 from looped.scheduler import scheduler
 from looped.sim import cost_model, engine_cost, hardware, shape, simulate, traces
 
@@ -87,7 +88,7 @@ class ShapeCountsTest(absltest.TestCase):
     # A step's FLOPs: 3 new tokens after 5 cached (3 x 5 + 3 x 4 / 2 = 21 pairs), one sampled:
     # 2 x (layers' weights + KDA state) x 3 + 2 x (per key) x 21 + the LM head 2 x 10 x 8.
     hw = hardware.Hardware("t", 1e15, 1e12, 1e9, 0.0, "test")
-    ex = cost_model.CostModelExecutor(s, hw, share_kv=True, kv_format="bf16")
+    ex = cost_model.CostModelExecutor(s, hw, KVLayout(True, "bf16"))
     batch = scheduler.StepBatch([None], [3], [5], num_sampled=1)
     weights = 4 * (KDA + MLP) + 3 * (MLA + MLP) + (GQA + MLP) + 4 * KDA_STATE
     self.assertEqual(ex.terms(batch)[0], 2 * weights * 3 + 2 * (3 * MLA_KEY + GQA_KEY) * 21 + 160)
@@ -152,7 +153,7 @@ class KdaServingTest(absltest.TestCase):
   def test_state_is_read_and_written_per_row(self):
     s = shape.ModelShape.from_config(_cfg(**_HYBRID))
     hw = hardware.Hardware("t", 1e15, 1e12, 1e9, 0.0, "test")
-    ex = cost_model.CostModelExecutor(s, hw, share_kv=True, kv_format="bf16")
+    ex = cost_model.CostModelExecutor(s, hw, KVLayout(True, "bf16"))
     # One KDA layer's state: float32 2x4x4 plus a conv tail of 3 x 24: 416 bytes. Read by
     # every KDA execution (prelude 1, core 3), written for each cached copy (shared: 1 + 1).
     per_row = (4 + 2) * (2 * 4 * 4 + 3 * 24) * 4
@@ -162,13 +163,13 @@ class KdaServingTest(absltest.TestCase):
     s = shape.ModelShape.from_config(_cfg(**_HYBRID))
     hw = hardware.Hardware("t", 1e15, 1e12, 1e9, 0.0, "test", pricing="engine")
     pad = padding.Padding.create(4, (1, 2), (1,), (4,), max_model_len=16)
-    ex = engine_cost.EngineCostExecutor(s, hw, pad, share_kv=True, kv_format=None)
+    ex = engine_cost.EngineCostExecutor(s, hw, pad, KVLayout(True, None))
     # One more row of 1 token over 16 slots (fp32): its K/V read by every layer execution (the
     # unshared layout's bytes), its float32 scores (4 attention executions x 2 heads x 17
     # positions, written and read), its gather of the stored pages (read and written), and its
     # KDA states: 6 copies (4 executions read, 2 cached copies written) of 416 bytes.
-    raw = s.kv_bytes_per_token(False, None, raw_itemsize=4)
-    stored = s.kv_bytes_per_token(True, None, raw_itemsize=4)
+    raw = s.kv_bytes_per_token(KVLayout(False, None), raw_itemsize=4)
+    stored = s.kv_bytes_per_token(KVLayout(True, None), raw_itemsize=4)
     per_row = 17 * raw + 2 * 4 * 8 * 17 + 2 * stored * 16 + 6 * 416
     self.assertEqual(ex.padded_terms(2, 1, 16)[1] - ex.padded_terms(1, 1, 16)[1], per_row)
 
@@ -180,11 +181,11 @@ class KdaServingTest(absltest.TestCase):
     config = scheduler.SchedulerConfig(16, 256, 4, prefill_block=32)
     for fields, hits in ((dict(), True), (_HYBRID, False)):
       s = shape.ModelShape.from_config(_cfg(**fields))
-      slots = 4 * s.kv_bytes_per_sequence(True)
+      slots = 4 * s.kv_bytes_per_sequence(KVLayout(True))
       self.assertEqual(slots > 0, not hits)
-      budget = slots + 100 * 16 * s.kv_bytes_per_token(True, "bf16")
+      budget = slots + 100 * 16 * s.kv_bytes_per_token(KVLayout(True, "bf16"))
       run = simulate.simulate_one(
-        requests, s, hardware.load("h200"), budget=budget, share_kv=True, kv_format="bf16",
+        requests, s, hardware.load("h200"), budget=budget, layout=KVLayout(True, "bf16"),
         config=config,
       )  # fmt: skip
       self.assertEqual((run["num_pages"], run["prefix_caching"]), (100, hits))

@@ -12,6 +12,7 @@ from ml_collections import config_flags
 
 from configs import serve_sim
 from looped import config_checks, programs
+from looped.model.cache_layout import KVLayout
 from looped.scheduler import scheduler as scheduler_lib
 from looped.sim import hardware, simulate, traces
 from looped.sim import shape as shape_lib
@@ -144,7 +145,7 @@ class PrefillBlockTest(absltest.TestCase):
       for share in (True, False):
         cfg = scheduler_lib.SchedulerConfig(16, 512, 8, 1024, prefill_block=block)
         r = simulate.simulate_one(
-          reqs, shape, hw, budget=None, share_kv=share, kv_format="bf16", config=cfg
+          reqs, shape, hw, budget=None, layout=KVLayout(share, "bf16"), config=cfg
         )
         got[block, share] = (r["num_steps"], r["cached_prompt_tokens"])
     self.assertEqual(

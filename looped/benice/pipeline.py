@@ -122,7 +122,7 @@ def _check_eval_passes(config) -> None:
     or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in passes)
   ):
     cc.fail("eval.jacobi_passes", passes, "must be a non-empty tuple of integers >= 1")
-  blocks = cc.get(config, "eval.prefill_blocks")
+  blocks = config.eval.prefill_blocks
   if not isinstance(blocks, (tuple, list)) or not all(
     isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in blocks
   ):
@@ -133,8 +133,8 @@ def _check_eval_sharing(config) -> None:
   """The KV policies (others than 'final' only where every core layer supports them) and the
   KV formats the evaluation measures."""
   num_recurrences = config.model.num_recurrences
-  kv_policy_lib.check(cc.get(config, "eval.kv_policy"), num_recurrences, "config.eval.kv_policy")
-  policies = cc.get(config, "eval.kv_policies")
+  kv_policy_lib.check(config.eval.kv_policy, num_recurrences, "config.eval.kv_policy")
+  policies = config.eval.kv_policies
   if not isinstance(policies, (tuple, list)):
     cc.fail("eval.kv_policies", policies, "must be a tuple of KV-sharing policies (may be empty)")
   for name in policies:
@@ -143,7 +143,7 @@ def _check_eval_sharing(config) -> None:
   lacking = mixers.lacking(config.model, "core", "kv_policies")
   if lacking and any(p != kv_policy_lib.FINAL for p in uses):
     cc.fail("eval.kv_policies", policies, f"{_upper(lacking)} core layers share only under 'final'")
-  formats = cc.get(config, "eval.kv_formats")
+  formats = config.eval.kv_formats
   if not isinstance(formats, (tuple, list)) or any(f not in kv_quant.FORMATS for f in formats):
     cc.fail("eval.kv_formats", formats, f"must be a tuple of formats from {kv_quant.FORMATS}")
   for fmt in formats:
@@ -155,7 +155,7 @@ def _check_eval_sharing(config) -> None:
 
 def _check_eval_decode(config) -> None:
   """The decode subset: its batches and the rows a decode call takes."""
-  num_eval_batches = cc.get(config, "data.num_eval_batches")
+  num_eval_batches = config.data.num_eval_batches
   decode_batches = cc.integer(
     config, "eval.decode_batches", min_value=0, max_value=num_eval_batches
   )
@@ -173,7 +173,7 @@ def _check_eval_decode(config) -> None:
 
 def _check_eval_samples(config) -> None:
   """The report's samples: how many, and prompt plus continuation within the model's length."""
-  num_eval_batches = cc.get(config, "data.num_eval_batches")
+  num_eval_batches = config.data.num_eval_batches
   batch = config.data.eval_batch_size
   num_samples = cc.integer(config, "eval.samples", min_value=0, max_value=num_eval_batches * batch)
   prompt = cc.integer(

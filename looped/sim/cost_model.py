@@ -33,6 +33,7 @@ instead for a profile with pricing 'engine' (what looped/engine really computes 
 
 from __future__ import annotations
 
+from looped.model.cache_layout import KVLayout
 from looped.scheduler import scheduler as scheduler_lib
 from looped.sim import hardware as hardware_lib
 from looped.sim import shape as shape_lib
@@ -47,11 +48,11 @@ class CostModelExecutor:
     self,
     shape: shape_lib.ModelShape,
     hardware: hardware_lib.Hardware,
+    layout: KVLayout,
     *,
-    share_kv: bool,
-    kv_format: str,
     weight_format: str = "bf16",
   ):
+    """layout: the cache's layout and format (its page size is the scheduler's)."""
     self.shape = shape
     self.hardware = hardware
     head = shape.vocab_size * shape.d_model
@@ -59,9 +60,12 @@ class CostModelExecutor:
     self._flops_per_pair = 2.0 * shape.macs_per_key
     self._flops_per_sample = 2.0 * head
     self._weight_bytes = WEIGHT_BYTES[weight_format] * (shape.weight_macs_per_token + head)
-    self._read_per_context_token = shape.kv_bytes_per_token(False, kv_format)
-    self._write_per_token = shape.kv_bytes_per_token(share_kv, kv_format)
-    self._state_per_row = shape.kv_bytes_per_sequence(False) + shape.kv_bytes_per_sequence(share_kv)
+    unshared = KVLayout(False, layout.format)  # What a step reads: every recurrence's entries.
+    self._read_per_context_token = shape.kv_bytes_per_token(unshared)
+    self._write_per_token = shape.kv_bytes_per_token(layout)
+    self._state_per_row = shape.kv_bytes_per_sequence(unshared) + shape.kv_bytes_per_sequence(
+      layout
+    )
     self._inv_flops = 1.0 / hardware.peak_flops
     self._inv_bw = 1.0 / hardware.mem_bandwidth
     self._overhead = hardware.step_overhead_s

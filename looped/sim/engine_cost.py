@@ -33,7 +33,10 @@ executor and leaves it unpriced; `benchmarks/engine.py --hardware_out` fits it p
 
 from __future__ import annotations
 
+import dataclasses
+
 from looped.engine.padding import Padding
+from looped.model.cache_layout import KVLayout
 from looped.scheduler import scheduler as scheduler_lib
 from looped.sim import cost_model
 from looped.sim import hardware as hardware_lib
@@ -48,25 +51,29 @@ class EngineCostExecutor:
     shape: shape_lib.ModelShape,
     hardware: hardware_lib.Hardware,
     padding: Padding,
+    layout: KVLayout,
     *,
-    share_kv: bool,
-    kv_format: str | None,
     weight_format: str = "fp32",
   ):
-    """kv_format: None for raw pages (compute precision), else a looped.kv_quant format."""
+    """layout: the pages' layout; its format None for raw pages (compute precision), else a
+    looped.kv_quant format."""
     self.shape = shape
     self.hardware = hardware
     self.padding = padding
-    self.share_kv = share_kv
-    self.kv_format = kv_format
+    self.layout = layout
+    self.share_kv = layout.share_kv
+    self.kv_format = layout.format
     w = cost_model.WEIGHT_BYTES[weight_format]
     self._w = w
-    self._kv_raw = shape.kv_bytes_per_token(False, None, raw_itemsize=w)
-    formatted = kv_format is not None
-    self._kv_page = shape.kv_bytes_per_token(False, kv_format) if formatted else self._kv_raw
-    self._kv_stored = shape.kv_bytes_per_token(share_kv, kv_format, raw_itemsize=w)
+    unshared = KVLayout(False, layout.format)
+    self._kv_raw = shape.kv_bytes_per_token(KVLayout(False), raw_itemsize=w)
+    formatted = layout.format is not None
+    self._kv_page = shape.kv_bytes_per_token(unshared) if formatted else self._kv_raw
+    self._kv_stored = shape.kv_bytes_per_token(layout, raw_itemsize=w)
     self._formatted = formatted
-    self._state_per_row = shape.kv_bytes_per_sequence(False) + shape.kv_bytes_per_sequence(share_kv)
+    self._state_per_row = shape.kv_bytes_per_sequence(unshared) + shape.kv_bytes_per_sequence(
+      layout
+    )
 
   def padded_terms(self, rows: int, tokens: int, slots: int) -> tuple[float, float]:
     """FLOPs and bytes of one padded call: rows x tokens new tokens over `slots` dense slots."""
@@ -121,20 +128,16 @@ def executor_for(
   shape: shape_lib.ModelShape,
   hw: hardware_lib.Hardware,
   config: scheduler_lib.SchedulerConfig,
+  layout: KVLayout,
   *,
-  share_kv: bool,
-  kv_format: str,
   weight_format: str,
 ):
   """The simulator's executor for a profile: the batch roofline, or (pricing 'engine') the
   engine's padded calls with its default buckets. There, 'bf16' stands for the engine's raw
   pages (stored at the weights' precision); other formats are stored packed."""
   if hw.pricing == "batch":
-    return cost_model.CostModelExecutor(
-      shape, hw, share_kv=share_kv, kv_format=kv_format, weight_format=weight_format
-    )
-  fmt = None if kv_format == "bf16" else kv_format
+    return cost_model.CostModelExecutor(shape, hw, layout, weight_format=weight_format)
+  if layout.format == "bf16":
+    layout = dataclasses.replace(layout, format=None)
   padding = Padding.engine_default(config)
-  return EngineCostExecutor(
-    shape, hw, padding, share_kv=share_kv, kv_format=fmt, weight_format=weight_format
-  )
+  return EngineCostExecutor(shape, hw, padding, layout, weight_format=weight_format)

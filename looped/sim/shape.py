@@ -18,6 +18,7 @@ import functools
 from typing import Any
 
 from looped.model import cache_layout, flops, mixer_interface, mixer_registry
+from looped.model.cache_layout import KVLayout
 from looped.model.config import STAGES, ModelConfig
 
 
@@ -37,8 +38,8 @@ class ModelShape(ModelConfig):
     value = lambda v: tuple(v) if isinstance(v, list) else v
     return cls(**{k: value(model[k]) for k in model.keys() if k in names})
 
-  def cache_layout(self, share_kv: bool) -> cache_layout.CacheLayout:
-    return _layout(self, share_kv)
+  def cache_layout(self, layout: KVLayout) -> cache_layout.CacheLayout:
+    return _layout(self, layout.share_kv, layout.policy)
 
   def mixer_params(self, mixer: str) -> int:
     """Stored values of one layer's sequence mixer: its matrices (the multiply-adds
@@ -86,29 +87,27 @@ class ModelShape(ModelConfig):
       self.num_prelude_layers + self.num_recurrences * self.num_core_layers + (self.num_coda_layers)
     )
 
-  def kv_layers(self, share_kv: bool) -> int:
+  def kv_layers(self, layout: KVLayout) -> int:
     """Layer copies whose per-token entries a token leaves in the cache.
 
     Shared: the core block keeps only the final recurrence's (one set for all R); unshared: one
     set per recurrence. Prelude and coda are not looped. KDA layers keep a state instead.
     """
-    return self.cache_layout(share_kv).per_token_layers
+    return self.cache_layout(layout).per_token_layers
 
   def kv_bytes_per_token_layer(self, kv_format: str) -> float:
     """Bytes of one token's K and V in one GQA layer, scales included (looped.kv_quant)."""
     return mixer_interface.gqa_cache(self).bytes_per_token(kv_format)
 
-  def kv_bytes_per_token(
-    self, share_kv: bool, kv_format: str | None, raw_itemsize: float = 2
-  ) -> float:
-    """Bytes one token leaves in the cache over all layers, in kv_format (block and vector
-    scales included, nvfp4's tensor scale excluded as kv_quant.bytes_per_value does), or raw at
-    raw_itemsize bytes per value when kv_format is None."""
-    return self.cache_layout(share_kv).bytes_per_token(kv_format, raw_itemsize)
+  def kv_bytes_per_token(self, layout: KVLayout, raw_itemsize: float = 2) -> float:
+    """Bytes one token leaves in the cache over all layers, in the layout's format (block and
+    vector scales included, nvfp4's tensor scale excluded as kv_quant.bytes_per_value does), or
+    raw at raw_itemsize bytes per value when the layout has no format."""
+    return self.cache_layout(layout).bytes_per_token(layout.format, raw_itemsize)
 
-  def kv_bytes_per_sequence(self, share_kv: bool) -> float:
+  def kv_bytes_per_sequence(self, layout: KVLayout) -> float:
     """Per-sequence state bytes (KDA layers: float32 state and conv tail; 0 without KDA)."""
-    return self.cache_layout(share_kv).bytes_per_sequence()
+    return self.cache_layout(layout).bytes_per_sequence()
 
   @property
   def num_params(self) -> int:
@@ -136,5 +135,5 @@ def _counts(shape: ModelShape) -> tuple[int, int, int, int]:
 
 
 @functools.lru_cache(maxsize=64)
-def _layout(shape: ModelShape, share_kv: bool) -> cache_layout.CacheLayout:
-  return cache_layout.cache_layout(shape, share_kv)
+def _layout(shape: ModelShape, share_kv: bool, policy: str) -> cache_layout.CacheLayout:
+  return cache_layout.cache_layout(shape, share_kv, policy)

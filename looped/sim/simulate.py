@@ -20,6 +20,7 @@ from absl import logging
 
 from looped import config_checks as checks
 from looped import kv_quant, schema
+from looped.model.cache_layout import KVLayout
 from looped.model.config import ModelConfig
 from looped.scheduler import pages as pages_lib
 from looped.scheduler import replay
@@ -135,8 +136,9 @@ def validate(config: Any) -> None:
   for budget, share, fmt in itertools.product(
     budgets(config), share_kv_values(config), kv_formats(config)
   ):
+    layout = KVLayout(share, fmt, page_size=page_size)
     try:
-      page_bytes = page_size * shape.kv_bytes_per_token(share, fmt)
+      page_bytes = page_size * shape.kv_bytes_per_token(layout)
     except ValueError as e:  # A per-token entry (e.g. MLA's latent) off the format's block.
       checks.fail("sim.kv_format", fmt, str(e).rstrip("."))
     if not page_bytes:
@@ -146,7 +148,7 @@ def validate(config: Any) -> None:
         "must give some layer a per-token cache for the simulator to page (a model of KDA "
         "layers only keeps a per-sequence state)",
       )
-    slots = config.sim.max_num_seqs * shape.kv_bytes_per_sequence(share)
+    slots = config.sim.max_num_seqs * shape.kv_bytes_per_sequence(layout)
     if budget is not None and budget < slots + page_bytes:
       held = f" after {config.sim.max_num_seqs} KDA state slots of {slots:.0f} bytes" * bool(slots)
       checks.fail(
@@ -182,8 +184,7 @@ def simulate_one(
   hw: hardware.Hardware,
   *,
   budget: float | None,
-  share_kv: bool,
-  kv_format: str,
+  layout: KVLayout,
   config: scheduler_lib.SchedulerConfig,
   weight_format: str = "bf16",
   check_invariants: bool = False,
@@ -193,20 +194,18 @@ def simulate_one(
   sharing, a config with a prefill block schedules blocks as the engine does (shared_blocks).
   A model with KDA layers is served as the engine serves it: max_num_seqs state slots come out
   of the budget first, each running request holds one, and prefix caching is off."""
-  slot_bytes = shape.kv_bytes_per_sequence(share_kv)
+  slot_bytes = shape.kv_bytes_per_sequence(layout)
   config = dataclasses.replace(
     config,
-    shared_blocks=share_kv and config.prefill_block is not None,
+    shared_blocks=layout.share_kv and config.prefill_block is not None,
     state_slots=bool(slot_bytes),
     prefix_caching=config.prefix_caching and not slot_bytes,
   )
-  page_bytes = config.page_size * shape.kv_bytes_per_token(share_kv, kv_format)
+  page_bytes = config.page_size * shape.kv_bytes_per_token(layout)
   slots = config.max_num_seqs * slot_bytes
   num_pages = None if budget is None else max(int((budget - slots) // page_bytes), 0)
   pool = pages_lib.PagePool(num_pages, debug=check_invariants)
-  executor = engine_cost.executor_for(
-    shape, hw, config, share_kv=share_kv, kv_format=kv_format, weight_format=weight_format
-  )
+  executor = engine_cost.executor_for(shape, hw, config, layout, weight_format=weight_format)
   sched = scheduler_lib.Scheduler(config, pool, executor, check_invariants=check_invariants)
   bar = Progress(len(requests), label)
   start = time.monotonic()
@@ -216,12 +215,12 @@ def simulate_one(
   if pool.num_in_use:
     raise RuntimeError(f"{pool.num_in_use} pages still held after the replay (a leak).")
   return {
-    "share_kv": share_kv,
-    "kv_format": kv_format,
+    "share_kv": layout.share_kv,
+    "kv_format": layout.format,
     "kv_budget_bytes": budget,
     "num_pages": num_pages,
     "page_size": config.page_size,
-    "kv_bytes_per_token": shape.kv_bytes_per_token(share_kv, kv_format),
+    "kv_bytes_per_token": shape.kv_bytes_per_token(layout),
     "kv_state_bytes_per_sequence": slot_bytes,
     "prefix_caching": config.prefix_caching,
     **metrics.summarize(sched, page_bytes),
@@ -262,8 +261,7 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
         shape,
         hw,
         budget=budget,
-        share_kv=share,
-        kv_format=fmt,
+        layout=KVLayout(share, fmt, page_size=config.sim.page_size),
         config=sched_config,
         weight_format=config.sim.weight_format,
         check_invariants=config.sim.check_invariants,
