@@ -1,6 +1,7 @@
 r"""One accelerator, one run: are the Pallas kernels right, how fast are they, what MFU does a
-training step reach at ~140M and ~350M parameters, and how many tokens/s does the generation
-engine decode with a shared and an unshared KV cache.
+training step reach at ~140M and ~350M parameters (with the flash kernel and each MFU lever),
+how many tokens/s does the generation engine decode with a shared and an unshared KV cache, and
+what does the BeNice! pilot (configs/benice.py:gpu_pilot) measure.
 
 Why one script: device time is scarce and every figure is only meaningful against limits taken
 in the same process on the same chip. So the run first measures its own ceilings (a warmed-up
@@ -10,18 +11,32 @@ against them.
   # One GPU (an H200 took 7 minutes, most of them compiling; docs/kernels.md has its table):
   PYTHONUNBUFFERED=1 python benchmarks/accelerator_check.py \
       --out=benchmarks/results/accelerator_check.json
-  # CPU (also what a CPU backend gets without --toy): tiny shapes, Pallas interpret mode, about
-  # a minute; tests/accelerator_check_test.py runs this with XLA's CPU optimisation off
-  # (XLA_FLAGS=--xla_backend_optimization_level=0), which halves its compile-bound CPU time.
+  # The prepared device run (docs/kernels.md): a chosen set within 9 minutes, its table written
+  # into docs/kernels.md between the markers.
+  PYTHONUNBUFFERED=1 python benchmarks/accelerator_check.py --deadline_s=540 \
+      --only=limits,pilot,paged_decode,train_350m,train_140m,engine,decode_model \
+      --write_docs=docs/kernels.md
+  # CPU (also what a CPU backend gets without --toy): tiny shapes, Pallas interpret mode, the
+  # pilot at smoke size, about two minutes; tests/accelerator_check_test.py runs this with
+  # XLA's CPU optimisation off (XLA_FLAGS=--xla_backend_optimization_level=0), which halves its
+  # compile-bound CPU time.
   python benchmarks/accelerator_check.py --toy
   # A subset (names or prefixes of the checks below), or the table of an earlier JSON:
   python benchmarks/accelerator_check.py --only=limits,paged_decode
   python benchmarks/accelerator_check.py --table_from=benchmarks/results/accelerator_check.json
 
+With --deadline_s a check starts only if its expected time (EXPECTED_S) fits in what is left;
+the others get a 'skipped' row, and the pilot's process is stopped at the deadline.
+
 Checks, each in its own try/except (a failure records an 'error' row with the exception's first
 line and the others still run); the JSON is rewritten after every check, so a run cut short
 keeps what it finished:
   limits                      bf16 matmul TFLOP/s, copy GB/s (read + written bytes).
+  pilot                       `python -m looped.main --config=configs/benice.py:gpu_pilot` (toy:
+                              smoke,fixed) in its own process: wall time, the pretraining's MFU,
+                              each model's perplexities and exact shared gap, and the CPU recipe
+                              study's targets (BeNice!'s gap <= 1/5 of zero-shot's, below the
+                              finetune's, its ppl within 1% of the finetune's).
   shared_attention_f32        `pallas_kernels.shared_attention` forward and all five gradients,
                               float32, against the float32 reference at HIGHEST matmul precision.
   shared_attention_bf16_fwd   bf16, the same reference on the upcast inputs; speed against the
@@ -33,15 +48,24 @@ keeps what it finished:
   paged_decode_<f>            `pallas_kernels.paged_decode` for every KV format (raw in float32,
                               the rest with bf16 compute) on ragged lengths with NaN in every
                               unused slot, against `pallas_kernels.reference.paged_decode`; GB/s
-                              counts the packed K/V bytes of the pages read.
+                              counts the packed K/V bytes of the pages read; targets: 80% of the
+                              copy (bf16), 70% (fp8, mxfp8), nvfp4 at least bf16's tokens/s.
   block_prefill               the kernel's block form (blocks of T / 4) with two documents per
                               row (segment ids), float32 forward and gradients against the
                               reference; bf16 forward speed against the reference's XLA program.
-  train_140m, train_350m      the training step (language-modeling loss, AdamW, donated state)
-                              in bf16 compute; MFU = looped.model.flops per step / step time /
-                              the measured matmul rate, and / the 989 TFLOP/s datasheet.
+  train_<size>[_<variant>]    the training step (language-modeling loss, AdamW, donated state)
+                              in bf16 compute, model.attention_impl 'auto' (the flash kernel),
+                              with the MFU levers (`_levers`: bf16 params and master copy, bf16
+                              moments, chunked loss; `_remat`: and dots_saveable remat) or XLA's
+                              attention (`_xla`); MFU = looped.model.flops per step / step time /
+                              the measured matmul rate (also with causal attention counted once,
+                              against the target: 45% at 350M, 40% at 140M), and / the 989
+                              TFLOP/s datasheet; the 350M levers row adds the profile's top ops.
   engine_unshared, engine_shared  looped.engine.Engine, greedy, a fixed batch of requests:
-                              decode tokens/s over the decode-only steps, and overall tokens/s.
+                              decode tokens/s over the decode-only steps, and overall tokens/s;
+                              attention 'auto' (the paged kernel), `_gather`: XLA's gather.
+  decode_model_<layout>       the same requests on LoopedLM's own batched decode (a dense cache,
+                              one jitted call per token for all rows).
 Errors are max |x - ref| and that over max |ref| (the pass criterion, per compute dtype:
 float32 1e-4, bfloat16 2e-2); the reference reads a packed past or page as a cache read returns
 it (dequantized, rounded to the compute dtype), so only the kernel's arithmetic is compared.
@@ -58,26 +82,33 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import types
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _REPO)
+# This process takes device memory as it needs it, not 75% of it at start-up: the pilot runs
+# in a process of its own on the same device.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 
 import pallas_kernels  # noqa: E402
 from looped import kv_quant  # noqa: E402
 from looped.engine.engine import Engine, EngineConfig  # noqa: E402
 from looped.engine.requests import GenRequest  # noqa: E402
 from looped.engine.sampling import SamplingParams  # noqa: E402
-from looped.model import LoopedLM, ModelConfig, flops, init_params  # noqa: E402
+from looped.model import LoopedLM, ModelConfig, flops, init_cache, init_params  # noqa: E402
 from looped.model.attention import attend  # noqa: E402
 from looped.train import objectives, optim  # noqa: E402
+from looped.train import profiler as profiler_lib  # noqa: E402
 from pallas_kernels import kv_formats, reference  # noqa: E402
 
 # Pass criterion: max |x - ref| / max |ref| per compute dtype.
@@ -87,53 +118,82 @@ DATASHEET_HBM_GBPS = 4800.0
 DECODE_FORMATS = ("raw", "bf16", "fp8", "mxfp8", "mxfp8_rceil", "nvfp4")
 PAST_FORMATS = ("fp8", "mxfp8", "nvfp4")
 
-# Shapes: the accelerator's, and --toy's (CPU, interpret mode, well under a minute).
+# Targets on one H200 (each against this run's measured limits): training MFU (model FLOPs
+# with causal attention counted once, the conservative count; of the measured bf16 matmul) by
+# model size, and paged decode's bytes/s (of the measured copy) by format; nvfp4 instead decodes
+# at least as many tokens/s per request as bf16 (it reads 3.6x fewer bytes).
+MFU_TARGETS = {"140m": 0.40, "350m": 0.45}
+DECODE_TARGETS = {"bf16": 0.80, "fp8": 0.70, "mxfp8": 0.70, "mxfp8_rceil": 0.70}
+
+# The training shapes: ~140M and benchmarks/train_step.py's 350m preset (vocabulary untied).
+SHAPES = dict(
+  size_140m=dict(
+    d_model=768,
+    num_heads=12,
+    num_kv_heads=4,
+    head_dim=64,
+    mlp_dim=3072,
+    num_prelude_layers=2,
+    num_core_layers=6,
+    num_coda_layers=2,
+    num_recurrences=4,
+    vocab_size=32768,
+    tie_embeddings=False,
+  ),
+  size_350m=dict(
+    d_model=1024,
+    num_heads=16,
+    num_kv_heads=4,
+    head_dim=64,
+    mlp_dim=4096,
+    num_prelude_layers=4,
+    num_core_layers=10,
+    num_coda_layers=4,
+    num_recurrences=4,
+    vocab_size=32768,
+    tie_embeddings=False,
+  ),
+)
+# The MFU levers (config fields; tests/train_levers_test.py: same losses on CPU): bf16 params
+# with a float32 master copy, bf16 Adam moments, the loss in vocabulary chunks.
+LEVERS = dict(
+  param_dtype="bfloat16",
+  master_weights=True,
+  opt_state_dtype="bfloat16",
+  loss_vocab_chunk=8192,
+)
+XLA = dict(attention_impl="xla")  # The earlier table's path (model.attention_impl='xla').
+
+
+def _train_row(size: str, batch: int, seq: int, levers=None, profile=False) -> dict:
+  return dict(size=size, batch=batch, seq=seq, levers=levers or {}, profile=profile)
+
+
+# Shapes: the accelerator's, and --toy's (CPU, interpret mode, about two minutes). Training
+# rows run model.attention_impl='auto' (the flash kernel on an accelerator) unless their levers
+# say otherwise; the batch of a levers row uses the memory they free.
 FULL = dict(
   matmul_n=8192,
   copy_elems=2**28,  # float32: 1 GiB read, 1 GiB written.
   attn_f32=dict(b=1, t=512, hq=4, hkv=2, d=64),
   attn=dict(b=4, t=4096, hq=16, hkv=4, d=128),
   decode=dict(b=32, t=4096, page=64, hq=16, hkv=4, d=128),
+  shapes=SHAPES,
   train=dict(
-    train_140m=dict(
-      shape=dict(
-        d_model=768,
-        num_heads=12,
-        num_kv_heads=4,
-        head_dim=64,
-        mlp_dim=3072,
-        num_prelude_layers=2,
-        num_core_layers=6,
-        num_coda_layers=2,
-        num_recurrences=4,
-        vocab_size=32768,
-        tie_embeddings=False,
-      ),
-      batch=16,
-      seq=512,
-    ),
-    # benchmarks/train_step.py's 350m preset: its shape, batch and length smaller (the XLA
-    # attention keeps float32 T x T scores per layer application for the backward).
-    train_350m=dict(
-      shape=dict(
-        d_model=1024,
-        num_heads=16,
-        num_kv_heads=4,
-        head_dim=64,
-        mlp_dim=4096,
-        num_prelude_layers=4,
-        num_core_layers=10,
-        num_coda_layers=4,
-        num_recurrences=4,
-        vocab_size=32768,
-        tie_embeddings=False,
-      ),
-      batch=8,
-      seq=512,
-    ),
+    train_140m=_train_row("size_140m", 16, 512),
+    train_350m=_train_row("size_350m", 8, 512),
+    train_350m_levers=_train_row("size_350m", 16, 512, LEVERS, profile=True),
+    train_140m_levers=_train_row("size_140m", 32, 512, LEVERS),
+    train_350m_remat=_train_row("size_350m", 32, 512, {**LEVERS, "remat": "dots_saveable"}),
+    # The earlier table's rows (XLA attention), rerun for a same-run comparison.
+    train_140m_xla=_train_row("size_140m", 16, 512, XLA),
+    train_350m_xla=_train_row("size_350m", 8, 512, XLA),
   ),
   train_steps=5,
-  engine=dict(model="train_140m", requests=16, prompt=128, new_tokens=128, page=16, reps=3),
+  profile_steps=3,
+  engine=dict(model="size_140m", requests=16, prompt=128, new_tokens=128, page=16, reps=3),
+  # configs/benice.py:gpu_pilot, the whole pipeline (sized to 5 minutes on one H200).
+  pilot=dict(config="gpu_pilot", overrides={}),
   repeats=10,
   batch_s=0.05,
 )
@@ -150,22 +210,67 @@ _TOY_SHAPE = dict(
   vocab_size=257,
   tie_embeddings=False,
 )
+
+
+def _toy_train() -> dict:
+  """FULL's training rows at the toy shape (the loss in chunks of 64 of its 257 ids). Rows of
+  one program compile once where a persistent cache is on (tests): on CPU 'auto' is the XLA
+  path, so only the levers rows compile anew."""
+  rows = {}
+  for name, row in FULL["train"].items():
+    levers = dict(row["levers"])
+    if "loss_vocab_chunk" in levers:
+      levers["loss_vocab_chunk"] = 64
+    rows[name] = dict(row, size="toy", batch=2, seq=16, levers=levers)
+  return rows
+
+
 TOY = dict(
   matmul_n=128,
   copy_elems=2**16,
   attn_f32=dict(b=1, t=16, hq=2, hkv=1, d=16),
   attn=dict(b=1, t=16, hq=4, hkv=2, d=32),
   decode=dict(b=2, t=32, page=16, hq=4, hkv=2, d=32),
-  train=dict(
-    train_140m=dict(shape=_TOY_SHAPE, batch=2, seq=16),
-    # The same program as the first: one compilation where a persistent cache is on (tests).
-    train_350m=dict(shape=_TOY_SHAPE, batch=2, seq=16),
-  ),
+  shapes=dict(toy=_TOY_SHAPE),
+  train=_toy_train(),
   train_steps=2,
-  engine=dict(model="train_140m", requests=2, prompt=8, new_tokens=4, page=8, reps=1),
+  profile_steps=1,
+  engine=dict(model="toy", requests=2, prompt=8, new_tokens=4, page=8, reps=1),
+  # The same pipeline at the smoke size: 20 + 6 + 6 steps and a small evaluation.
+  pilot=dict(
+    config="smoke,fixed",
+    overrides={
+      "eval.kv_formats": "('bf16',)",
+      "eval.prefill_blocks": "()",
+      "eval.jacobi_passes": "(1,)",
+      "eval.samples": "0",
+    },
+  ),
   repeats=2,
   batch_s=0.0,
 )
+# Wall seconds each check is expected to take on one H200, compiling included; estimates, to be
+# replaced by the next run's wall_s: the training rows from the 2026-12-04 run's compile times
+# (31 s at 140M, 50 s at 350M) plus their steps, the other checks from that run's 415 s for 18
+# checks, the pilot from its dry run's FLOPs (docs/kernels.md). `--deadline_s` starts a check
+# only if it fits.
+EXPECTED_S = {
+  "limits": 10,
+  "shared_attention": 15,
+  "paged_decode": 8,
+  "block_prefill": 15,
+  "engine": 25,
+  "decode_model": 15,
+  "train_140m": 45,
+  "train_350m": 65,
+  "pilot": 240,  # Estimated: ~100 s of steps at the earlier run's MFU, the rest compiling.
+}
+
+
+def _expected_s(name: str) -> float:
+  """The longest EXPECTED_S entry that prefixes `name` (0: unknown)."""
+  keys = [k for k in EXPECTED_S if name.startswith(k)]
+  return EXPECTED_S[max(keys, key=len)] if keys else 0.0
 
 
 def _log(msg: str) -> None:
@@ -509,6 +614,9 @@ def check_paged_decode(cfg, limits, fmt):
     row["nan_in_output"] = True
   _judge(row, _errors(got, ref), jnp.dtype(dtype).name, _errors(xla_out, ref))
   _speed(row, kernel_s, xla_s, limits, gb=nbytes)
+  if fmt in DECODE_TARGETS and "of_copy" in row:
+    row["target_of_copy"] = DECODE_TARGETS[fmt]
+    row["target_met"] = bool(row["of_copy"] >= row["target_of_copy"])
   return row
 
 
@@ -529,7 +637,11 @@ TRAIN = types.SimpleNamespace(
   b1=0.9,
   b2=0.95,
   grad_clip=1.0,
+  opt_state_dtype="float32",
+  master_weights=False,
 )
+# The levers that are model fields; the rest are train fields (TRAIN's).
+_MODEL_LEVERS = ("attention_impl", "param_dtype", "remat")
 
 
 def _model_cfg(shape: dict, seq: int, **overrides) -> ModelConfig:
@@ -546,24 +658,48 @@ def _init(model, tokens_shape: tuple[int, ...]):
 _engine_params = functools.lru_cache(maxsize=1)(_init)
 
 
+def _train_setup(cfg, spec):
+  """(model config, objective, optimizer) of a training row: its shape and levers."""
+  levers = spec["levers"]
+  model_levers = {k: v for k, v in levers.items() if k in _MODEL_LEVERS}
+  mcfg = _model_cfg(cfg["shapes"][spec["size"]], spec["seq"], **model_levers)
+  model = LoopedLM(mcfg)
+  train = types.SimpleNamespace(**{**vars(TRAIN), **levers})
+  objective = objectives.vocab_chunked(
+    objectives.language_modeling(model, DEPTH), levers.get("loss_vocab_chunk", 0)
+  )
+  return mcfg, model, objective, optim.make_optimizer(train)
+
+
+def _profile(cfg, compiled, params, opt_state, batch, key) -> list[dict]:
+  """The top ops of profile_steps more steps, traced by the trainer's profiler."""
+  with tempfile.TemporaryDirectory() as tmp:
+    prof = profiler_lib.Profiler(tmp, first_step=1, skip=0, count=cfg["profile_steps"])
+    for i in range(1, cfg["profile_steps"] + 1):
+      with prof.step(i, (params, opt_state)):
+        params, opt_state, loss = compiled(
+          params, opt_state, batch, jax.random.fold_in(key, 1000 + i)
+        )
+      prof.after(i, loss)
+    prof.close(loss)
+    return profiler_lib.top_ops(tmp, n=12)
+
+
 def check_train(cfg, limits, name):
   spec = cfg["train"][name]
   b, t = spec["batch"], spec["seq"]
-  mcfg = _model_cfg(spec["shape"], t)
-  model = LoopedLM(mcfg)
-  objective = objectives.language_modeling(model, DEPTH)
-  optimizer = optim.make_optimizer(TRAIN)
+  mcfg, model, objective, optimizer = _train_setup(cfg, spec)
   tokens = jax.random.randint(jax.random.PRNGKey(0), (b, t + 1), 0, mcfg.vocab_size)
   batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
   params = _init(model, (1, t))
   opt_state = jax.jit(optimizer.init)(params)
   num_params = int(sum(x.size for x in jax.tree.leaves(params)))
-  _log(f"  {name}: {num_params:,} params, batch {b} x {t}")
+  _log(f"  {name}: {num_params:,} params, batch {b} x {t}, levers {spec['levers']}")
 
   def step(params, opt_state, batch, key):
     (loss, _), grads = jax.value_and_grad(objective.loss_fn, has_aux=True)(params, None, batch, key)
     updates, opt_state = optimizer.update(grads, opt_state, params)
-    return jax.tree.map(jnp.add, params, updates), opt_state, loss
+    return optax.apply_updates(params, updates), opt_state, loss
 
   key = jax.random.PRNGKey(2)
   start = time.perf_counter()
@@ -580,12 +716,17 @@ def check_train(cfg, limits, name):
     times.append(time.perf_counter() - start)
   step_s = statistics.median(times)
   step_flops = flops.train_flops_per_token(mcfg, t) * b * t
+  # Causal attention counted once: the scores' FLOPs at the mean key count (T + 1) / 2.
+  causal_flops = flops.train_flops_per_token(mcfg, (t + 1) / 2) * b * t
   model_tflops = step_flops / step_s / 1e12
   row = {
     "params": num_params,
     "batch": b,
     "seq_len": t,
-    "model": {k: getattr(mcfg, k) for k in spec["shape"]},
+    "size": spec["size"],
+    "levers": spec["levers"],
+    "attention_impl": mcfg.attention_impl,
+    "model": {k: getattr(mcfg, k) for k in cfg["shapes"][spec["size"]]},
     "dtype": mcfg.dtype,
     "param_dtype": mcfg.param_dtype,
     "compile_s": compile_s,
@@ -593,6 +734,7 @@ def check_train(cfg, limits, name):
     "step_s_all": times,
     "tokens_per_s": b * t / step_s,
     "step_flops": step_flops,
+    "step_flops_causal": causal_flops,
     "model_tflops": model_tflops,
     "mfu_datasheet": model_tflops / DATASHEET_BF16_TFLOPS,
     "first_loss": first_loss,
@@ -600,12 +742,19 @@ def check_train(cfg, limits, name):
   }
   if limits.get("matmul_tflops"):
     row["mfu_measured"] = model_tflops / limits["matmul_tflops"]
+    row["mfu_measured_causal"] = causal_flops / step_s / 1e12 / limits["matmul_tflops"]
+    target = MFU_TARGETS.get(spec["size"].removeprefix("size_"))
+    if target is not None:
+      row["mfu_target"] = target
+      row["target_met"] = bool(row["mfu_measured_causal"] >= target)
   if mem is not None:
     row["xla_memory_bytes"] = int(
       mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes
     )
   if not np.isfinite(row["final_loss"]):
     raise FloatingPointError(f"non-finite loss {row['final_loss']}")
+  if spec["profile"]:
+    row["top_ops"] = _profile(cfg, compiled, params, opt_state, batch, key)
   return row
 
 
@@ -613,12 +762,26 @@ def check_train(cfg, limits, name):
 # Generation engine.
 
 
-def check_engine(cfg, limits, share_kv: bool):
+def _requests(cfg, vocab_size: int) -> list[GenRequest]:
+  e = cfg["engine"]
+  rng = np.random.default_rng(4)  # Distinct random prompts: no prefix-cache hits.
+  return [
+    GenRequest(
+      i,
+      tuple(int(x) for x in rng.integers(0, vocab_size, e["prompt"])),
+      SamplingParams(max_new_tokens=e["new_tokens"]),
+    )
+    for i in range(e["requests"])
+  ]
+
+
+def check_engine(cfg, limits, share_kv: bool, impl: str = "auto"):
+  """The engine's decode; impl: EngineConfig.attention_impl ('auto': the paged kernel on an
+  accelerator, XLA's gather on CPU; 'xla': the gather path)."""
   e = cfg["engine"]
   n, prompt, new, page = e["requests"], e["prompt"], e["new_tokens"], e["page"]
-  spec = cfg["train"][e["model"]]
   length = prompt + new
-  mcfg = _model_cfg(spec["shape"], length, param_dtype="bfloat16")
+  mcfg = _model_cfg(cfg["shapes"][e["model"]], length, param_dtype="bfloat16")
   model = LoopedLM(mcfg)
   params = _engine_params(model, (1, 8))
   pages = -(-length // page)
@@ -639,17 +802,10 @@ def check_engine(cfg, limits, share_kv: bool):
       row_buckets=(n,),
       token_buckets=(1, prompt, n * prompt),
       column_buckets=(pages,),
+      attention_impl=impl,
     ),
   )
-  rng = np.random.default_rng(4)  # Distinct random prompts: no prefix-cache hits.
-  requests = [
-    GenRequest(
-      i,
-      tuple(int(x) for x in rng.integers(0, mcfg.vocab_size, prompt)),
-      SamplingParams(max_new_tokens=new),
-    )
-    for i in range(n)
-  ]
+  requests = _requests(cfg, mcfg.vocab_size)
   start = time.perf_counter()
   engine.generate(requests)  # Compiles both shapes.
   compile_s = time.perf_counter() - start
@@ -678,6 +834,7 @@ def check_engine(cfg, limits, share_kv: bool):
   mid = sorted(runs, key=lambda r: r["busy_s"])[len(runs) // 2]  # The median run.
   row = {
     "layout": "shared" if share_kv else "unshared",
+    "attention_impl": engine.executor.attention_impl,
     "params": int(sum(x.size for x in jax.tree.leaves(params))),
     "requests": n,
     "prompt_tokens": prompt,
@@ -694,13 +851,121 @@ def check_engine(cfg, limits, share_kv: bool):
   return row
 
 
+def check_decode_model(cfg, limits, share_kv: bool):
+  """The model's own batched decode (LoopedLM on a dense cache, no engine): the same params,
+  prompts and greedy tokens as the engine rows, each prompt prefilled in one call, then one
+  jitted call per token for every row at once; tokens/s over the decode calls."""
+  e = cfg["engine"]
+  n, prompt, new = e["requests"], e["prompt"], e["new_tokens"]
+  length = prompt + new
+  mcfg = _model_cfg(cfg["shapes"][e["model"]], length, param_dtype="bfloat16")
+  model = LoopedLM(mcfg)
+  params = _engine_params(model, (1, 8))
+  tokens_BxP = jnp.asarray([r.prompt_tokens for r in _requests(cfg, mcfg.vocab_size)], jnp.int32)
+
+  def call(params, tokens_BxT, cache):
+    logits_BxTxV, aux = model.apply(params, tokens_BxT, cache=cache)
+    return jnp.argmax(logits_BxTxV[:, -1], axis=-1).astype(jnp.int32)[:, None], aux["cache"]
+
+  call = jax.jit(call, donate_argnums=(2,))
+  fresh = lambda: init_cache(mcfg, n, length, share_kv, jnp.bfloat16)
+  start = time.perf_counter()
+  token_Bx1, cache = call(params, tokens_BxP, fresh())  # Compiles the prefill ...
+  token_Bx1, cache = call(params, token_Bx1, cache)  # ... and the decode call.
+  jax.block_until_ready(token_Bx1)
+  compile_s = time.perf_counter() - start
+  runs = []
+  for _ in range(e["reps"]):
+    token_Bx1, cache = call(params, tokens_BxP, fresh())
+    jax.block_until_ready(token_Bx1)
+    start = time.perf_counter()
+    for _ in range(new - 1):
+      token_Bx1, cache = call(params, token_Bx1, cache)
+    jax.block_until_ready(token_Bx1)
+    runs.append(time.perf_counter() - start)
+  decode_s = statistics.median(runs)
+  return {
+    "layout": "shared" if share_kv else "unshared",
+    "attention_impl": mcfg.attention_impl,
+    "params": int(sum(x.size for x in jax.tree.leaves(params))),
+    "requests": n,
+    "prompt_tokens": prompt,
+    "new_tokens": new,
+    "dtype": mcfg.dtype,
+    "compile_and_first_run_s": compile_s,
+    "decode_tokens_per_s": n * (new - 1) / decode_s,
+    "decode_step_s": decode_s / (new - 1),
+    "decode_s_all": runs,
+  }
+
+
+# ---------------------------------------------------------------------------------------------
+# The BeNice! pilot.
+
+
+def check_pilot(cfg, limits, deadline_s: float | None = None):
+  """configs/benice.py's pilot run as `python -m looped.main` (its own process, so a run cut
+  at the deadline is a timeout, not a hang): wall time, the pretraining's last MFU and
+  tokens/s, and each model's perplexities and exact shared gap, with the CPU recipe study's
+  targets (docs/benice_recipe.md) beside them."""
+  p = cfg["pilot"]
+  with tempfile.TemporaryDirectory() as workdir:
+    command = [
+      sys.executable,
+      "-m",
+      "looped.main",
+      f"--config={os.path.join(_REPO, 'configs', 'benice.py')}:{p['config']}",
+      f"--workdir={workdir}",
+      *(f"--config.{k}={v}" for k, v in p["overrides"].items()),
+    ]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([_REPO, os.environ.get("PYTHONPATH", "")]))
+    start = time.perf_counter()
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=deadline_s)
+    wall_s = time.perf_counter() - start
+    if done.returncode:
+      raise RuntimeError(f"the pipeline exited {done.returncode}: {done.stderr[-2000:]}")
+    with open(os.path.join(workdir, "report", "shareability.json")) as f:
+      report = json.load(f)
+    pretrain = _last_metrics(os.path.join(workdir, "pretrain", "metrics.jsonl"))
+  keep = ("ppl_unshared_eval", "ppl_unshared_subset", "ppl_shared_exact_subset", "gap_exact")
+  models = {
+    name: {k: m[k] for k in (*keep, "gap_exact_ci95") if k in m}
+    for name, m in report["models"].items()
+  }
+  row = {"config": p["config"], "wall_s": wall_s, "models": models}
+  row["pretrain_last"] = {k: pretrain.get(k) for k in ("step", "loss", "tokens_per_s", "mfu")}
+  zero, ft, bn = (models.get(k, {}) for k in ("zero_shot", "finetune", "benice"))
+  if zero.get("gap_exact") and bn:
+    # The recipe study's targets: BeNice!'s gap at most a fifth of zero-shot's, below the
+    # finetune's, and its unshared ppl within 1% of the finetune's.
+    row["gap_of_zero_shot"] = bn["gap_exact"] / zero["gap_exact"]
+  if ft and bn:
+    row["ppl_vs_finetune"] = bn["ppl_unshared_eval"] / ft["ppl_unshared_eval"] - 1.0
+    row["gap_below_finetune"] = bool(bn["gap_exact"] < ft["gap_exact"])
+  return row
+
+
+def _last_metrics(path: str) -> dict:
+  with open(path) as f:
+    lines = [json.loads(line) for line in f if line.strip()]
+  return lines[-1] if lines else {}
+
+
 # ---------------------------------------------------------------------------------------------
 # Driver, table, JSON.
 
 
 def _checks(cfg):
-  """(name, kind, fn(cfg, limits) -> row) in run order: cheapest and most basic first."""
+  """(name, kind, fn(cfg, limits) -> row) in run order: the limits first, then the pilot (its
+  own process, while this one holds little device memory), then by priority for a run under
+  --deadline_s: decode bandwidth, the kernels' correctness, the engine on the paged kernel, the
+  training rows (FULL's order), the engine on XLA's gather and the model's own decode."""
   out = [("limits", "limits", check_limits)]
+  out.append(("pilot", "pilot", lambda c, lim: check_pilot(c, lim, lim.get("time_left_s"))))
+  for fmt in DECODE_FORMATS:
+    out.append(
+      (f"paged_decode_{fmt}", "kernel", lambda c, lim, f=fmt: check_paged_decode(c, lim, f))
+    )
   out.append(("shared_attention_f32", "kernel", check_shared_attention_f32))
   for backward in (False, True):
     name = f"shared_attention_bf16_{'bwd' if backward else 'fwd'}"
@@ -715,16 +980,20 @@ def _checks(cfg):
         lambda c, lim, f=fmt: check_shared_attention_past(c, lim, f),
       )
     )
-  for fmt in DECODE_FORMATS:
-    out.append(
-      (f"paged_decode_{fmt}", "kernel", lambda c, lim, f=fmt: check_paged_decode(c, lim, f))
-    )
   out.append(("block_prefill", "kernel", check_block_prefill))
-  for share in (False, True):
-    name = f"engine_{'shared' if share else 'unshared'}"
-    out.append((name, "engine", lambda c, lim, s=share: check_engine(c, lim, s)))
+  engines = []
+  for impl, suffix in (("auto", ""), ("xla", "_gather")):
+    for share in (False, True):
+      name = f"engine_{'shared' if share else 'unshared'}{suffix}"
+      fn = lambda c, lim, s=share, i=impl: check_engine(c, lim, s, i)
+      engines.append((name, "engine", fn))
+  out += engines[:2]  # The paged kernel's path end to end, before the training rows.
   for name in cfg["train"]:
     out.append((name, "train", lambda c, lim, n=name: check_train(c, lim, n)))
+  out += engines[2:]
+  for share in (False, True):
+    name = f"decode_model_{'shared' if share else 'unshared'}"
+    out.append((name, "engine", lambda c, lim, s=share: check_decode_model(c, lim, s)))
   return out
 
 
@@ -747,7 +1016,7 @@ def table(result: dict) -> str:
   for name, row in result["checks"].items():
     status = row["status"]
     if status != "ok":
-      err = row.get("error", "")
+      err = row.get("error") or row.get("reason", "")
       lines.append(f"| {name} | {status} | {err} | | | | |")
       continue
     kind = row["kind"]
@@ -776,23 +1045,27 @@ def table(result: dict) -> str:
       if "kernel_gbps" in row:
         achieved = f"{row['kernel_gbps']:.4g} GB/s ({_fmt(row.get('of_copy'), '.1%')})"
         achieved += f"; XLA {row['xla_gbps']:.4g}"
+        if "target_of_copy" in row:
+          met = "met" if row["target_met"] else "not met"
+          achieved += f"; target {row['target_of_copy']:.0%} of copy: {met}"
+        if "speed_vs_bf16" in row:
+          met = "met" if row["target_met"] else "not met"
+          achieved += f"; {row['speed_vs_bf16']:.2f}x bf16's tokens/s (target 1x: {met})"
       lines.append(f"| {name} | ok | {err} | {kernel} | {xla} | {ratio} | {achieved} |")
     elif kind == "train":
-      lines.append(
-        f"| {name} | ok | {row['params'] / 1e6:.1f}M params, batch {row['batch']} x "
-        f"{row['seq_len']}, compile {row['compile_s']:.0f} s | step {row['step_s'] * 1e3:.4g} ms"
-        f" | | | {row['model_tflops']:.4g} TFLOP/s model FLOPs: MFU "
-        f"{_fmt(row.get('mfu_measured'), '.1%')} of measured matmul, "
-        f"{row['mfu_datasheet']:.1%} of {DATASHEET_BF16_TFLOPS:.0f}; "
-        f"{row['tokens_per_s']:.4g} tokens/s |"
-      )
+      lines.append(_train_line(name, row))
     elif kind == "engine":
+      with_prefill = (
+        f"; {row['tokens_per_s']:.4g} tokens/s with prefill" if "tokens_per_s" in row else ""
+      )
       lines.append(
         f"| {name} | ok | {row['params'] / 1e6:.1f}M params, {row['requests']} requests x "
-        f"({row['prompt_tokens']} + {row['new_tokens']}) tokens, greedy | decode step "
-        f"{row['decode_step_s'] * 1e3:.3g} ms | | | {row['decode_tokens_per_s']:.4g} decode "
-        f"tokens/s; {row['tokens_per_s']:.4g} tokens/s with prefill |"
+        f"({row['prompt_tokens']} + {row['new_tokens']}) tokens, greedy, attention "
+        f"{row.get('attention_impl', '')} | decode step {row['decode_step_s'] * 1e3:.3g} ms | | | "
+        f"{row['decode_tokens_per_s']:.4g} decode tokens/s{with_prefill} |"
       )
+    elif kind == "pilot":
+      lines.append(_pilot_line(name, row))
   if lim:
     lines += [
       "",
@@ -800,6 +1073,64 @@ def table(result: dict) -> str:
       f"{lim['copy_gbps']:.4g} GB/s copy.",
     ]
   return "\n".join(lines)
+
+
+def _train_line(name: str, row: dict) -> str:
+  levers = ", ".join(f"{k} {v}" for k, v in row.get("levers", {}).items()) or "defaults"
+  target = ""
+  if "mfu_target" in row:
+    met = "met" if row["target_met"] else "not met"
+    target = f" (target {row['mfu_target']:.0%}: {met})"
+  top = ""
+  if row.get("top_ops"):
+    top = "; top ops " + ", ".join(
+      f"{op['name'][:40]} {op['share']:.0%}" for op in row["top_ops"][:5]
+    )
+  return (
+    f"| {name} | ok | {row['params'] / 1e6:.1f}M params, batch {row['batch']} x "
+    f"{row['seq_len']}, attention {row.get('attention_impl', '')}, {levers}, compile "
+    f"{row['compile_s']:.0f} s | step {row['step_s'] * 1e3:.4g} ms | | | "
+    f"{row['model_tflops']:.4g} TFLOP/s model FLOPs: MFU "
+    f"{_fmt(row.get('mfu_measured'), '.1%')} of measured matmul (causal attention "
+    f"{_fmt(row.get('mfu_measured_causal'), '.1%')}{target}), {row['mfu_datasheet']:.1%} of "
+    f"{DATASHEET_BF16_TFLOPS:.0f}; {row['tokens_per_s']:.4g} tokens/s{top} |"
+  )
+
+
+def _pilot_line(name: str, row: dict) -> str:
+  models = "; ".join(
+    f"{model}: ppl {m['ppl_unshared_eval']:.3f}, exact gap {m['gap_exact']:+.1%}"
+    for model, m in row["models"].items()
+  )
+  vs = []
+  if "gap_of_zero_shot" in row:
+    vs.append(f"BeNice! gap {row['gap_of_zero_shot']:.2f} of zero-shot's (target <= 0.20)")
+  if "ppl_vs_finetune" in row:
+    vs.append(f"ppl {row['ppl_vs_finetune']:+.1%} vs finetune (target <= +1%)")
+    vs.append(f"gap below finetune's: {row['gap_below_finetune']}")
+  last = row.get("pretrain_last", {})
+  mfu = f", pretraining MFU {last['mfu']:.1%} (the trainer's log)" if last.get("mfu") else ""
+  return (
+    f"| {name} | ok | configs/benice.py:{row['config']}, wall {row['wall_s']:.0f} s{mfu} | | | "
+    f"| {models}; {'; '.join(vs)} |"
+  )
+
+
+DOCS_BEGIN = "<!-- accelerator_check table: begin -->"
+DOCS_END = "<!-- accelerator_check table: end -->"
+
+
+def write_docs(path: str, text: str) -> None:
+  """Replaces what stands between DOCS_BEGIN and DOCS_END in `path` (docs/kernels.md) by
+  `text`; ValueError if the markers are missing."""
+  with open(path) as f:
+    doc = f.read()
+  if doc.count(DOCS_BEGIN) != 1 or doc.count(DOCS_END) != 1:
+    raise ValueError(f"{path} needs one {DOCS_BEGIN!r} and one {DOCS_END!r} line.")
+  head, rest = doc.split(DOCS_BEGIN)
+  _, tail = rest.split(DOCS_END)
+  with open(path, "w") as f:
+    f.write(f"{head}{DOCS_BEGIN}\n{text}\n{DOCS_END}{tail}")
 
 
 def _write(path: str, result: dict) -> None:
@@ -815,7 +1146,36 @@ def _error_line(e: BaseException) -> str:
   return f"{type(e).__name__}: {lines[0][:300] if lines else ''}"
 
 
-def run(toy: bool, out: str, only: tuple[str, ...] = ()) -> dict:
+def _brief(row: dict) -> str:
+  keys = ("rel_err", "pass", "kernel_s", "xla_s", "matmul_tflops", "copy_gbps", "step_s")
+  keys += ("mfu_measured", "mfu_measured_causal", "decode_tokens_per_s", "params", "wall_s")
+  return (
+    row.get("error")
+    or row.get("reason")
+    or ", ".join(
+      f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items() if k in keys
+    )
+  )
+
+
+def _run_check(cfg, limits, kind, fn) -> dict:
+  """One check's row: its figures, or its error (first line and traceback)."""
+  start, cpu_start = time.perf_counter(), time.process_time()
+  try:
+    row = {"kind": kind, "status": "ok", **fn(cfg, limits)}
+  except Exception as e:  # noqa: BLE001 (recorded; the other checks still run)
+    row = {"kind": kind, "status": "error", "error": _error_line(e)}
+    row["traceback"] = traceback.format_exc()[-3000:]
+    _log(traceback.format_exc())
+  row["wall_s"] = time.perf_counter() - start
+  row["cpu_s"] = time.process_time() - cpu_start
+  return row
+
+
+def run(toy: bool, out: str, only: tuple[str, ...] = (), deadline_s: float | None = None) -> dict:
+  """Runs the checks `only` names (all: empty); with deadline_s, a check starts only if its
+  EXPECTED_S fits in the time left (else a 'skipped' row says so), and the pilot's process
+  is stopped at the deadline."""
   cfg = TOY if toy else FULL
   device = jax.devices()[0]
   result = {
@@ -829,6 +1189,8 @@ def run(toy: bool, out: str, only: tuple[str, ...] = ()) -> dict:
       "tolerance": TOLERANCE,
       "shapes": {k: v for k, v in cfg.items() if k not in ("repeats", "batch_s")},
       "repeats": cfg["repeats"],
+      "only": list(only),
+      "deadline_s": deadline_s,
     },
     "limits": {},
     "checks": {},
@@ -838,28 +1200,34 @@ def run(toy: bool, out: str, only: tuple[str, ...] = ()) -> dict:
   for name, kind, fn in _checks(cfg):
     if only and not any(name.startswith(o) for o in only):
       continue
-    _log(f"[{time.perf_counter() - begin:6.1f} s] {name} ...")
-    start, cpu_start = time.perf_counter(), time.process_time()
-    try:
-      row = {"kind": kind, "status": "ok", **fn(cfg, limits)}
-    except Exception as e:  # noqa: BLE001 (recorded; the other checks still run)
-      row = {"kind": kind, "status": "error", "error": _error_line(e)}
-      row["traceback"] = traceback.format_exc()[-3000:]
-      _log(traceback.format_exc())
-    row["wall_s"] = time.perf_counter() - start
-    row["cpu_s"] = time.process_time() - cpu_start
+    elapsed = time.perf_counter() - begin
+    left = None if deadline_s is None else deadline_s - elapsed
+    if left is not None and _expected_s(name) > left:
+      reason = f"not started: expected {_expected_s(name):.0f} s, {max(left, 0.0):.0f} s left"
+      result["checks"][name] = {"kind": kind, "status": "skipped", "reason": reason}
+      _log(f"[{elapsed:6.1f} s] {name}: skipped ({reason})")
+      continue
+    _log(f"[{elapsed:6.1f} s] {name} ...")
+    if left is not None:
+      limits["time_left_s"] = left  # For a check that stops itself (the pilot).
+    row = _run_check(cfg, limits, kind, fn)
+    limits.pop("time_left_s", None)
     result["checks"][name] = row
-    brief = row.get("error") or ", ".join(
-      f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
-      for k, v in row.items()
-      if k in ("rel_err", "pass", "kernel_s", "xla_s", "matmul_tflops", "copy_gbps", "step_s")
-      or k in ("mfu_measured", "decode_tokens_per_s", "params")
-    )
-    _log(f"[{time.perf_counter() - begin:6.1f} s] {name}: {row['status']} ({brief})")
+    _log(f"[{time.perf_counter() - begin:6.1f} s] {name}: {row['status']} ({_brief(row)})")
     _write(out, result)
+  _judge_nvfp4(result["checks"])
   result["wall_s"] = time.perf_counter() - begin
   _write(out, result)
   return result
+
+
+def _judge_nvfp4(checks: dict) -> None:
+  """nvfp4's target: paged decode at least as many tokens/s as bf16 on the same pages (the
+  same token count in both rows, so the ratio of their times)."""
+  nvfp4, bf16 = checks.get("paged_decode_nvfp4", {}), checks.get("paged_decode_bf16", {})
+  if nvfp4.get("status") == "ok" and bf16.get("status") == "ok":
+    nvfp4["speed_vs_bf16"] = bf16["kernel_s"] / nvfp4["kernel_s"]
+    nvfp4["target_met"] = bool(nvfp4["speed_vs_bf16"] >= 1.0)
 
 
 def main():
@@ -869,17 +1237,35 @@ def main():
     "--out", default=os.path.join(_REPO, "benchmarks", "results", "accelerator_check.json")
   )
   parser.add_argument("--only", default="", help="Comma-separated check names or prefixes.")
+  parser.add_argument(
+    "--deadline_s",
+    type=float,
+    default=None,
+    help="Start no check expected to end after this many seconds (EXPECTED_S); none: all run.",
+  )
+  parser.add_argument(
+    "--write_docs",
+    default="",
+    help="Also write the table into this file between its accelerator_check markers "
+    "(docs/kernels.md).",
+  )
   parser.add_argument("--table_from", default="", help="Print the table of this JSON and exit.")
   args = parser.parse_args()
   if args.table_from:
     with open(args.table_from) as f:
-      print(table(json.load(f)))
+      text = table(json.load(f))
+    print(text)
+    if args.write_docs:
+      write_docs(args.write_docs, text)
     return
   toy = args.toy or jax.default_backend() == "cpu"
   _log(f"{jax.devices()[0]} ({jax.default_backend()}), jax {jax.__version__}, toy={toy}")
   only = tuple(o for o in args.only.split(",") if o)
-  result = run(toy, args.out, only)
-  print("\n" + table(result), flush=True)
+  result = run(toy, args.out, only, args.deadline_s)
+  text = table(result)
+  print("\n" + text, flush=True)
+  if args.write_docs:
+    write_docs(args.write_docs, text)
   print(f"\nwrote {args.out} ({result['wall_s']:.0f} s)", flush=True)
 
 

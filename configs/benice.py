@@ -13,7 +13,9 @@ all the sequence mixing; its BeNice! reads the K/V after 3 Jacobi passes),
 `zero_shot` (pretraining and its zero-shot shareability evaluation only, no KV formats),
 `composition` (the composition table's scale: 300 pretraining and 100 post-training steps, exact
 decode on 32 rows, bf16 / fp8 / nvfp4 caches), `ctx1024` (1024-token rows, the models the
-serving replay serves: docs/server.md), and
+serving replay serves: docs/server.md), `gpu_pilot` (`fixed` at 65M parameters on the default
+corpus, sized for one accelerator: the whole pipeline within 5 minutes on one H200,
+docs/kernels.md; its per-device memory and step FLOPs: --config.train.dry_run=True), and
 at most one mixer: `gqa` (the default), `mla`, `kda` (every layer that mixer) or `hybrid` (KDA
 and MLA 3:1 over the distinct layers: prelude KDA, core KDA + MLA, coda KDA; docs/mixers.md).
 
@@ -51,6 +53,7 @@ VARIANTS = {
   "zero_shot": "pretraining and its zero-shot shareability evaluation only",
   "composition": "the composition table's smaller scale (docs/mixers.md): 300 + 100 steps",
   "ctx1024": "1024-token rows (configs/pretrain.py); eval: exact decode on 2 rows, 3 formats",
+  "gpu_pilot": "`fixed` at 65M params, bf16 compute, 256-token rows: the pipeline on one H200",
   "gqa": "every layer grouped-query attention (the default)",
   "mla": "every layer multi-head latent attention (cached: latent + RoPE key)",
   "kda": "every layer Kimi delta attention (cached: a state per sequence)",
@@ -62,13 +65,14 @@ VARIANTS = {
 
 
 def get_config(arg: str = "") -> ml_collections.ConfigDict:
-  args = configs.parse_args(arg, VARIANTS)
+  args = _with_pilot(configs.parse_args(arg, VARIANTS))
   mixer = args & set(MIXERS)
   if len(mixer) > 1:
     raise ValueError(f"config variants name several mixers {sorted(mixer)}; pick one.")
 
   # seed, model, data, depth and train of stage 1, with `smoke`/`fixed` applied as there.
-  c = pretrain.get_config(",".join(sorted(args - {"zero_shot", "composition"} - set(MIXERS))))
+  own = {"zero_shot", "composition", "gpu_pilot"} | set(MIXERS)  # Not configs/pretrain.py's.
+  c = pretrain.get_config(",".join(sorted(args - own)))
   if mixer:  # The mixer of every stage's layers (patterns repeat over the layers).
     m = c.model
     m.prelude_mixers, m.core_mixers, m.coda_mixers = MIXERS[mixer.pop()]
@@ -144,7 +148,46 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.eval.decode_batches = 1  # Exact decode on the first eval batch: 2 rows of 1024 tokens.
     c.eval.kv_formats = ("bf16", "fp8", "nvfp4")  # The formats the serving replay pages in.
     c.eval.prefill_blocks = (16, 32, 64, 256)  # Block sizes, the engine's default 32 among them.
+  if "gpu_pilot" in args:  # `fixed` at 142x the CPU study's 0.46M params (docs/kernels.md).
+    gpu_pilot(c)
   if "zero_shot" in args:  # Pretraining and its zero-shot evaluation only (sweeps).
     c.pipeline.models = ("zero_shot",)  # Only the pretrained model.
     c.eval.kv_formats = ()  # No cache formats.
   return c
+
+
+def _with_pilot(args: set[str]) -> set[str]:
+  """`gpu_pilot` is the `fixed` regime at its own size: no other size variant beside it."""
+  if "gpu_pilot" not in args:
+    return args
+  if args & ({"smoke", "ctx1024", "composition"} | set(pretrain.SIZES)):
+    raise ValueError("config variant gpu_pilot sets its own size; drop the other size variants.")
+  return args | {"fixed"}
+
+
+def gpu_pilot(c: ml_collections.ConfigDict) -> None:
+  """The `fixed` config at 65M parameters, in place: the same corpus (the interpreter's own
+  sources, bytes), regime and step counts as the CPU recipe study (0.46M params), a 142x
+  larger model on 4x the tokens per step. Sized (docs/kernels.md) so pretraining, both
+  post-training arms and the evaluation finish within 5 minutes on one H200, most of it
+  compiling."""
+  m = c.model
+  m.d_model = 1024  # Residual width (the study's: 128).
+  m.num_heads = 8  # Query heads of 128: the flash kernel's tiles on GPU and TPU.
+  m.num_kv_heads = 4  # GQA groups of 2, as the default's 4 / 2.
+  m.head_dim = 128  # Head width.
+  m.mlp_dim = 4096  # SwiGLU hidden width (4 d_model).
+  m.num_core_layers = 4  # Core layers, 15.7M params each (the study's: 2; no prelude/coda).
+  m.max_seq_len = 256  # The rows' length.
+  m.dtype = "bfloat16"  # Compute dtype (params, moments and the loss stay float32).
+  m.scan_unroll = 1  # The core compiled once, not R times: compiling is most of 5 minutes.
+  c.data.seq_len = 256  # Tokens per row (the study's: 128).
+  c.data.batch_size = 32  # Rows per step: 8,192 tokens (the study's: 2,048).
+  c.data.eval_batch_size = 32  # Rows per validation batch.
+  c.data.num_eval_batches = 4  # 128 validation rows, as the study's 128.
+  c.train.learning_rate = 1e-3  # Peak pretraining lr (3e-3 is the tiny models').
+  c.post.train.learning_rate = 3e-4  # Peak post-training lr: the study's ratio to pretraining.
+  c.eval.decode_batches = 1  # Exact shared decode on the first 32 rows (256 sequential steps).
+  c.eval.kv_formats = ("bf16",)  # One cache format beside the raw cache.
+  c.eval.prefill_blocks = ()  # No block-prefill sizes.
+  c.eval.samples = 0  # No sample rows.

@@ -42,6 +42,8 @@ def overrides(stage_config: dict, base: dict) -> list[str]:
       value = stage_config[section].get(key, default)
       if (section, key) == ("model", "remat") and isinstance(value, bool):
         value = "full" if value else "none"  # Recorded before remat became a policy name.
+      if (section, key) == ("model", "attention_impl") and (value, default) == ("xla", "auto"):
+        value = "auto"  # Recorded before 'auto' was the default; on the CPU it ran, 'auto' is XLA.
       if isinstance(default, tuple):
         value = tuple(value)
       if value != default:

@@ -103,6 +103,81 @@ class AcceleratorCheckTest(absltest.TestCase):
       for run in row["runs"]:
         self.assertEqual(run["generated"], row["requests"] * row["new_tokens"])
 
+  def test_levers_profile_and_targets(self):
+    checks = self.result["checks"]
+    levers = checks["train_350m_levers"]
+    self.assertEqual(
+      levers["levers"], accelerator_check.TOY["train"]["train_350m_levers"]["levers"]
+    )
+    self.assertEqual(levers["param_dtype"], "bfloat16")
+    self.assertEqual(checks["train_140m_xla"]["attention_impl"], "xla")
+    self.assertEqual(checks["train_140m"]["attention_impl"], "auto")
+    # Causal attention counted once: fewer FLOPs than the full scores, the same step time.
+    for name in ("train_140m", "train_350m_levers"):
+      row = checks[name]
+      self.assertLess(row["step_flops_causal"], row["step_flops"])
+      ratio = row["mfu_measured_causal"] / row["mfu_measured"]
+      self.assertAlmostEqual(ratio, row["step_flops_causal"] / row["step_flops"])
+    # The trainer's profiler: the top ops of the traced steps, by time.
+    ops = levers["top_ops"]
+    self.assertNotEmpty(ops)
+    self.assertEqual([op["ms"] for op in ops], sorted((op["ms"] for op in ops), reverse=True))
+    self.assertLessEqual(sum(op["share"] for op in ops), 1.0 + 1e-9)
+    # Decode targets against this run's copy rate; nvfp4 against bf16's time on the same pages.
+    bf16, nvfp4 = checks["paged_decode_bf16"], checks["paged_decode_nvfp4"]
+    self.assertEqual(bf16["target_met"], bf16["of_copy"] >= bf16["target_of_copy"])
+    self.assertAlmostEqual(nvfp4["speed_vs_bf16"], bf16["kernel_s"] / nvfp4["kernel_s"])
+    self.assertEqual(nvfp4["target_met"], nvfp4["speed_vs_bf16"] >= 1.0)
+
+  def test_engine_paths_and_the_model_decode(self):
+    checks = self.result["checks"]
+    for layout in ("unshared", "shared"):
+      self.assertEqual(checks[f"engine_{layout}_gather"]["attention_impl"], "xla")
+      model = checks[f"decode_model_{layout}"]
+      self.assertEqual(model["layout"], layout)
+      self.assertGreater(model["decode_tokens_per_s"], 0)
+      self.assertEqual(model["params"], checks[f"engine_{layout}"]["params"])  # The same model.
+
+  def test_pilot_reports_every_model(self):
+    pilot = self.result["checks"]["pilot"]
+    self.assertEqual(set(pilot["models"]), {"zero_shot", "finetune", "benice"})
+    for name, m in pilot["models"].items():
+      self.assertTrue(np.isfinite(m["gap_exact"]), name)
+      self.assertGreater(m["ppl_unshared_eval"], 1.0, name)
+    bn, ft = pilot["models"]["benice"], pilot["models"]["finetune"]
+    self.assertAlmostEqual(
+      pilot["ppl_vs_finetune"], bn["ppl_unshared_eval"] / ft["ppl_unshared_eval"] - 1
+    )
+    self.assertEqual(pilot["pretrain_last"]["step"], 20)  # configs/benice.py:smoke's.
+
+  def test_deadline_skips_what_does_not_fit(self):
+    with tempfile.TemporaryDirectory() as tmp:
+      out = os.path.join(tmp, "check.json")
+      result = accelerator_check.run(True, out, only=("limits", "pilot"), deadline_s=0.0)
+    self.assertEqual({r["status"] for r in result["checks"].values()}, {"skipped"})
+    expected = accelerator_check.EXPECTED_S["pilot"]
+    self.assertIn(f"expected {expected:.0f} s, 0 s left", result["checks"]["pilot"]["reason"])
+    self.assertIn("| pilot | skipped | not started", accelerator_check.table(result))
+
+  def test_table_goes_between_the_docs_markers(self):
+    text = accelerator_check.table(self.result)
+    with tempfile.TemporaryDirectory() as tmp:
+      path = os.path.join(tmp, "doc.md")
+      begin, end = accelerator_check.DOCS_BEGIN, accelerator_check.DOCS_END
+      with open(path, "w") as f:
+        f.write(f"before\n{begin}\nold table\n{end}\nafter\n")
+      accelerator_check.write_docs(path, text)
+      with open(path) as f:
+        doc = f.read()
+      self.assertEqual(doc, f"before\n{begin}\n{text}\n{end}\nafter\n")
+      with open(path, "w") as f:
+        f.write("no markers\n")
+      with self.assertRaisesRegex(ValueError, "needs one"):
+        accelerator_check.write_docs(path, text)
+    with open(os.path.join(_REPO, "docs", "kernels.md")) as f:
+      doc = f.read()
+    self.assertEqual((doc.count(begin), doc.count(end)), (1, 1))
+
   def test_table_lists_every_check(self):
     text = accelerator_check.table(self.result)
     for name in self.result["checks"]:

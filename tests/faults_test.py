@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from unittest import mock
 
 import chex
 import jax
@@ -108,7 +109,8 @@ class CorruptCheckpointTest(testing.TempDirTestCase):
     super().setUpClass()
     cls._trained = tempfile.TemporaryDirectory()
     cls.trained = os.path.join(cls._trained.name, "run")
-    trainer.run(_config(), cls.trained)  # Checkpoints at steps 4, 8, 12 (schedule of 12 steps).
+    # Checkpoints at steps 4, 8, 12 (schedule of 12 steps).
+    cls.trained_12 = jax.device_get(trainer.run(_config(), cls.trained).state)
     # Reference: the same run resumed to 16 from its step-8 checkpoint, with step 12 absent.
     ref = os.path.join(cls._trained.name, "ref")
     shutil.copytree(cls.trained, ref)
@@ -157,6 +159,26 @@ class CorruptCheckpointTest(testing.TempDirTestCase):
     with self.assertRaisesRegex(checkpointing.CorruptCheckpointError, "checksums"):
       _params_of(self.workdir)  # restore_params never falls back silently.
     self._assert_fell_back_to_8(*self._resume_to_16())
+
+  def test_all_checkpoints_corrupt_starts_afresh_from_the_first_batch(self):
+    # Every step fails verification (each restore attempt may move the data iterator): the
+    # run starts from step 0 on the iterator it built, reset to its start, and retraces the
+    # original run exactly.
+    for step in ("4", "8", "12"):
+      files = [
+        os.path.join(d, f) for d, _, fs in os.walk(os.path.join(self.ckpt_dir, step)) for f in fs
+      ]
+      biggest = max(files, key=os.path.getsize)
+      with open(biggest, "r+b") as f:
+        f.truncate(os.path.getsize(biggest) // 2)
+    built = mock.Mock(wraps=data_lib.make_train_iterator)
+    with mock.patch.object(trainer.data_lib, "make_train_iterator", built):
+      with self.assertLogs(level="WARNING"):
+        result = trainer.run(_config(), self.workdir)
+    self.assertIsNone(result.resumed_from)
+    self.assertEqual(built.call_count, 1)
+    self.assertLen(os.listdir(checkpointing.corrupt_dir(self.ckpt_dir)), 3)
+    chex.assert_trees_all_equal(jax.device_get(result.state.params), self.trained_12.params)
 
   def test_torn_last_metrics_line_does_not_block_resume(self):
     path = os.path.join(self.workdir, "metrics.jsonl")

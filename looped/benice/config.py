@@ -52,7 +52,8 @@ class BeniceConfig:
     0,
     "The shared pass and its kv_passes read as block prefill with blocks of C tokens "
     "(docs/design.md §3): shared K/V before a token's block, its own recurrence's inside (0: "
-    "token-level sharing, exact decode's reads); needs model.attention_impl 'xla', no KDA core.",
+    "token-level sharing, exact decode's reads); needs model.attention_impl 'xla' or 'auto', "
+    "no KDA core.",
     min=0,
   )
   distill_weight: float = field(

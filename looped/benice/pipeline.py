@@ -100,12 +100,13 @@ def _check_benice(config) -> None:
   if b.kv_passes_ramp_steps and not b.kv_passes:
     cc.fail("benice.kv_passes_ramp_steps", b.kv_passes_ramp_steps, "needs benice.kv_passes > 0")
   lacking = mixers.lacking(config.model, "core", "block_prefill")
-  if b.prefill_block and (config.model.attention_impl != "xla" or lacking):
+  if b.prefill_block and (config.model.attention_impl == "pallas" or lacking):
     cc.fail(
       "benice.prefill_block",
       b.prefill_block,
-      "needs model.attention_impl = 'xla' and core layers that run block prefill (block "
-      "prefill's parallel reads)" + (f"; {_upper(lacking)} core layers do not" if lacking else ""),
+      "needs model.attention_impl = 'xla' or 'auto' and core layers that run block prefill "
+      "(block prefill's parallel reads)"
+      + (f"; {_upper(lacking)} core layers do not" if lacking else ""),
     )
   weights = (b.shared_ce_weight, b.unshared_ce_weight, b.kl_weight, b.residual_weight)
   if sum(weights) + b.distill_weight <= 0:

@@ -10,6 +10,8 @@ import dataclasses
 from looped.model.depth import SAMPLERS
 from looped.schema import field
 
+OPT_STATE_DTYPES = ("float32", "bfloat16")
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
@@ -49,6 +51,22 @@ class TrainConfig:
     1,
     "Steps of this run before the trace starts (1: skip the compiling step), as MaxText's "
     "skip_first_n_steps_for_profiler.",
+    min=0,
+  )
+  opt_state_dtype: str = field(
+    "float32",
+    "Storage dtype of AdamW's moments ('bfloat16': half their bytes; updated in float32).",
+    choices=OPT_STATE_DTYPES,
+  )
+  master_weights: bool = field(
+    False,
+    "With model.param_dtype 'bfloat16': a float32 copy of the params in the optimizer state, "
+    "where updates accumulate (the params are its rounding).",
+  )
+  loss_vocab_chunk: int = field(
+    0,
+    "Next-token CE from the final hidden states in vocabulary chunks of this many ids, "
+    "recomputed in the backward: no [tokens, vocab] logits in memory (0: full logits).",
     min=0,
   )
   dry_run: bool = field(

@@ -13,6 +13,10 @@ shape. Rows:
   Tensor parallelism is not credited (every device is charged its rows' full residuals), nor
   are the backward's own temporaries. BeNice! post-training holds one more params copy (the
   frozen teacher) and the residuals of two passes.
+
+It also gives the model FLOPs of one optimizer step (looped.model.flops: forward and backward of
+every recurrence over data.batch_size x data.seq_len tokens), what MFU divides by a step's time;
+None for a model that module does not count.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import numpy as np
 from looped import config_checks as cc
 from looped import model as model_lib
 from looped import sharding
+from looped.model import flops
 from looped.model.looped_lm import LoopedLM
 from looped.train import objectives, optim
 from looped.train.state import boxed_init_fn
@@ -39,7 +44,7 @@ def device_count(config) -> int:
 
 def validate(config) -> None:
   """What the dry run reads of config.data (no corpus or tokenizer is opened)."""
-  max_seq_len = cc.get(config, "model.max_seq_len")
+  max_seq_len = config.model.max_seq_len
   seq_len = cc.integer(config, "data.seq_len", min_value=1)
   if seq_len > max_seq_len:
     cc.fail("data.seq_len", seq_len, f"must be <= config.model.max_seq_len = {max_seq_len}")
@@ -60,7 +65,9 @@ def _activation_bytes(config, model: LoopedLM, abstract_params, rows: int) -> in
     from jax._src.ad_checkpoint import saved_residuals  # The list print_saved_residuals prints.
   except ImportError:
     return None
-  objective = objectives.language_modeling(model, config.depth)
+  objective = objectives.vocab_chunked(
+    objectives.language_modeling(model, config.depth), config.train.loss_vocab_chunk
+  )
   tokens = jax.ShapeDtypeStruct((rows, config.data.seq_len), jnp.int32)
   batch = {"inputs": tokens, "targets": tokens}
   key = jax.ShapeDtypeStruct((2,), jnp.uint32)
@@ -71,6 +78,15 @@ def _activation_bytes(config, model: LoopedLM, abstract_params, rows: int) -> in
     for aval, source in residuals
     if not source.startswith(("from the argument", "from a literal"))
   )
+
+
+def step_flops(config, model: LoopedLM) -> float | None:
+  """Model FLOPs of one optimizer step at full depth (module docstring), or None."""
+  try:
+    per_token = flops.train_flops_per_token(model.cfg, config.data.seq_len)
+  except ValueError:
+    return None
+  return per_token * config.data.batch_size * config.data.seq_len
 
 
 def memory(config) -> dict:
@@ -98,10 +114,12 @@ def memory(config) -> dict:
     "mesh": sizes,
     "num_params": sum(math.prod(x.shape) for x in jax.tree.leaves(unboxed.params)),
     "rows_per_device": rows,
+    "batch_size": config.data.batch_size,
     "params_bytes": params,
     "opt_state_bytes": opt_state,
     "grads_bytes": params,
     "activation_bytes": activations,
+    "step_flops": step_flops(config, model),
   }
   out["total_bytes"] = params * 2 + opt_state + (activations or 0)
   return out
@@ -125,6 +143,12 @@ def format_table(m: dict, seq_len: int) -> str:
     "|---|---:|---:|",
   ]
   lines += [f"| {name} | {'n/a' if b is None else f'{b:,}'} | {gib(b)} |" for name, b in rows]
+  flop = m.get("step_flops")
+  tokens = f"{m['batch_size']} x {seq_len} tokens" if "batch_size" in m else "one step"
+  lines.append(
+    f"Model FLOPs per optimizer step ({tokens}, all devices): "
+    + ("n/a (not counted for this model)" if flop is None else f"{flop:.4g}")
+  )
   return "\n".join(lines)
 
 

@@ -10,6 +10,7 @@ import dataclasses
 import math
 import os
 import time
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -91,6 +92,12 @@ def validate_training(config) -> None:
     max_value=config.model.num_recurrences,
   )
   sharding.validate(config, dry_run.device_count(config) if config.train.dry_run else None)
+  if config.train.master_weights and config.model.param_dtype != "bfloat16":
+    cc.fail(
+      "train.master_weights",
+      True,
+      "needs model.param_dtype = 'bfloat16' (float32 params are their own master copy)",
+    )
   init_from = config.train.init_from
   if init_from and not os.path.isdir(init_from):
     cc.fail("train.init_from", init_from, "must be an existing checkpoint or run directory")
@@ -233,179 +240,266 @@ def train(
   """
   mesh = sharding.make_mesh(config)
   rules = sharding.rules(config, mesh)
+  objective = objectives.vocab_chunked(objective, config.train.loss_vocab_chunk)
   with sharding.context(mesh, rules):
     return _train(config, workdir, model, objective, init_params, mesh, rules)
 
 
+@dataclasses.dataclass
+class _Run:
+  """One training run's pieces: built by _setup, the state replaced by _restore and each step."""
+
+  config: Any
+  mesh: Mesh
+  timing: _Timing
+  is_chief: bool
+  data_iter: Any
+  eval_batches: list
+  bytes_per_token: float
+  optimizer: optax.GradientTransformation
+  schedule: optax.Schedule
+  state: TrainState
+  param_shardings: Any
+  ckpt: checkpointing.Checkpointer
+
+
 def _train(config, workdir, model, objective, init_params, mesh, rules) -> TrainResult:
-  tc = config.train
-  timing = _Timing()
-  model_record.check(workdir, config)  # Another model's workdir fails here, before compute.
-  os.makedirs(workdir, exist_ok=True)
-  is_chief = jax.process_index() == 0
-  logging.info("Mesh %s over %d devices", dict(mesh.shape), mesh.size)
-
-  data_iter = data_lib.make_train_iterator(
-    config, process_index=jax.process_index(), process_count=jax.process_count()
-  )
-  eval_batches = data_lib.make_eval_batches(
-    config, process_index=jax.process_index(), process_count=jax.process_count()
-  )
-  bytes_per_token = data_lib.eval_bytes_per_token(config)
-
-  optimizer = optim.make_optimizer(tc)
-  schedule = optim.learning_rate_schedule(tc)
-  state = init_state(config, model, optimizer, mesh, rules)
-  param_shardings = jax.tree.map(lambda x: x.sharding, state.params)
-  ckpt = checkpointing.Checkpointer(workdir, tc.keep_checkpoints)
-  try:
-    restored, resumed_from = ckpt.restore_latest(state, data_iter)
-  except checkpointing.CheckpointMismatchError as e:
-    ckpt.close()
-    raise cc.ConfigError(f"config.model does not describe {workdir}'s checkpoints: {e}") from None
-  if is_chief:  # Before the first checkpoint of a new workdir (an old one gets one too).
-    model_record.write_if_absent(workdir, config)
-  if resumed_from is not None:
-    logging.info("Resuming from checkpoint at step %d in %s", resumed_from, ckpt.directory)
-    state = restored
-  else:  # A checkpoint that failed verification may have moved the iterator: start afresh.
-    data_iter = data_lib.make_train_iterator(
-      config, process_index=jax.process_index(), process_count=jax.process_count()
-    )
-  if resumed_from is None and (init_params is not None or tc.init_from):
-    if init_params is None:
-      try:
-        init_params = checkpointing.restore_params(tc.init_from, state.params)
-      except checkpointing.CheckpointMismatchError as e:
-        raise cc.ConfigError(f"config.train.init_from = {tc.init_from!r}: {e}") from None
-    # Copy: the train state is donated to the step, and the caller may keep using its params
-    # (e.g. as a frozen teacher).
-    copied = jax.tree.map(lambda x: jnp.array(x, copy=True), init_params)
-    state = state.replace(params=jax.device_put(copied, param_shardings))
-  start = int(state.step)
-  writer = MetricsWriter(workdir, resume_step=start, enabled=is_chief)
-
-  eval_fn = make_eval_fn(model)
-  if start >= tc.num_steps:
+  run = _setup(config, workdir, model, mesh, rules)
+  resumed_from = _restore(run, workdir, init_params)
+  start = int(run.state.step)
+  writer = MetricsWriter(workdir, resume_step=start, enabled=run.is_chief)
+  if start >= config.train.num_steps:
     logging.info(
       "Training already finished: checkpoint at step %d >= train.num_steps = %d.",
       start,
-      tc.num_steps,
+      config.train.num_steps,
     )
-    ckpt.close()
+    run.ckpt.close()
     writer.close()
-    timing.lap("setup")
-    return TrainResult(state, {}, resumed_from, timing.as_dict())
+    run.timing.lap("setup")
+    return TrainResult(run.state, {}, resumed_from, run.timing.as_dict())
+  record = _loop(run, model, objective, writer, workdir, start)
+  run.ckpt.wait()
+  run.ckpt.close()
+  writer.close()
+  run.timing.lap("checkpoint")
+  return TrainResult(run.state, record, resumed_from, run.timing.as_dict())
 
-  frozen = _on_mesh(objective.frozen, state.params, param_shardings, mesh)
-  train_step = jit_train_step(make_train_step(objective, optimizer, schedule, tc), state)
+
+def _setup(config, workdir, model, mesh, rules) -> _Run:
+  """The workdir, data, optimizer, a fresh train state on the mesh and the checkpointer."""
+  timing = _Timing()
+  model_record.check(workdir, config)  # Another model's workdir fails here, before compute.
+  os.makedirs(workdir, exist_ok=True)
+  logging.info("Mesh %s over %d devices", dict(mesh.shape), mesh.size)
+  processes = dict(process_index=jax.process_index(), process_count=jax.process_count())
+  data_iter = data_lib.make_train_iterator(config, **processes)
+  eval_batches = data_lib.make_eval_batches(config, **processes)
+  bytes_per_token = data_lib.eval_bytes_per_token(config)
+  optimizer = optim.make_optimizer(config.train)
+  schedule = optim.learning_rate_schedule(config.train)
+  state = init_state(config, model, optimizer, mesh, rules)
+  return _Run(
+    config=config,
+    mesh=mesh,
+    timing=timing,
+    is_chief=jax.process_index() == 0,
+    data_iter=data_iter,
+    eval_batches=eval_batches,
+    bytes_per_token=bytes_per_token,
+    optimizer=optimizer,
+    schedule=schedule,
+    state=state,
+    param_shardings=jax.tree.map(lambda x: x.sharding, state.params),
+    ckpt=checkpointing.Checkpointer(workdir, config.train.keep_checkpoints),
+  )
+
+
+def _restore(run: _Run, workdir: str, init_params) -> int | None:
+  """run.state (and the data iterator) from the workdir's newest sound checkpoint, else params
+  from init_params or train.init_from, else as initialised; returns the step resumed from."""
+  tc = run.config.train
+  fresh = run.data_iter.get_state()
+  try:
+    restored, resumed_from = run.ckpt.restore_latest(run.state, run.data_iter)
+  except checkpointing.CheckpointMismatchError as e:
+    run.ckpt.close()
+    raise cc.ConfigError(f"config.model does not describe {workdir}'s checkpoints: {e}") from None
+  if run.is_chief:  # Before the first checkpoint of a new workdir (an old one gets one too).
+    model_record.write_if_absent(workdir, run.config)
+  if resumed_from is not None:
+    logging.info("Resuming from checkpoint at step %d in %s", resumed_from, run.ckpt.directory)
+    run.state = restored
+    return resumed_from
+  # A checkpoint that failed verification may have moved the iterator: back to its start.
+  run.data_iter.set_state(fresh)
+  if init_params is None and tc.init_from:
+    try:
+      init_params = checkpointing.restore_params(tc.init_from, run.state.params)
+    except checkpointing.CheckpointMismatchError as e:
+      raise cc.ConfigError(f"config.train.init_from = {tc.init_from!r}: {e}") from None
+  if init_params is not None:
+    # Copy: the train state is donated to the step, and the caller may keep using its params
+    # (e.g. as a frozen teacher).
+    copied = jax.tree.map(lambda x: jnp.array(x, copy=True), init_params)
+    run.state = run.state.replace(params=jax.device_put(copied, run.param_shardings))
+  return None
+
+
+def _saveable_fn(objective: objectives.Objective):
+  """(state, frozen, batch) -> (ok, loss), jitted: whether `state` may be saved, i.e. finite
+  params and optimizer state, and a finite loss of those params on the step's batch (a
+  diverging update can leave huge but finite params)."""
 
   def saveable(state: TrainState, frozen, batch):
-    """Whether `state` may be saved: finite params and optimizer state, and a finite loss of
-    those params on the step's batch (a diverging update can leave huge but finite params)."""
     key = jax.random.fold_in(state.rng, state.step)
     loss, _ = objective.loss_fn(state.params, frozen, batch, key, state.step)
     leaves = jax.tree.leaves((state.params, state.opt_state))
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
     return finite & jnp.isfinite(loss), loss
 
-  saveable = jax.jit(saveable)
-  tokens_per_step = config.data.batch_size * config.data.seq_len
+  return jax.jit(saveable)
+
+
+def _mfu_peak(run: _Run, objective: objectives.Objective, start: int):
+  """(step -> model FLOPs, the mesh's peak FLOP/s), either None where MFU is not logged."""
+  step_flops = _flops_per_step(objective, run.config)
+  if step_flops is None:
+    return None, None
+  peak_flops, peak_source = mfu_lib.mesh_peak_flops(run.mesh, run.config.train.peak_tflops)
+  if peak_flops:
+    logging.info(
+      "MFU against %.4g TFLOP/s over %d devices (%s); %.4g TFLOPs per step at step %d",
+      peak_flops / 1e12,
+      run.mesh.size,
+      peak_source,
+      step_flops(start) / 1e12,
+      start + 1,
+    )
+  return step_flops, peak_flops
+
+
+class _Rates:
+  """Throughput, MFU and ETA since the last progress line, from the first timed step (the
+  first step's compilation excluded)."""
+
+  def __init__(self, start: int, tokens_per_step: int, step_flops, peak_flops):
+    self.tokens_per_step, self.step_flops, self.peak_flops = tokens_per_step, step_flops, peak_flops
+    self.t_last, self.step_last, self.t_start, self.start_timed = (time.time(), start) * 2
+
+  def restart(self, step: int) -> None:
+    """The clock starts after `step` (the compiling one)."""
+    self.t_last, self.step_last, self.t_start, self.start_timed = (time.time(), step) * 2
+
+  def add(self, metrics: dict, step: int) -> None:
+    now = time.time()
+    elapsed = max(now - self.t_last, 1e-9)
+    metrics["tokens_per_s"] = (step - self.step_last) * self.tokens_per_step / elapsed
+    metrics["elapsed_s"] = now - self.t_start
+    if self.peak_flops and step > self.step_last:  # Model FLOPs of the steps since the last line.
+      done = sum(self.step_flops(s) for s in range(self.step_last, step))
+      metrics["mfu"] = mfu_lib.mfu(done, now - self.t_last, self.peak_flops)
+
+  def eta(self, step: int, num_steps: int) -> str:
+    per_step = (time.time() - self.t_start) / max(step - self.start_timed, 1)
+    return _format_eta((num_steps - step) * per_step)
+
+  def lap(self, step: int) -> None:
+    self.t_last, self.step_last = time.time(), step
+
+
+def _log_progress(metrics: dict, step: int, num_steps: int, evaluated: bool, eta: str, terms):
+  """The progress line of a logged step (`terms`: the objective's log_terms)."""
+  val = ""
+  if evaluated:
+    val = f"val_loss {metrics['val_loss']:.4f} val_bpb {metrics['val_bpb']:.4f} | "
+  summed = ", ".join(f"{t} {float(metrics[t]):.4f}" for t in terms)
   logging.info(
-    "Training steps %d -> %d (%d tokens/step, %d params)",
-    start,
-    tc.num_steps,
-    tokens_per_step,
-    sum(x.size for x in jax.tree.leaves(state.params)),
+    "step %d/%d | loss %.4f%s | %s%.0f tok/s%s | ETA %s",
+    step,
+    num_steps,
+    metrics["loss"],
+    f" (weighted sum of {summed})" if summed else "",
+    val,
+    metrics["tokens_per_s"],
+    f" | MFU {metrics['mfu']:.2%}" if "mfu" in metrics else "",
+    eta,
   )
 
-  step_flops = _flops_per_step(objective, config)
-  peak_flops = None
-  if step_flops is not None:
-    peak_flops, peak_source = mfu_lib.mesh_peak_flops(mesh, tc.peak_tflops)
-    if peak_flops:
-      logging.info(
-        "MFU against %.4g TFLOP/s over %d devices (%s); %.4g TFLOPs per step at step %d",
-        peak_flops / 1e12,
-        mesh.size,
-        peak_source,
-        step_flops(start) / 1e12,
-        start + 1,
-      )
-  profiler = profiler_lib.Profiler(workdir, start + 1, tc.profile_skip_steps, tc.profile_steps)
 
-  t_last, step_last, t_start, start_timed = time.time(), start, time.time(), start
+def _check_finite(metrics: dict, step: int, ckpt: checkpointing.Checkpointer) -> None:
+  if not (np.isfinite(metrics["loss"]) and np.isfinite(metrics["grad_norm"])):
+    ckpt.wait()
+    raise FloatingPointError(
+      f"Non-finite training loss ({metrics['loss']}) or gradient norm "
+      f"({metrics['grad_norm']}) at step {step}. Stopped without saving; the last good "
+      f"checkpoint is step {ckpt.latest_step()} in {ckpt.directory}."
+    )
+
+
+def _save(run: _Run, saveable, frozen, batch, step: int) -> None:
+  """Saves run.state (and the iterator) after the finiteness check; raises if it fails."""
+  ok, loss_after = jax.device_get(saveable(run.state, frozen, batch))
+  if not ok:
+    run.ckpt.wait()
+    raise FloatingPointError(
+      f"The state after step {step} is not finite or has a non-finite loss ({loss_after}); "
+      f"not saved. The last good checkpoint is step {run.ckpt.latest_step()} in "
+      f"{run.ckpt.directory}."
+    )
+  run.ckpt.save(step, run.state, run.data_iter)
+
+
+def _loop(run: _Run, model, objective, writer: MetricsWriter, workdir: str, start: int) -> dict:
+  """Steps start + 1 .. train.num_steps, logging, evaluating and saving on their cadences;
+  returns the last metrics record written."""
+  tc, mesh, timing = run.config.train, run.mesh, run.timing
+  frozen = _on_mesh(objective.frozen, run.state.params, run.param_shardings, mesh)
+  step_fn = make_train_step(objective, run.optimizer, run.schedule, tc)
+  train_step, saveable = jit_train_step(step_fn, run.state), _saveable_fn(objective)
+  eval_fn = make_eval_fn(model)
+  tokens_per_step = run.config.data.batch_size * run.config.data.seq_len
+  num_params = sum(x.size for x in jax.tree.leaves(run.state.params))
+  logging.info(
+    "Training steps %d -> %d (%d tokens/step, %d params)",
+    *(start, tc.num_steps, tokens_per_step, num_params),
+  )
+  rates = _Rates(start, tokens_per_step, *_mfu_peak(run, objective, start))
+  profiler = profiler_lib.Profiler(workdir, start + 1, tc.profile_skip_steps, tc.profile_steps)
   record: dict = {}
   timing.lap("setup")
   try:
     for step in range(start + 1, tc.num_steps + 1):
-      batch = sharding.global_batch(next(data_iter), mesh)
+      batch = sharding.global_batch(next(run.data_iter), mesh)
       timing.lap("data")
-      with profiler.step(step, state):
-        state, metrics = train_step(state, frozen, batch)
-      profiler.after(step, (state, metrics))
+      with profiler.step(step, run.state):
+        run.state, metrics = train_step(run.state, frozen, batch)
+      profiler.after(step, (run.state, metrics))
       if step == start + 1:  # Throughput and ETA exclude the first step's compilation.
         jax.block_until_ready(metrics["loss"])
         timing.lap("compile")
-        t_last, step_last, t_start = time.time(), step, time.time()
-        start_timed = step
-      log_now = _is_due(step, tc.log_every, tc.num_steps)
-      eval_now = _is_due(step, tc.eval_every, tc.num_steps)
-      save_now = _is_due(step, tc.checkpoint_every, tc.num_steps)
-      if not (log_now or eval_now or save_now):
+        rates.restart(step)
+      due = [_is_due(step, n, tc.num_steps) for n in (tc.eval_every, tc.checkpoint_every)]
+      eval_now, save_now = due
+      if not (_is_due(step, tc.log_every, tc.num_steps) or eval_now or save_now):
         timing.lap("steps")
         continue
       metrics = jax.device_get(metrics)
       timing.lap("steps")
-      if not (np.isfinite(metrics["loss"]) and np.isfinite(metrics["grad_norm"])):
-        ckpt.wait()
-        raise FloatingPointError(
-          f"Non-finite training loss ({metrics['loss']}) or gradient norm "
-          f"({metrics['grad_norm']}) at step {step}. Stopped without saving; the last good "
-          f"checkpoint is step {ckpt.latest_step()} in {ckpt.directory}."
-        )
-      now = time.time()
-      metrics["tokens_per_s"] = (step - step_last) * tokens_per_step / max(now - t_last, 1e-9)
-      metrics["elapsed_s"] = now - t_start
-      if peak_flops and step > step_last:  # Model FLOPs of the steps since the last line.
-        done = sum(step_flops(s) for s in range(step_last, step))
-        metrics["mfu"] = mfu_lib.mfu(done, now - t_last, peak_flops)
+      _check_finite(metrics, step, run.ckpt)
+      rates.add(metrics, step)
       if eval_now:
-        metrics.update(evaluate(eval_fn, state.params, eval_batches, mesh, bytes_per_token))
+        eval_args = (run.state.params, run.eval_batches, mesh, run.bytes_per_token)
+        metrics.update(evaluate(eval_fn, *eval_args))
         timing.lap("eval")
       record = writer.write(step, metrics)
-      evaluated = ""
-      if eval_now:
-        evaluated = f"val_loss {metrics['val_loss']:.4f} val_bpb {metrics['val_bpb']:.4f} | "
-      eta = (tc.num_steps - step) * (now - t_start) / max(step - start_timed, 1)
-      terms = ", ".join(f"{t} {float(metrics[t]):.4f}" for t in objective.log_terms)
-      logging.info(
-        "step %d/%d | loss %.4f%s | %s%.0f tok/s%s | ETA %s",
-        step,
-        tc.num_steps,
-        metrics["loss"],
-        f" (weighted sum of {terms})" if terms else "",
-        evaluated,
-        metrics["tokens_per_s"],
-        f" | MFU {metrics['mfu']:.2%}" if "mfu" in metrics else "",
-        _format_eta(eta),
-      )
+      eta = rates.eta(step, tc.num_steps)
+      _log_progress(metrics, step, tc.num_steps, eval_now, eta, objective.log_terms)
       if save_now:
-        ok, loss_after = jax.device_get(saveable(state, frozen, batch))
-        if not ok:
-          ckpt.wait()
-          raise FloatingPointError(
-            f"The state after step {step} is not finite or has a non-finite loss ({loss_after}); "
-            f"not saved. The last good checkpoint is step {ckpt.latest_step()} in {ckpt.directory}."
-          )
-        ckpt.save(step, state, data_iter)
+        _save(run, saveable, frozen, batch, step)
         timing.lap("checkpoint")
-      t_last, step_last = time.time(), step
+      rates.lap(step)
       timing.lap("steps")
   finally:  # A trace still open (an error inside the profiled steps) is closed.
     profiler.close()
-  ckpt.wait()
-  ckpt.close()
-  writer.close()
-  timing.lap("checkpoint")
-  return TrainResult(state, record, resumed_from, timing.as_dict())
+  return record
