@@ -8,6 +8,9 @@ same tokens; and the compiled steps a process keeps are bounded (looped/engine/s
 
 import collections
 import dataclasses
+import os
+import subprocess
+import sys
 import threading
 from unittest import mock
 
@@ -141,6 +144,48 @@ class WarmupTest(absltest.TestCase):
     gate.set()  # The background compiles now finish; steps use them from then on.
     engine.compile_thread.join(120)
     self.assertEqual(engine.executor.steps.shapes(), set(engine.step_shapes()))
+
+  def test_stop_compiling_ends_the_background_compiles(self):
+    engine = _engine(dataclasses.replace(testing.TINY_MODEL, mlp_dim=64))
+    engine.executor.steps.clear()
+    started = threading.Event()
+    compile_ = engine.executor.warmup
+
+    def slow(shapes, on_shape=None):  # The first background compile waits to be stopped.
+      if not started.is_set() and engine.compile_thread is threading.current_thread():
+        started.set()
+        engine._stop_compiling.wait(60)
+      compile_(shapes, on_shape)
+
+    engine.executor.warmup = slow
+    now, total = engine.start_warmup()
+    started.wait(60)
+    engine.stop_compiling(60)
+    self.assertFalse(engine.compile_thread.is_alive())
+    self.assertLen(engine.executor.steps.shapes(), now + 1)  # The one in flight, no more.
+    self.assertLess(now + 1, total)
+
+  def test_a_process_exits_cleanly_while_compiling_in_the_background(self):
+    """A daemon thread still inside XLA when the interpreter finalizes aborted the process
+    (exit -6, 'FATAL: exception not rethrown'); the engine ends its compiles at exit."""
+    code = (
+      "import dataclasses, jax, jax.numpy as jnp, looped_testing as t\n"
+      "from looped.engine.engine import Engine, EngineConfig\n"
+      "from looped.model import init_params\n"
+      "from looped.model.looped_lm import LoopedLM\n"
+      "cfg = dataclasses.replace(t.TINY_MODEL, mlp_dim=68)\n"
+      "m = LoopedLM(cfg)\n"
+      "p = init_params(m, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))\n"
+      "e = Engine(m, p, EngineConfig(share_kv=True, num_pages=16, page_size=4))\n"
+      "now, total = e.start_warmup()\n"
+      "assert now < total, (now, total)\n"
+      "print('exiting', now, total, flush=True)\n"
+    )
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.path.dirname(here)]))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    self.assertEqual(out.returncode, 0, out.stderr[-2000:])
+    self.assertIn("exiting", out.stdout)
 
   def test_cover_shapes_hold_every_shape(self):
     shapes = [(1, 1, 2), (3, 1, 2), (1, 1, 4), (3, 2, 2), (1, 4, 4), (3, 4, 2)]

@@ -11,11 +11,13 @@ hit rate, identical to the simulator's for the same requests.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import dataclasses
 import logging
 import math
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -207,6 +209,7 @@ class Engine:
     self.slot_bytes = c.layout.bytes_per_sequence(model.cfg)
     self.results: dict[int, Generation] = {}  # The last generate call's, by request id.
     self.compile_thread: threading.Thread | None = None  # start_warmup's background compiles.
+    self._stop_compiling = threading.Event()
     self._events: list[TokenEvent] = []  # The running step's tokens.
     self.reset()
 
@@ -251,23 +254,41 @@ class Engine:
     """Ready in the time of a few compiles, and still no step ever compiles: compiles the
     largest shapes now (cover_shapes: every call fits one of them), makes the steps strict
     (each runs in the smallest compiled shape that holds it) and compiles the other shapes in
-    a background thread, smallest first. Returns (shapes compiled now, shapes in all);
-    on_shape(done, total) follows the background compiles."""
+    a background thread, smallest first, until done or `stop_compiling`. Returns (shapes
+    compiled now, shapes in all); on_shape(done, total) follows the background compiles."""
     shapes = self.step_shapes()
     cover = cover_shapes(shapes)
     self.executor.warmup(cover)
     self.executor.strict = True
     rest = sorted(set(shapes) - set(cover), key=lambda s: (s[0] * s[1] * s[2], s))
+    self._stop_compiling.clear()
+    stop = self._stop_compiling
 
     def compile_rest() -> None:
       try:
-        self.executor.warmup(rest, on_shape)
+        for i, shape in enumerate(rest):
+          if stop.is_set():
+            return
+          self.executor.warmup([shape])
+          if on_shape is not None:
+            on_shape(i + 1, len(rest))
       except Exception as e:  # noqa: BLE001  The steps still run in the shapes compiled.
         log.error("background compile stopped: %s: %s", type(e).__name__, e)
 
-    self.compile_thread = threading.Thread(target=compile_rest, name="engine-compile", daemon=True)
-    self.compile_thread.start()
+    thread = threading.Thread(target=compile_rest, name="engine-compile", daemon=True)
+    self.compile_thread = thread
+    thread.start()
+    # A daemon thread still inside XLA when the interpreter finalizes aborts the process
+    # ("FATAL: exception not rethrown"): at exit, the compile in flight ends and no other starts.
+    atexit.register(_stop_at_exit, weakref.ref(self))
     return len(cover), len(shapes)
+
+  def stop_compiling(self, timeout: float | None = None) -> None:
+    """Ends start_warmup's background compiles: the one in flight finishes, no other starts."""
+    self._stop_compiling.set()
+    thread = self.compile_thread
+    if thread is not None and thread is not threading.current_thread():
+      thread.join(timeout)
 
   def check_request(self, request: GenRequest) -> None:
     """Raises ValueError naming what makes a request unservable (before any compute)."""
@@ -577,6 +598,12 @@ def _padding(
     )
   columns = c.column_buckets or columns
   return padding_lib.Padding.create(c.page_size, row_buckets, token_buckets, columns, max_model_len)
+
+
+def _stop_at_exit(engine_ref) -> None:
+  engine = engine_ref()
+  if engine is not None:
+    engine.stop_compiling()
 
 
 def cover_shapes(shapes) -> list[tuple[int, int, int]]:

@@ -173,11 +173,12 @@ class EngineLoop:
       self._cond.notify()
 
   def stop(self, timeout: float | None = None) -> None:
-    """Serves what was submitted, then ends the thread."""
+    """Serves what was submitted, then ends the thread and the engine's background compiles."""
     with self._cond:
       self._stopping = True
       self._cond.notify()
     self._thread.join(timeout)
+    self.engine.stop_compiling(timeout)
 
   # -- The loop thread -------------------------------------------------------------------------
 
