@@ -56,6 +56,17 @@ class RecordTest(parameterized.TestCase):
     with self.assertRaisesRegex(config_checks.ConfigError, r"model\.core_mixers"):
       validate(bad)
 
+  @parameterized.named_parameters(*[(n, n) for n in NAMES])
+  def test_plain_attention_is_a_plain_attention_blocks_params(self, name):
+    """plain_attention: the layer's parameters are only query, key, value and output
+    projections (kernels, biases) and q/k norms, what the public families' converters map."""
+    _, params = _layer(name, _cfg(name))
+    plain = {"query", "key", "value", "out", "query_norm", "key_norm"}
+    modules = set(params["params"])
+    self.assertEqual(
+      REGISTRY[name].plain_attention, modules <= plain and {"query", "out"} <= modules
+    )
+
   def test_each_record_names_its_own_layer_once(self):
     scopes = [m.scope for m in REGISTRY.values()]
     self.assertLen(set(scopes), len(scopes))

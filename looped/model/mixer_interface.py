@@ -225,6 +225,9 @@ class Mixer:
     own] under block masks, looped_lm.block_masks).
   paged_kernel: the engine's 'pallas' attention reads its pages in place
     (pallas_kernels.paged_decode) instead of gathering them into a dense cache.
+  plain_attention: its parameters are a plain attention block's (query, key, value and output
+    projections, optional q/k norms and biases): what the public looped families (Huginn,
+    Ouro, Parcae) store, so their converters and exporters can map it.
   """
 
   name: str
@@ -239,6 +242,7 @@ class Mixer:
   kv_policies: bool
   block_prefill: bool
   paged_kernel: bool
+  plain_attention: bool
 
 
 CAPABILITIES = tuple(f.name for f in dataclasses.fields(Mixer) if f.type == "bool")

@@ -121,6 +121,7 @@ GQA_MIXER = Mixer(
   kv_policies=True,
   block_prefill=True,
   paged_kernel=True,
+  plain_attention=True,
 )
 MLA_MIXER = Mixer(
   name="mla",
@@ -135,6 +136,7 @@ MLA_MIXER = Mixer(
   kv_policies=True,
   block_prefill=True,
   paged_kernel=False,  # Its latent cache is gathered (the kernel reads K/V heads).
+  plain_attention=False,  # Low-rank latent projections and a decoupled RoPE key.
 )
 KDA_MIXER = Mixer(
   name="kda",
@@ -149,6 +151,7 @@ KDA_MIXER = Mixer(
   kv_policies=False,  # One state per sequence: the final recurrence's.
   block_prefill=False,  # The chunkwise form reads no block past.
   paged_kernel=False,
+  plain_attention=False,  # A delta-rule state, a decay and a short convolution.
 )
 
 REGISTRY: dict[str, Mixer] = {m.name: m for m in (GQA_MIXER, MLA_MIXER, KDA_MIXER)}
