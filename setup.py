@@ -9,7 +9,11 @@ setuptools.setup(
   packages=setuptools.find_packages(
     include=["looped", "looped.*", "configs", "pallas_kernels", "pallas_kernels.*"]
   ),
-  package_data={"looped.sim": ["traces_data/*.jsonl", "traces_data/*.md"]},
+  package_data={
+    "looped.sim": ["traces_data/*.jsonl", "traces_data/*.md"],
+    # The looped family's PyTorch modeling code, copied into every export folder.
+    "looped.convert": ["hf_looped/*.py"],
+  },
   python_requires=">=3.10",
   install_requires=[
     "jax>=0.6",
@@ -46,5 +50,8 @@ setuptools.setup(
     "tensorboard": ["tensorboard>=2.15"],  # The viewer for WORKDIR/tensorboard/ event files.
     # launch/xm_launch.py: XManager (~600 MB of cloud clients installed; pins protobuf<7).
     "launch": ["xmanager>=0.7"],
+    # Runs a looped-family export (looped/convert/hf_looped) in transformers, and its tests
+    # (tests/convert_hf_looped_test.py); never needed to train or serve.
+    "hf": ["torch>=2.4", "transformers>=4.57", "jinja2>=3.1"],
   },
 )

@@ -1,5 +1,5 @@
-"""Convert: import a looped checkpoint in the Hugging Face layout (Huginn-0125, Ouro, Parcae) as
-a LoopedLM checkpoint directory (docs/convert.md).
+"""Convert: import a looped checkpoint in the Hugging Face layout (Huginn-0125, Ouro, Parcae, or a
+looped-family export) as a LoopedLM checkpoint directory (docs/convert.md).
 
   python -m looped.main --config=configs/convert.py --workdir=/tmp/huginn \
       --config.convert.source=/path/to/huginn-0125

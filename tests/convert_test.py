@@ -113,8 +113,8 @@ class ConvertErrorsTest(testing.TempDirTestCase):
       json.dump({**HUGINN, "architectures": ["LlamaForCausalLM"]}, f)
     self._fails(
       src,
-      r"architectures = \['LlamaForCausalLM'\] is not supported; supported: OuroForCausalLM, "
-      r"ParcaeConfig, RavenForCausalLM\.$",
+      r"architectures = \['LlamaForCausalLM'\] is not supported; supported: LoopedForCausalLM, "
+      r"OuroForCausalLM, ParcaeConfig, RavenForCausalLM\.$",
     )
 
   def test_missing_shard_is_named(self):

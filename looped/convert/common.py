@@ -5,6 +5,7 @@ export, refusing a model field a family cannot express and checking the written 
 from __future__ import annotations
 
 from looped import config_checks as cc
+from looped.model import mixers as mixers_lib
 
 _MISSING = object()
 
@@ -80,8 +81,8 @@ def require_fields(cfg, family: str, required: dict) -> None:
     if getattr(cfg, name) != value:
       refuse_export(family, name, getattr(cfg, name), f"{why} (needs {value!r})")
   for stage in ("prelude", "core", "coda"):
-    mixers = getattr(cfg, f"{stage}_mixers")
-    if any(m != "gqa" for m in mixers):
+    if mixers_lib.lacking(cfg, stage, "plain_attention"):
+      mixers = getattr(cfg, f"{stage}_mixers")
       refuse_export(family, f"{stage}_mixers", mixers, f"{family}'s layers are all attention")
 
 

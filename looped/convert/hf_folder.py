@@ -28,6 +28,7 @@ TORCH_BIN = "pytorch_model.bin"  # torch.save's zip format; read with an allow-l
 TORCH_PT = "model.pt"  # The same format under the name Parcae's save_pretrained writes.
 TOKENIZER = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"  # Its eos_token names the EOS (copied if present).
+SPECIAL_TOKENS_MAP = "special_tokens_map.json"  # Copied if present (Parcae's tokenizers read it).
 
 
 @dataclasses.dataclass(frozen=True)

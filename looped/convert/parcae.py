@@ -161,6 +161,68 @@ _REQUIRED = {
   "qk_bias": (False, "no QK bias"),
 }
 _INIT_STRATEGIES = ("scaled", "scaled-zero")  # embed_scale = logit_scale = 1 in the public code.
+# The keys a Parcae config.json may hold: the fields of the public code's ParcaeConfig dataclass
+# (parcae_lm/models/config.py's Config and parcae_lm/models/parcae/config.py) and `_class_name`,
+# which its from_pretrained pops; it passes every other key to ParcaeConfig(**config), which
+# refuses it.
+CONFIG_KEYS = frozenset(
+  {
+    "_class_name",
+    "_is_recurrent_block_config",
+    "activation_checkpoint_impl",
+    "attn_impl",
+    "bias",
+    "block_class_name",
+    "block_size",
+    "center_attention",
+    "clip_qkv",
+    "curriculum_target",
+    "debias_attention",
+    "hf_config",
+    "init_orthogonal",
+    "init_strategy",
+    "injection_type",
+    "intermediate_size",
+    "lockstep_k",
+    "lockstep_n",
+    "logit_softcap",
+    "mean_backprop_depth",
+    "mean_recurrence",
+    "mlp_class_name",
+    "model_class_name",
+    "mup_model_scaling_factor",
+    "n_embd",
+    "n_layers_in_coda",
+    "n_layers_in_prelude",
+    "n_layers_in_recurrent_block",
+    "name",
+    "nonlin_name",
+    "norm_class_name",
+    "norm_eps",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "padded_vocab_size",
+    "padding_multiple",
+    "prelude_norm",
+    "qk_bias",
+    "qk_norm",
+    "randomize_positions_from",
+    "recurrent_embedding_dimension",
+    "recurrent_intermediation_embedding_dimension",
+    "recurrent_iteration_method",
+    "recurrent_num_attention_heads",
+    "rope_settings",
+    "sampling_scheme",
+    "simple_ops",
+    "skip_initialization",
+    "state_init",
+    "strategy",
+    "tie_embeddings",
+    "use_abacus",
+    "use_fused_head",
+    "vocab_size",
+  }
+)
 
 
 def value_embed_layers(hf: dict) -> tuple[int, ...]:
@@ -179,7 +241,14 @@ def value_embed_layers(hf: dict) -> tuple[int, ...]:
 
 def model_config(hf: dict) -> dict:
   """LoopedLM fields of a Parcae config.json; ConfigError naming the first field it cannot
-  express."""
+  express, or the first key ParcaeConfig does not have (Parcae's own loaders refuse it)."""
+  unknown = sorted(set(hf) - CONFIG_KEYS)
+  if unknown:
+    common.unsupported(
+      unknown[0],
+      hf[unknown[0]],
+      "ParcaeConfig has no such field, so Parcae's from_pretrained refuses this config.json",
+    )
   for name, (value, what) in _REQUIRED.items():
     got = hf.get(name, value)
     if got != value:

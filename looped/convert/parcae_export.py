@@ -23,6 +23,7 @@ import numpy as np
 
 from looped import config_checks as cc
 from looped.convert import parcae
+from looped.model import mixers as mixers_lib
 
 FAMILY = "Parcae"
 _MAX_BACKPROP_DEPTH = 256  # mean_backprop_depth values tried for the value-embedding rule.
@@ -116,8 +117,8 @@ def check(cfg) -> dict:
     if getattr(cfg, name) != value:
       _refuse(name, getattr(cfg, name), f"{why} (needs {value!r})")
   for stage in ("prelude", "core", "coda"):
-    mixers = getattr(cfg, f"{stage}_mixers")
-    if any(m != "gqa" for m in mixers):
+    if mixers_lib.lacking(cfg, stage, "plain_attention"):
+      mixers = getattr(cfg, f"{stage}_mixers")
       _refuse(f"{stage}_mixers", mixers, "Parcae's layers are all attention ('gqa')")
   if cfg.num_kv_heads != cfg.num_heads:
     _refuse(

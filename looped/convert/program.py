@@ -6,9 +6,9 @@ variant the model cannot express, a missing shard or tensor, a tensor whose shap
 match config.json (naming the tensor and both shapes), or a tokenizer (with its EOS) that needs
 more ids than config.json's vocab_size. run(config, workdir) writes WORKDIR/model_config.json
 (the model and its tokenizer), WORKDIR/tokenizer.json (with the source's tokenizer_config.json,
-which names the EOS) and WORKDIR/checkpoints/0 (the params): a checkpoint directory that
-generation, the server and the BeNice! pipeline (`pipeline.pretrain_workdir`) read like a
-trainer's.
+which names the EOS, and special_tokens_map.json) and WORKDIR/checkpoints/0 (the params): a
+checkpoint directory that generation, the server and the BeNice! pipeline
+(`pipeline.pretrain_workdir`) read like a trainer's.
 """
 
 from __future__ import annotations
@@ -119,9 +119,10 @@ def run(config, workdir: str) -> dict:
   params = jax.tree.map(lambda x, a: np.asarray(x, a.dtype), params, abstract)
   os.makedirs(workdir, exist_ok=True)
   shutil.copyfile(folder.tokenizer_json, os.path.join(workdir, hf_folder.TOKENIZER))
-  tokenizer_config = os.path.join(folder.path, hf_folder.TOKENIZER_CONFIG)
-  if os.path.isfile(tokenizer_config):  # It names the EOS (HuggingFaceTokenizer).
-    shutil.copyfile(tokenizer_config, os.path.join(workdir, hf_folder.TOKENIZER_CONFIG))
+  # tokenizer_config.json names the EOS (HuggingFaceTokenizer); both travel on to an export.
+  for name in (hf_folder.TOKENIZER_CONFIG, hf_folder.SPECIAL_TOKENS_MAP):
+    if os.path.isfile(os.path.join(folder.path, name)):
+      shutil.copyfile(os.path.join(folder.path, name), os.path.join(workdir, name))
   record = {
     "model": model_record.make(ml_collections.ConfigDict(fields), {})["model"],
     "data": dict(_TOKENIZER),
