@@ -33,6 +33,7 @@ setuptools.setup(
     "uvicorn>=0.30",  # Its ASGI server.
     "safetensors>=0.4",  # Reads imported checkpoints' weights (looped/convert), numpy API.
     "tokenizers>=0.15",  # Imported checkpoints' own tokenizer.json (data.tokenizer='huggingface').
+    "jinja2>=3.1",  # Renders chat templates (/v1/chat/completions), in transformers' environment.
   ],
   extras_require={
     "test": [

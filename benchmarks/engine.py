@@ -46,6 +46,9 @@ not depend on them), float32, KV pages of 16 tokens.
    before this engine's throughput and the others after it, so a drift in the machine's load
    shows as a spread between them. 50d9b9d is the engine before block prefill and split calls
    (shared chunks token by token, every step padded to rows x its longest chunk).
+6. Test-time depth (--depth_sweep, benchmarks/engine_depth.py): the step's recurrence loop
+   against the alternatives, and tokens/s against mean recurrences per token at batch 1 and 8,
+   shared and unshared, beside the ideal speed-up.
 """
 
 import argparse
@@ -71,6 +74,7 @@ os.environ.setdefault(
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from benchmarks import engine_depth  # noqa: E402
 from configs import benice, pretrain  # noqa: E402
 from looped.engine import padding  # noqa: E402
 from looped.engine.engine import Engine, EngineConfig, pages_for_budget  # noqa: E402
@@ -642,6 +646,17 @@ def main():
     "--before", default="", help="Also measure this commit's engine on the mixed workload."
   )
   parser.add_argument("--before_runs", type=int, default=2, help="Its runs: 1 before, rest after.")
+  parser.add_argument(
+    "--depth_sweep", action="store_true", help="Only part 6: test-time depth (engine_depth.py)."
+  )
+  parser.add_argument("--depth_context", type=int, default=200, help="Its loop steps' context.")
+  parser.add_argument("--depth_new_tokens", type=int, default=48, help="Its tokens per request.")
+  parser.add_argument(
+    "--depth_criteria",
+    nargs="*",
+    default=["entropy-diff:0.01", "entropy-diff:0.1", "kl:0.05"],
+    help="Its exit settings, criterion:threshold.",
+  )
   parser.add_argument("--out", default="", help="Write the results as JSON here.")
   parser.add_argument("--hardware_out", default="", help="Write the fitted profile (JSON) here.")
   parser.add_argument(
@@ -673,6 +688,8 @@ def main():
     f"{os.getloadavg()[0]:.1f}",
     flush=True,
   )
+  if args.depth_sweep:
+    return _depth(model, params, results, args)
   if args.before and (args.skip_throughput or args.refit):
     parser.error("--before compares throughput: drop --skip_throughput / --refit.")
   if args.before and args.before_runs < 1:
@@ -744,6 +761,21 @@ def main():
         f"{r['measured_busy_s']:.3f} | {err:+.0%} | "
         f"{'n/a' if step is None else f'{step:.0%}'} |"
       )
+  results["load_average_end"] = os.getloadavg()[0]
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(results, f, indent=1)
+
+
+def _depth(model, params, results, args) -> None:
+  """Part 6 alone (module docstring)."""
+  print("recurrence loop:", flush=True)
+  results["depth_loop"] = engine_depth.loop_design(model, params, args.depth_context, args.reps)
+  print("depth sweep:", flush=True)
+  results["depth_sweep"] = engine_depth.depth_sweep(model, params, args)
+  engine_depth.print_tables(
+    results["depth_loop"], results["depth_sweep"], model.cfg.num_recurrences
+  )
   results["load_average_end"] = os.getloadavg()[0]
   if args.out:
     with open(args.out, "w") as f:

@@ -69,8 +69,27 @@ def load_reference(modeling_file: str, package: str):
     sys.exit(f"error: cannot import {modeling_file}: {e}")
 
 
-def write_tokenizer(out: str, specials: list[str]) -> list[list[int]]:
-  """A byte-level BPE with VOCAB entries (ids < VOCAB); returns TEXTS encoded to SEQ ids."""
+# Chat templates in each family's chat format, for tokenizer_config.json (the server renders
+# them as transformers does: tests/server_chat_test.py). Huginn-0125's: the text token, then per
+# message a header with its role and the trimmed content ending the turn; the reply's header
+# names Huginn. Ouro's tokens are ChatML's: here with a system message when the chat has none.
+HUGINN_CHAT_TEMPLATE = (
+  "{% for message in messages %}{% if loop.first %}{{ bos_token }}{% endif %}"
+  "{{ '<|begin_header|>' + message['role'] + '<|end_header|>\n\n' + message['content'] | trim"
+  " + '<|end_turn|>' }}{% endfor %}"
+  "{% if add_generation_prompt %}{{ '<|begin_header|>Huginn<|end_header|>\n\n' }}{% endif %}"
+)
+OURO_CHAT_TEMPLATE = (
+  "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+  "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+  "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+  "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def write_tokenizer(out: str, specials: list[str], chat_template: str) -> list[list[int]]:
+  """A byte-level BPE with VOCAB entries (ids < VOCAB) and its config (the chat template
+  included); returns TEXTS encoded to SEQ ids."""
   tokenizers = need("tokenizers")
   tok = tokenizers.Tokenizer(tokenizers.models.BPE())
   tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -90,6 +109,7 @@ def write_tokenizer(out: str, specials: list[str]) -> list[list[int]]:
     "bos_token": specials[1],
     "eos_token": specials[2],
     "pad_token": specials[0],
+    "chat_template": chat_template,
   }
   with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
     json.dump(config, f, indent=2)
@@ -218,7 +238,9 @@ def huginn(modeling_file: str, out: str, seed: int, dtype: str = "float32"):
   assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr(), "untied"
 
   os.makedirs(out, exist_ok=True)
-  ids = torch.tensor(write_tokenizer(out, ["<|pad|>", "<|begin_text|>", "<|end_text|>"]))
+  ids = torch.tensor(
+    write_tokenizer(out, ["<|pad|>", "<|begin_text|>", "<|end_text|>"], HUGINN_CHAT_TEMPLATE)
+  )
   saved = config_fields(
     config,
     {
@@ -316,7 +338,9 @@ def ouro(modeling_file: str, out: str, seed: int, dtype: str = "float32"):
   round_to(torch, model, dtype)
 
   os.makedirs(out, exist_ok=True)
-  ids = torch.tensor(write_tokenizer(out, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]))
+  ids = torch.tensor(
+    write_tokenizer(out, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], OURO_CHAT_TEMPLATE)
+  )
   saved = config_fields(
     config,
     {

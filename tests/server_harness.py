@@ -20,19 +20,19 @@ from looped.data.tokenizers import BytesTokenizer
 from looped.engine.engine import Engine, EngineConfig
 from looped.model import init_params
 from looped.model.looped_lm import LoopedLM
-from looped.server import program
+from looped.server import guards, program
 from looped.server.engine_loop import EngineLoop
 
 # A tiny random model with the bytes vocabulary: requests are text, steps take milliseconds.
 TINY_SERVED_MODEL = dataclasses.replace(testing.TINY_MODEL, vocab_size=257, max_seq_len=32)
 
 
-def tiny_engine(**config) -> tuple[Engine, BytesTokenizer]:
-  """An engine on TINY_SERVED_MODEL's random params (shared layout, 32 pages of 4 tokens, up
-  to 4 rows of 16 tokens a step, top-5 logprobs; `config` overrides EngineConfig fields) and
-  its tokenizer."""
+def tiny_engine(model_config=TINY_SERVED_MODEL, **config) -> tuple[Engine, BytesTokenizer]:
+  """An engine on model_config's random params (TINY_SERVED_MODEL; shared layout, 32 pages of 4
+  tokens, up to 4 rows of 16 tokens a step, top-5 logprobs; `config` overrides EngineConfig
+  fields) and its tokenizer."""
   tok = BytesTokenizer()
-  model = LoopedLM(TINY_SERVED_MODEL)
+  model = LoopedLM(model_config)
   params = init_params(model, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
   fields = dict(
     share_kv=True,
@@ -55,7 +55,9 @@ class ServerThread:
     self._sock = program.bind("127.0.0.1", 0)
     self.port = self._sock.getsockname()[1]
     self.url = f"http://127.0.0.1:{self.port}"
-    config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)
+    config = uvicorn.Config(
+      app, http=guards.HttpProtocol, log_level="warning", lifespan="off", access_log=False
+    )
     self.server = uvicorn.Server(config)
     self._timeout = start_timeout_s
     self._thread = threading.Thread(

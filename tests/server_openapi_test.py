@@ -1,7 +1,7 @@
-"""The OpenAPI document is generated from protocol.py: the completion request's properties are
-its declared fields, a field added there is documented and parsed with no second edit, every
-bound the document states is the one the parser checks, and the response types' keys are the
-documented ones."""
+"""The OpenAPI document is generated from protocol.py: the completion and chat requests'
+properties are their declared fields, a field added there is documented and parsed with no
+second edit, every bound (and nullability) the document states is the one the parser checks,
+and the response types' keys are the documented ones."""
 
 import json
 from typing import Annotated, Literal, NotRequired, TypedDict
@@ -15,8 +15,8 @@ from looped.server import openapi, protocol
 _LIMITS = protocol.Limits("tiny", 32, 257, 5, 32, 4, max_batch=4)
 
 
-def _request_schema(limits: protocol.Limits = _LIMITS) -> dict:
-  post = openapi.document(limits)["paths"]["/v1/completions"]["post"]
+def _request_schema(limits: protocol.Limits = _LIMITS, path: str = "/v1/completions") -> dict:
+  post = openapi.document(limits)["paths"][path]["post"]
   return post["requestBody"]["content"]["application/json"]["schema"]
 
 
@@ -28,6 +28,45 @@ def _ok_schema(path: str, method: str, media: str = "application/json") -> dict:
 def _parse(**fields):
   body = {"prompt": "x", "max_tokens": 1, **fields}
   return protocol.parse(json.dumps(body).encode(), BytesTokenizer(), _LIMITS)
+
+
+def _parse_chat(**fields):
+  """A chat whose template is its last message's content: a 1-token prompt, as _parse's (with
+  logprobs, so that top_logprobs may be set)."""
+  body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "logprobs": True}
+  body.update(fields)
+  render = lambda messages: messages[-1]["content"]
+  return protocol.parse_chat(json.dumps(body).encode(), BytesTokenizer(), _LIMITS, render)
+
+
+def _check_documented_bounds(test, schema: dict, parse) -> int:
+  """Parses each value on and just past every bound, enum and nullability of a request schema:
+  the first accepted, the others refused naming the field; returns how many were checked."""
+  checked = 0
+  for name, prop in schema["properties"].items():
+    kind = prop.get("type")
+    step = 1 if kind == "integer" else 0.5
+    accepted, refused = [], []
+    if "minimum" in prop:
+      lo = prop["minimum"]
+      (refused if prop.get("exclusiveMinimum") else accepted).append(lo)
+      refused.append(lo - step)
+    if "maximum" in prop:
+      accepted.append(prop["maximum"])
+      refused.append(prop["maximum"] + step)
+    accepted += prop.get("enum", [])
+    if kind == "boolean":
+      accepted += [True, False]
+      refused.append("yes")
+    (accepted if prop.get("nullable") else refused).append(None)
+    for value in accepted:  # max_tokens' maximum leaves room for the 1-token prompt alone.
+      parse(**{name: value})
+    for value in refused:
+      with test.assertRaises(protocol.RequestError, msg=(name, value)) as e:
+        parse(**{name: value})
+      test.assertEqual(e.exception.param, name, (name, value))
+    checked += len(accepted) + len(refused)
+  return checked
 
 
 class RequestDocumentTest(absltest.TestCase):
@@ -52,6 +91,7 @@ class RequestDocumentTest(absltest.TestCase):
           "type": "integer",
           "minimum": 1,
           "maximum": _LIMITS.max_batch,
+          "nullable": True,
           "default": 1,
           "description": "Beams searched.",
         },
@@ -67,31 +107,18 @@ class RequestDocumentTest(absltest.TestCase):
   def test_every_documented_bound_is_what_the_parser_checks(self):
     """Each numeric bound, enum value and nullability the document states: the value on the
     bound is accepted, the one just past it refused naming the field."""
-    checked = 0
-    for name, prop in _request_schema()["properties"].items():
-      kind = prop.get("type")
-      step = 1 if kind == "integer" else 0.5
-      accepted, refused = [], []
-      if "minimum" in prop:
-        lo = prop["minimum"]
-        (refused if prop.get("exclusiveMinimum") else accepted).append(lo)
-        refused.append(lo - step)
-      if "maximum" in prop:
-        accepted.append(prop["maximum"])
-        refused.append(prop["maximum"] + step)
-      accepted += prop.get("enum", [])
-      if kind == "boolean":
-        accepted += [True, False]
-        refused.append("yes")
-      (accepted if prop.get("nullable") else refused).append(None)
-      for value in accepted:  # max_tokens' maximum leaves room for the 1-token prompt alone.
-        _parse(**{name: value})
-      for value in refused:
-        with self.assertRaises(protocol.RequestError, msg=(name, value)) as e:
-          _parse(**{name: value})
-        self.assertEqual(e.exception.param, name, (name, value))
-      checked += len(accepted) + len(refused)
-    self.assertGreater(checked, 40)
+    self.assertGreater(_check_documented_bounds(self, _request_schema(), _parse), 40)
+
+  def test_every_documented_chat_bound_is_what_the_chat_parser_checks(self):
+    schema = _request_schema(path="/v1/chat/completions")
+    self.assertEqual(list(schema["properties"]), [f.name for f in protocol.CHAT_REQUEST])
+    self.assertEqual(schema["required"], ["messages"])
+    self.assertFalse(schema["additionalProperties"])
+    self.assertGreater(_check_documented_bounds(self, schema, _parse_chat), 40)
+    # The fields both endpoints take are documented alike.
+    completion = _request_schema()["properties"]
+    for name in ("temperature", "top_p", "top_k", "seed", "stop", "n", "stream", "user"):
+      self.assertEqual(schema["properties"][name], completion[name], name)
 
   def test_limits_reach_the_document(self):
     bigger = protocol.Limits("other", 64, 300, 7, 32, 4, max_batch=9)
@@ -108,6 +135,7 @@ class ResponseDocumentTest(absltest.TestCase):
   def test_response_keys_are_the_declared_types(self):
     routes = [
       ("/v1/completions", "post", protocol.CompletionResponse),
+      ("/v1/chat/completions", "post", protocol.ChatCompletionResponse),
       ("/v1/models", "get", protocol.Models),
       ("/health", "get", protocol.Health),
       ("/tokenize", "post", protocol.Tokens),

@@ -4,7 +4,9 @@ A real server (uvicorn on 127.0.0.1, in a thread) serves the model configs/gener
 greedy completions must equal the batch program's tokens and logprobs, streamed chunks must
 concatenate to the non-streamed text, and echoed prompt logprobs must equal token-by-token
 decoding of the restored params (no engine). The openai client and lm-evaluation-harness's
-`local-completions` parsing read the responses as they would in use.
+`local-completions` parsing read the responses as they would in use; so do the openai client's
+chat API and lm-evaluation-harness's `local-chat-completions` (a chat of this bytes-tokenizer
+model is rendered with chat.DEFAULT_TEMPLATE and answered as the completion of that prompt).
 """
 
 import json
@@ -30,7 +32,7 @@ from looped.engine.requests import GenRequest
 from looped.engine.sampling import SamplingParams
 from looped.model import config as model_lib
 from looped.model.looped_lm import LoopedLM
-from looped.server import client, program
+from looped.server import chat, client, program
 from looped.server.app import token_text
 from looped.train import trainer
 from server_harness import ServerThread
@@ -80,6 +82,37 @@ def _lm_eval_parse_logprobs(choice, ctxlen):
   top_logprobs = choice["logprobs"]["top_logprobs"][ctxlen:-1]
   is_greedy = all(tok == max(top.values()) for tok, top in zip(token_logprobs, top_logprobs))
   return sum(token_logprobs), is_greedy
+
+
+def _lm_eval_chat_payload(messages, gen_kwargs: dict, model: str, seed: int = 1234) -> dict:
+  """lm-evaluation-harness 0.4.13 LocalChatCompletion._create_payload for a generate_until
+  request (the same pops and defaults; its EOS string is None without a tokenizer)."""
+  gen_kwargs = dict(gen_kwargs)
+  gen_kwargs.pop("do_sample", False)
+  if "max_tokens" in gen_kwargs:
+    max_tokens = gen_kwargs.pop("max_tokens")
+  else:
+    max_tokens = gen_kwargs.pop("max_gen_toks", 256)
+  temperature = gen_kwargs.pop("temperature", 0)
+  stop = gen_kwargs.pop("until", None) or []
+  stop = [stop] if isinstance(stop, str) else stop
+  return {
+    "messages": messages,
+    "model": model,
+    "max_tokens": max_tokens,
+    "temperature": temperature,
+    "stop": stop[:4],
+    "seed": seed,
+    **gen_kwargs,
+  }
+
+
+def _lm_eval_parse_generations(out: dict) -> list[str]:
+  """lm-evaluation-harness 0.4.13 LocalChatCompletion.parse_generations (no think token)."""
+  texts = [None] * len(out["choices"])
+  for choice in out["choices"]:
+    texts[choice["index"]] = choice["message"]["content"]
+  return texts
 
 
 class ServerTest(parameterized.TestCase):
@@ -269,6 +302,59 @@ class ServerTest(parameterized.TestCase):
       with self.assertRaises(openai.BadRequestError) as e:
         api.completions.create(model="train", prompt="x", max_tokens=0)
       self.assertIn("max_tokens", str(e.exception))
+
+  def test_openai_client_chat(self):
+    # No chat template in a bytes-tokenizer checkpoint: the default transcript is the prompt.
+    messages = [{"role": "user", "content": "def f("}]
+    prompt = chat.ChatTemplate(chat.DEFAULT_TEMPLATE, "default").render(messages)
+    for layout in _LAYOUTS:
+      status, want = self._post(layout, self._greedy(prompt, max_tokens=6))
+      self.assertEqual(status, 200, want)
+      api = openai.OpenAI(
+        base_url=self.servers[layout].url + "/v1", api_key="unused", max_retries=0
+      )
+      out = api.chat.completions.create(
+        model="train", messages=messages, max_tokens=6, temperature=0
+      )
+      self.assertEqual(out.object, "chat.completion")
+      self.assertEqual(out.choices[0].message.content, want["choices"][0]["text"])
+      self.assertEqual(out.choices[0].finish_reason, want["choices"][0]["finish_reason"])
+      self.assertEqual(out.usage.prompt_tokens, len(self.tok.encode(prompt)))
+      self.assertEqual(out.usage.completion_tokens, want["usage"]["completion_tokens"])
+      events = list(
+        api.chat.completions.create(
+          model="train",
+          messages=messages,
+          max_tokens=6,
+          temperature=0,
+          stream=True,
+          stream_options={"include_usage": True},
+        )
+      )
+      text = "".join(e.choices[0].delta.content or "" for e in events if e.choices)
+      self.assertEqual(text, want["choices"][0]["text"])
+      self.assertEqual(events[-1].usage.completion_tokens, out.usage.completion_tokens)
+      with self.assertRaises(openai.BadRequestError) as e:
+        api.chat.completions.create(model="train", messages=[{"role": "user", "content": ""}])
+      self.assertIn("messages[0].content", str(e.exception))
+
+  def test_lm_eval_local_chat_completions_generates(self):
+    # lm-eval's generate_until through local-chat-completions: its payload (stop strings,
+    # max_gen_toks, a seed, temperature 0) and its reading of the reply give the completion of
+    # the rendered chat, cut at the stop string.
+    messages = [{"role": "user", "content": "for"}]  # The 32-token context holds 8 more.
+    gen_kwargs = {"until": ["):", "\n\n"], "max_gen_toks": 8, "do_sample": False}
+    prompt = chat.ChatTemplate(chat.DEFAULT_TEMPLATE, "default").render(messages)
+    for layout in _LAYOUTS:
+      url = self.servers[layout].url + "/v1/chat/completions"
+      payload = _lm_eval_chat_payload(messages, gen_kwargs, model="train")
+      status, out = client.request(url, "POST", payload, timeout_s=_TIMEOUT_S)
+      self.assertEqual(status, 200, out)
+      status, want = self._post(
+        layout, self._greedy(prompt, max_tokens=8, stop=["):", "\n\n"], seed=1234)
+      )
+      self.assertEqual(status, 200, want)
+      self.assertEqual(_lm_eval_parse_generations(out), [want["choices"][0]["text"]])
 
   def test_bad_requests_get_400_naming_the_field(self):
     layout = "shared"

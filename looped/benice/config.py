@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from looped import kv_quant
+from looped.model import adaptive
 from looped.schema import field
 
 READ_MODES = ("all", "first", "none")  # Which earlier tokens' cached K/V a shared pass reads.
@@ -116,6 +117,29 @@ class EvalConfig:
   )
   sample_new_tokens: int = field(
     48, "Greedy tokens generated, unshared and with the shared cache.", min=1
+  )
+  # Test-time depth (docs/design.md §3, "Depth at test time").
+  recurrences: int = field(
+    0, "Recurrences every metric runs at (0: the model's R; above R loops further).", min=0
+  )
+  exit_criterion: str = field(
+    "none",
+    "Per-token exit measured by exact decode on the exact-decode rows, shared and unshared: "
+    "ppl and mean recurrences per token with 95% CIs ('none': not measured).",
+    choices=adaptive.CRITERIA,
+  )
+  exit_threshold: float | None = field(
+    None, "The exit criterion's threshold (None: its default).", min=0.0
+  )
+  min_recurrences: int = field(0, "No exit before this many recurrences.", min=0)
+  exit_every: int = field(1, "Check the exit criterion every this many recurrences.", min=1)
+  continuous_compute: bool = field(
+    False, "With an exit criterion: each token starts from the previous token's final state."
+  )
+  exit_lookup: str = field(
+    adaptive.DEFAULT_LOOKUP,
+    "Unshared exact decode with exits: what later recurrences read of an exited token.",
+    choices=adaptive.LOOKUPS,
   )
 
 

@@ -44,6 +44,12 @@ perplexities over the same tokens (all at full depth R; ppl = exp(mean next-toke
                              shared decode on the decode subset under that policy, its gap vs
                              ppl_unshared_subset with its interval, c(r) for r = 1..R, the cached
                              recurrences and the shared layout's bytes per token.
+  depth                      with an exit criterion (docs/design.md §3, "Depth at test time"):
+                             its settings, and for 'shared' and 'unshared' exact token-by-token
+                             decode with exits on the decode subset: ppl_exact_subset,
+                             gap_vs_full_depth (against the same layout's exact decode at full
+                             depth: ppl_shared_exact_subset, ppl_unshared_subset) with its
+                             ci95, mean_recurrences per token with its ci95 (rows resampled).
 With a `kv_format` (looped.kv_quant.FORMATS) every read of an earlier position's K/V, in every
 forward above (unshared included), goes through that format's per-token quantize/dequantize,
 and exact decode stores the packed bytes in its cache.
@@ -59,6 +65,7 @@ default eval rows in one call take about as long as 2 batches of 16 one after th
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -69,8 +76,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from looped.losses import token_cross_entropy
+from looped.model import adaptive, mixers
 from looped.model import kv_policy as kv_policy_lib
-from looped.model import mixers
 from looped.model.config import ModelConfig
 from looped.model.kda import KDAState
 from looped.model.kv_cache import init_cache
@@ -175,6 +182,76 @@ def make_stats_fns(
   )
 
 
+# The eval section's test-time depth fields at their defaults (evaluation without them).
+DEPTH_DEFAULTS = {
+  "recurrences": 0,
+  "exit_criterion": "none",
+  "exit_threshold": None,
+  "min_recurrences": 0,
+  "exit_every": 1,
+  "continuous_compute": False,
+  "exit_lookup": adaptive.DEFAULT_LOOKUP,
+}
+
+
+def depth_settings(eval_config) -> adaptive.DepthSettings:
+  """The eval section's (config.eval) recurrences and exits."""
+  e = eval_config
+  return adaptive.DepthSettings(
+    recurrences=e.recurrences,
+    exit_criterion=e.exit_criterion,
+    exit_threshold=e.exit_threshold,
+    min_recurrences=e.min_recurrences,
+    exit_every=e.exit_every,
+    continuous_compute=e.continuous_compute,
+  )
+
+
+def depth_model(cfg: ModelConfig, eval_config) -> ModelConfig:
+  """The model every metric runs: R = eval.recurrences where set (fewer or more than trained)."""
+  r = eval_config.recurrences
+  return dataclasses.replace(cfg, num_recurrences=r) if r else cfg
+
+
+def depth_fn(cfg: ModelConfig, eval_config) -> Callable | None:
+  """evaluate's depth function for the eval section (None without an exit criterion)."""
+  settings = depth_settings(eval_config)
+  if not settings.exits:
+    return None
+  return make_depth_fn(cfg, settings, None, eval_config.kv_policy, eval_config.exit_lookup)
+
+
+@functools.lru_cache(maxsize=32)
+def make_depth_fn(
+  cfg: ModelConfig,
+  depth: adaptive.DepthSettings,
+  kv_format: str | None = None,
+  kv_policy: str = kv_policy_lib.FINAL,
+  exit_lookup: str = adaptive.DEFAULT_LOOKUP,
+) -> Callable:
+  """Jitted exact decode with exits: (params, inputs, targets, segments, share_kv (static)) ->
+  (CE summed per row, recurrences summed per row)."""
+  model = LoopedLM(cfg)
+
+  def decode(params, inputs_BxT, targets_BxT, segments_BxT, share_kv):
+    policy = {"kv_policy": kv_policy} if share_kv else {}
+    logits, cache = decode_forward(
+      model,
+      params,
+      inputs_BxT,
+      share_kv=share_kv,
+      kv_format=kv_format,
+      segment_ids_BxT=segments_BxT,
+      depth=depth,
+      exit_lookup=exit_lookup,
+      **policy,
+    )
+    ce_B = jnp.sum(token_cross_entropy(logits, targets_BxT), axis=1)
+    return ce_B, jnp.sum(cache.depth_BxS, axis=1)
+
+  return jax.jit(decode, static_argnums=4)
+
+
 def kv_bytes_per_token(
   cfg: ModelConfig, kv_format: str | None = None, kv_policy: str = kv_policy_lib.FINAL
 ) -> dict:
@@ -236,6 +313,7 @@ def evaluate(
   prefill_blocks: tuple[int, ...] = (),
   kv_policy: str = kv_policy_lib.FINAL,
   kv_policies: tuple[str, ...] = (),
+  depth: Callable | None = None,
 ) -> dict:
   """Shareability metrics (module docstring) of `params`; JSON-ready (pass counts as str).
 
@@ -250,6 +328,7 @@ def evaluate(
   kv_policy: the policy `fns` were made with (make_stats_fns), named in the metrics.
   kv_policies: further policies each measured by exact decode on the decode subset
     (metrics['kv_policies']; make_stats_fns(model_cfg, kv_format, policy) per policy).
+  depth: make_depth_fn's function: metrics['depth'] measures exits on the decode subset.
   """
   passes = sorted({0, *(int(n) for n in jacobi_passes)})
   masked = "segment_ids" in eval_batches[0]  # Document masking (data.document_mask).
@@ -276,7 +355,49 @@ def evaluate(
   }
   if drift:
     metrics["kv_drift"] = _drift_metrics(*sub.drift)
+  if depth is not None:
+    full = {"shared": sub.decode, "unshared": unshared_sub}
+    metrics["depth"] = _depth_metrics(
+      depth, params, subset, decode_rows, place, full, tokens_per_row
+    )
   return metrics
+
+
+def _depth_metrics(fn, params, subset, decode_rows, place, full: dict, tokens_per_row) -> dict:
+  """metrics['depth'] (module docstring) of make_depth_fn's fn on the decode subset; full: the
+  same rows' CE at full depth per layout."""
+  sub_inputs, sub_targets, sub_segments = subset
+  rows = len(sub_inputs)
+  group = decode_rows or rows
+  out = {}
+  for name, share_kv in (("shared", True), ("unshared", False)):
+    ce, ran = [], []
+    for start in range(0, rows, group):
+      part = slice(start, start + group)
+      segments = None if sub_segments is None else place(sub_segments[part])
+      ce_B, ran_B = fn(
+        params, place(sub_inputs[part]), place(sub_targets[part]), segments, share_kv
+      )
+      ce.append(np.asarray(ce_B, np.float64))
+      ran.append(np.asarray(ran_B, np.float64) / sub_inputs.shape[1])
+    ce, ran = np.concatenate(ce), np.concatenate(ran)
+    ppl, ppl_full = _ppl(ce, tokens_per_row), _ppl(full[name], tokens_per_row)
+    out[name] = {
+      "ppl_exact_subset": ppl,
+      "gap_vs_full_depth": ppl / ppl_full - 1.0,
+      "gap_vs_full_depth_ci95": gap_ci95(ce, full[name], tokens_per_row),
+      "mean_recurrences": float(ran.mean()),
+      "mean_recurrences_ci95": _mean_ci95(ran),
+    }
+  return out
+
+
+def _mean_ci95(per_row, seed: int = 0) -> list[float]:
+  """95% percentile-bootstrap interval of the mean of per-row values (rows resampled)."""
+  values = np.asarray(per_row, np.float64)
+  idx = np.random.default_rng(seed).integers(0, len(values), (BOOTSTRAP_SAMPLES, len(values)))
+  lo, hi = np.percentile(values[idx].mean(1), [2.5, 97.5])
+  return [float(lo), float(hi)]
 
 
 def _jacobi_ce(fns: StatsFns, params, eval_batches, passes, masked: bool, place):

@@ -66,6 +66,7 @@ def validate(config, chosen: tuple[str, ...] = ()) -> None:
   _check_benice(config)
   _check_eval_passes(config)
   _check_eval_sharing(config)
+  _check_eval_depth(config)
   _check_eval_decode(config)
   _check_eval_samples(config)
   _check_reused_runs(config)
@@ -152,6 +153,19 @@ def _check_eval_sharing(config) -> None:
       kv_quant.check_format(fmt, config.model.head_dim)
     except ValueError as e:
       cc.fail("eval.kv_formats", formats, str(e).rstrip("."))
+
+
+def _check_eval_depth(config) -> None:
+  """The evaluation's recurrences and exit settings (looped/model/adaptive.py)."""
+  e = config.eval
+  try:
+    evaluation.depth_settings(e).check(
+      max(e.recurrences, config.model.num_recurrences), config.model.exit_gate, "config.eval."
+    )
+  except ValueError as err:
+    raise cc.ConfigError(str(err)) from None
+  if e.exit_lookup != "latest" and not mixers.all_with(config.model, "core", "attends"):
+    cc.fail("eval.exit_lookup", e.exit_lookup, "needs attention core layers")
 
 
 def _check_eval_decode(config) -> None:
@@ -259,6 +273,9 @@ def _eval_key(eval_config) -> dict:
     del key["kv_policy"]
   if "kv_policies" in key and not tuple(key["kv_policies"]):
     del key["kv_policies"]
+  for name, value in evaluation.DEPTH_DEFAULTS.items():  # Test-time depth's, likewise.
+    if key.get(name) == value:
+      del key[name]
   return key
 
 
@@ -325,6 +342,7 @@ def _read_cached_eval(path: str, key: dict) -> dict | None:
 def _evaluate_params(config, model: LoopedLM, params, eval_batches, mesh, start: float):
   """(metrics, seconds per part) of one model's params: the full-precision metrics, the
   perplexities per KV format, and the report's samples (where the model supports them)."""
+  cfg = evaluation.depth_model(model.cfg, config.eval)  # At eval.recurrences.
   evaluate = functools.partial(
     evaluation.evaluate,
     params=params,
@@ -337,17 +355,18 @@ def _evaluate_params(config, model: LoopedLM, params, eval_batches, mesh, start:
     kv_policy=config.eval.kv_policy,
   )
   metrics = evaluate(
-    evaluation.make_stats_fns(model.cfg, None, config.eval.kv_policy),
-    model.cfg,
+    evaluation.make_stats_fns(cfg, None, config.eval.kv_policy),
+    cfg,
     kv_policies=tuple(config.eval.kv_policies),
+    depth=evaluation.depth_fn(cfg, config.eval),
   )
   seconds = {"fp32": time.time() - start}
   # Per format only what its table reports: unshared and exact shared perplexities (no Jacobi
   # passes, drift or block prefill).
   metrics["kv_formats"] = {
     fmt: evaluate(
-      evaluation.make_stats_fns(model.cfg, fmt, config.eval.kv_policy),
-      model.cfg,
+      evaluation.make_stats_fns(cfg, fmt, config.eval.kv_policy),
+      cfg,
       kv_format=fmt,
       jacobi_passes=(),
       drift=False,

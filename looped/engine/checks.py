@@ -8,6 +8,7 @@ the one-line errors (`config.serve.kv_policy = ...`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import ml_collections
@@ -16,8 +17,9 @@ from looped import config_checks as cc
 from looped.engine import paged_cache
 from looped.engine.config import EngineSection
 from looped.engine.engine import EngineConfig
+from looped.engine.requests import DepthParams
+from looped.model import adaptive, kv_policy, mixers
 from looped.model import config as model_lib
-from looped.model import kv_policy, mixers
 from looped.model.cache_layout import KVLayout
 
 
@@ -79,10 +81,52 @@ def _check_buckets(section: str, name: str, value, reach: int | None) -> None:
     cc.fail(f"{section}.{name}", value, f"must reach {reach} (the per-step limit it pads)")
 
 
+def depth_params(settings: EngineSection) -> DepthParams:
+  """The section's depth settings of a request that gives none (EngineConfig.depth)."""
+  s = settings
+  return DepthParams(
+    recurrences=s.recurrences,
+    exit_criterion=s.exit_criterion,
+    exit_threshold=s.exit_threshold,
+    min_recurrences=s.min_recurrences,
+    exit_every=s.exit_every,
+    init_scale=s.init_scale,
+    continuous_compute=s.continuous_compute,
+    exit_in_prefill=s.exit_in_prefill,
+  )
+
+
+def depth_model(settings: EngineSection, cfg):
+  """The model the engine's steps run: its R raised to max_recurrences (the loop's length and
+  the unshared layout's core copies, so the pages a budget holds are counted on it)."""
+  top = max(settings.max_recurrences, cfg.num_recurrences)
+  return dataclasses.replace(cfg, num_recurrences=top)
+
+
+def check_depth(settings: EngineSection, section: str, cfg) -> None:
+  """The section's depth fields against the model (looped/model/adaptive.py)."""
+  top = settings.max_recurrences
+  if top and top < cfg.num_recurrences:
+    cc.fail(
+      f"{section}.max_recurrences", top, f"must be 0 or >= the model's R = {cfg.num_recurrences}"
+    )
+  if settings.exit_lookup != adaptive.DEFAULT_LOOKUP and not mixers.all_with(
+    cfg, "core", "attends"
+  ):
+    cc.fail(f"{section}.exit_lookup", settings.exit_lookup, "needs attention core layers")
+  try:
+    depth_params(settings).check(
+      depth_model(settings, cfg).num_recurrences, cfg.exit_gate, prefix=f"config.{section}."
+    )
+  except ValueError as e:
+    raise cc.ConfigError(str(e)) from None
+
+
 def check_section(settings: EngineSection, section: str, model_cfg, mesh_shape) -> tuple:
   """Every engine field against the model and mesh: (ModelConfig, kv_format, kv_policy)."""
   cfg, fmt = check_model_and_format(settings, section, model_cfg)
-  policy = kv_policy_of(settings, section, cfg)
+  check_depth(settings, section, cfg)
+  policy = kv_policy_of(settings, section, depth_model(settings, cfg))
   block, budget = settings.prefill_block, settings.max_num_batched_tokens
   if block > budget:
     cc.fail(
@@ -113,7 +157,7 @@ def check_budget(settings: EngineSection, section: str, cfg, policy: str, need: 
     cc.fail(
       f"{section}.kv_budget_bytes",
       settings.kv_budget_bytes,
-      f"holds {have} pages of {layout.page_bytes(cfg):.0f} bytes"
+      f"holds {have} pages of {layout.page_bytes(depth_model(settings, cfg)):.0f} bytes"
       f"{slots_note(cfg, layout, settings.max_num_seqs)}; {what} needs {need}",
     )
 
@@ -124,9 +168,11 @@ def kv_layout(settings: EngineSection, policy: str) -> KVLayout:
 
 
 def num_pages(settings: EngineSection, cfg, policy: str) -> int:
-  """Pages the section's KV budget holds in its layout and format."""
+  """Pages the section's KV budget holds in its layout and format (on the model looping up to
+  max_recurrences)."""
   layout = kv_layout(settings, policy)
-  return layout.pages_for_budget(cfg, float(settings.kv_budget_bytes), settings.max_num_seqs)
+  budget = float(settings.kv_budget_bytes)
+  return layout.pages_for_budget(depth_model(settings, cfg), budget, settings.max_num_seqs)
 
 
 def engine_config(
@@ -151,5 +197,8 @@ def engine_config(
     attention_impl=s.attention_impl,
     mesh_shape=mesh_shape,
     mesh_rules=mesh_rules,
+    max_recurrences=s.max_recurrences or None,
+    exit_lookup=s.exit_lookup,
+    depth=depth_params(s),
     **runtime,
   )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from looped import kv_quant
+from looped.model import adaptive
 from looped.schema import field
 
 KV_FORMATS = ("",) + kv_quant.FORMATS  # '' : raw pages in the compute dtype.
@@ -76,6 +77,42 @@ class EngineSection(BatchingLimits):
     (), "Padded chunk lengths; reach min(prefill_block, max_num_batched_tokens).", by_hand=_BUCKETS
   )
   column_buckets: tuple[int, ...] = field((), "Padded page-table widths.", by_hand=_BUCKETS)
+  # Test-time depth (docs/design.md §3, "Depth at test time"): the engine's static limits, then
+  # the settings of a request that gives none (the server's requests may give their own).
+  max_recurrences: int = field(
+    0,
+    "Most recurrences a request may run: the step loop's length (0: the model's R). Above R "
+    "the unshared layout pages this many core copies per token.",
+    min=0,
+  )
+  exit_lookup: str = field(
+    adaptive.DEFAULT_LOOKUP,
+    "Unshared: what later recurrences read of a token that exited before them ('latest': its "
+    "last K/V; 'always-last', 'skip': Huginn's; docs/design.md §3).",
+    choices=adaptive.LOOKUPS,
+  )
+  recurrences: int = field(
+    0, "Recurrences per token, <= max_recurrences (0: the model's R).", min=0
+  )
+  exit_criterion: str = field(
+    "none",
+    "Per-token exit: Huginn's criteria or Ouro's 'gate' (looped/model/adaptive.py).",
+    choices=adaptive.CRITERIA,
+  )
+  exit_threshold: float | None = field(
+    None, "The criterion's threshold (None: its default, Huginn's or Ouro's).", min=0.0
+  )
+  min_recurrences: int = field(0, "No exit before this many recurrences.", min=0)
+  exit_every: int = field(1, "Check the exit criterion every this many recurrences.", min=1)
+  init_scale: float = field(
+    1.0, "Scales the initial state's noise (state_init 'like_init'); 0: a zero state.", min=0.0
+  )
+  continuous_compute: bool = field(
+    False, "A generated token's recurrences start from the previous token's final state."
+  )
+  exit_in_prefill: bool = field(
+    True, "Prompt tokens exit by the criterion too (False: they run every recurrence)."
+  )
 
 
 ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(EngineSection))

@@ -28,9 +28,16 @@ from looped.engine import paged_cache, step_table
 from looped.engine.config import ATTENTION_IMPLS
 from looped.engine.executor import ModelExecutor, RequestFailed, RequestState
 from looped.engine.mesh import EngineMesh
-from looped.engine.requests import Failure, Generation, GenRequest, StepOutput, TokenEvent
+from looped.engine.requests import (
+  DepthParams,
+  Failure,
+  Generation,
+  GenRequest,
+  StepOutput,
+  TokenEvent,
+)
+from looped.model import adaptive, mixers
 from looped.model import kv_policy as kv_policy_lib
-from looped.model import mixers
 from looped.model.cache_layout import KVLayout
 from looped.model.looped_lm import LoopedLM
 from looped.scheduler import pages as pages_lib
@@ -140,6 +147,19 @@ class EngineConfig:
   # and GPU (page tiles Triton takes: attention_impl) with a one-device mesh, else XLA
   # (docs/engine.md).
   attention_impl: str = "auto"
+  # Steps take each request's depth settings as data (GenRequest.depth; docs/design.md §3,
+  # "Depth at test time"): its recurrences, exit criterion, ... in a while loop over
+  # recurrences that ends when every row has exited. False: every token runs the model's R in
+  # the scan, and requests asking for other settings are refused.
+  adaptive_depth: bool = True
+  # The most recurrences a request may ask for, the loop's static length (None: the model's R).
+  # Above R the unshared layout pages this many core copies per token.
+  max_recurrences: int | None = None
+  # Unshared: what a token's later recurrences read of an earlier token that exited before
+  # them (looped.model.adaptive.LOOKUPS; 'latest': its last K/V).
+  exit_lookup: str = adaptive.DEFAULT_LOOKUP
+  # The depth settings of a request that gives none (GenRequest.depth None).
+  depth: DepthParams = DepthParams()
 
   @property
   def layout(self) -> KVLayout:
@@ -175,6 +195,8 @@ class Engine:
     step is the engine's time instead of the measured wall time (e.g. the simulator's cost
     model). decode: token ids -> text, for each request's generated text."""
     c = config
+    self.trained_recurrences = model.cfg.num_recurrences
+    model = _depth_model(model, c)
     _check_config(model, c)
     self.attention_impl = attention_impl(
       c.attention_impl, c.mesh_shape, c.page_size, model.cfg.head_dim
@@ -203,6 +225,8 @@ class Engine:
       top_logprobs=c.top_logprobs,
       mesh=self.mesh,
       attention_impl=self.attention_impl,
+      exit_lookup=c.exit_lookup if c.adaptive_depth else None,
+      trained_recurrences=self.trained_recurrences,
     )
     self.executor.on_token = self._on_token
     self.page_bytes = c.layout.page_bytes(model.cfg)
@@ -299,6 +323,7 @@ class Engine:
     if min(request.prompt_tokens) < 0 or max(request.prompt_tokens) >= vocab:
       raise ValueError(f"request {rid}: prompt token ids must lie in [0, {vocab}).")
     request.sampling.check(vocab)
+    self._depth_of(request)
     total = request.prompt_len + request.output_len
     if total > self.max_model_len:
       raise ValueError(
@@ -317,6 +342,7 @@ class Engine:
     """Queues a request (its arrival_s on the caller's clock); ValueError if unservable or if
     its id is in flight already."""
     self.check_request(request)
+    request = dataclasses.replace(request, depth=self._depth_of(request))
     rid = request.request_id
     if rid in self.executor.states:
       raise ValueError(f"request {rid}: a request with this id is in flight.")
@@ -337,6 +363,24 @@ class Engine:
       self._probe = None
     self.executor.states.pop(request_id, None)
     return seq is not None
+
+  def _depth_of(self, request: GenRequest) -> DepthParams:
+    """The request's depth settings, checked, or the engine's default; recurrences 0 stands
+    for the trained R (so requests at the model's own depth share prefix pages)."""
+    c = self.engine_config
+    depth = request.depth or c.depth
+    try:
+      depth.check(self.model.cfg.num_recurrences, self.model.cfg.exit_gate)
+    except ValueError as e:
+      raise ValueError(f"request {request.request_id}: {e}") from None
+    if depth.recurrences == self.trained_recurrences:
+      depth = dataclasses.replace(depth, recurrences=0)
+    if not c.adaptive_depth and (depth.page_key() or depth.continuous_compute):
+      raise ValueError(
+        f"request {request.request_id}: this engine runs every token at the model's depth "
+        "(EngineConfig.adaptive_depth is off); it takes no recurrences or exit settings."
+      )
+    return depth
 
   @property
   def stats(self) -> scheduler_lib.SchedulerStats:
@@ -394,6 +438,7 @@ class Engine:
         state.finish_reason,
         len(state.generated),
         prompt_positions,
+        state.token_depths[-1] if state.token_depths else 0,
       )
     )
 
@@ -500,9 +545,11 @@ class Engine:
     tokens = sum(len(g.tokens) for g in generations)
     busy = stats.busy_s
     ttft = np.asarray([g.ttft_s for g in generations])
+    depths = [d for g in generations for d in g.recurrences]
     return {
       "num_requests": len(generations),
       "generated_tokens": tokens,
+      "mean_recurrences": float(np.mean(depths)) if depths else None,
       "prompt_tokens": stats.first_prompt_tokens,
       "tokens_per_s": tokens / busy if busy else None,
       "ttft_s": {"mean": float(ttft.mean()), "p50": float(np.median(ttft))},
@@ -538,12 +585,29 @@ def _generation(seq: scheduler_lib.Sequence, state: RequestState) -> Generation:
     prompt_len=r.prompt_len,
     logits=state.logits,
     positions=state.positions,
+    recurrences=list(state.token_depths),
   )
+
+
+def _depth_model(model: LoopedLM, c: EngineConfig) -> LoopedLM:
+  """The model the steps run: looping up to max_recurrences (its R, the loop's length, and the
+  unshared layout's core copies), the same params."""
+  r = model.cfg.num_recurrences
+  top = c.max_recurrences or r
+  if isinstance(top, bool) or not isinstance(top, int) or top < r:
+    raise ValueError(f"max_recurrences = {top!r} must be an integer >= the model's R = {r}.")
+  if top > r and not c.adaptive_depth:
+    raise ValueError(f"max_recurrences = {top} > R = {r} needs adaptive_depth.")
+  return model if top == r else LoopedLM(dataclasses.replace(model.cfg, num_recurrences=top))
 
 
 def _check_config(model: LoopedLM, c: EngineConfig) -> None:
   """ValueError naming what the model and config cannot serve with."""
   paged_cache.check_model(model.cfg)
+  if c.exit_lookup not in adaptive.LOOKUPS:
+    raise ValueError(f"exit_lookup = {c.exit_lookup!r}: expected one of {adaptive.LOOKUPS}.")
+  if c.exit_lookup != adaptive.DEFAULT_LOOKUP and not mixers.all_with(model.cfg, "core", "attends"):
+    raise ValueError(f"exit_lookup {c.exit_lookup!r} reads per-token entries: attention cores.")
   kv_policy_lib.parse(c.kv_policy, model.cfg.num_recurrences, "kv_policy")
   if c.kv_policy != kv_policy_lib.FINAL and not mixers.all_with(model.cfg, "core", "kv_policies"):
     others = ", ".join(m.upper() for m in mixers.lacking(model.cfg, "core", "kv_policies"))

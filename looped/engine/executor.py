@@ -36,7 +36,8 @@ from looped.engine.padding import (  # noqa: F401 (bucket, powers_of_two re-expo
   bucket,
   powers_of_two,
 )
-from looped.engine.requests import GenRequest
+from looped.engine.requests import DepthParams, GenRequest
+from looped.model import adaptive
 from looped.model.cache_layout import KVLayout
 from looped.model.looped_lm import LoopedLM
 from looped.scheduler import scheduler as scheduler_lib
@@ -66,6 +67,17 @@ class RequestState:
   # Position p -> (log p(token p + 1), top ids, their logprobs), for requests that ask
   # (GenRequest.position_logprobs): scoring a prompt (echo) and top-k alternatives.
   positions: dict = dataclasses.field(default_factory=dict)
+  # Recurrences of the call that produced each generated token (Generation.recurrences).
+  token_depths: list[int] = dataclasses.field(default_factory=list)
+  # The final state of the last position computed and that position (continuous compute).
+  last_state: np.ndarray | None = None
+  state_position: int = -1
+
+
+def needs_depths(layout: KVLayout, exit_lookup: str) -> bool:
+  """Whether steps read each cached token's recurrences (an unshared cache's 'skip' and
+  'always-last' lookups, looped.model.adaptive): the executor then keeps them per page slot."""
+  return not layout.share_kv and exit_lookup != adaptive.DEFAULT_LOOKUP
 
 
 def _call_fn(
@@ -75,6 +87,7 @@ def _call_fn(
   return_logits: bool,
   top_logprobs: int,
   attention_impl: str,
+  exit_lookup: str | None,
   params,
   pages,
   tokens_BxT,
@@ -88,19 +101,32 @@ def _call_fn(
   index_B,
   targets_BxT,
   slot_B,
+  *depth_args,
 ):
+  """One padded call. exit_lookup None: every row runs the model's R recurrences (the scan);
+  else depth_args are the rows' depth settings (_CallInputs.depth: recurrences, criterion,
+  threshold, min_recurrences, check_every, init_scale, warm, state_BxD, past_depth_BxS), and the
+  call also returns each row's recurrences and final state."""
   b, t = tokens_BxT.shape
   slotted = layout.slotted_core(model.cfg)
   kernel = None
   if attention_impl == "pallas":  # These layers read the pages through paged_decode.
     kernel = paged_cache.kernel_layers(model.cfg, layout, t)
+    if exit_lookup is not None and needs_depths(layout, exit_lookup):  # Masks the kernel lacks.
+      kernel = {**kernel, "core": (False,) * len(kernel["core"])}
   dtypes = None  # 'xla': the pool is stored as its bits (paged_cache), read as these.
   if attention_impl == "xla":
     dtypes = paged_cache.page_dtypes(model.cfg, layout)
   cache = paged_cache.gather(
     pages, page_table_BxP, context_B, layout, slot_B, slotted, kernel, dtypes
   )
-  logits_BxTxV, aux = model.apply(params, tokens_BxT, cache=cache, num_new_B=num_new_B)
+  depth = {}
+  if exit_lookup is not None:
+    *rows, past_depth_BxS = depth_args
+    if past_depth_BxS.shape[1]:
+      cache = cache.replace(depth_BxS=past_depth_BxS)
+    depth = {"depth": adaptive.DepthInputs(*rows), "exit_lookup": exit_lookup}
+  logits_BxTxV, aux = model.apply(params, tokens_BxT, cache=cache, num_new_B=num_new_B, **depth)
   last_BxV = logits_BxTxV[jnp.arange(b), jnp.maximum(num_new_B - 1, 0)]
   token_B, logprob_B = sampling.sample(last_BxV, temperature_B, top_k_B, top_p_B, seed_B, index_B)
   # Every read of the pool before any write. A layer's new entries do not depend on its past, so
@@ -130,7 +156,8 @@ def _call_fn(
     # Each [B, T, top_logprobs]: the best next tokens' logprobs and their ids.
     top, top_ids = jax.lax.top_k(logprobs_BxTxV, top_logprobs)
     positions = (target_BxT, top_ids, top)
-  return pages, token_B, logprob_B, (logits_BxTxV if return_logits else None), positions
+  logits = logits_BxTxV if return_logits else None
+  return pages, token_B, logprob_B, logits, positions, aux.get("depth_B"), aux.get("state_BxD")
 
 
 def compiled_call(
@@ -140,19 +167,23 @@ def compiled_call(
   top_logprobs: int = 0,
   mesh: EngineMesh | None = None,
   attention_impl: str = "xla",
+  exit_lookup: str | None = None,
 ) -> Callable:
   """The jitted model call for a model, layout (sharing and its KV policy), mesh (None: one
   device) and attention ('xla': pages gathered into a dense cache; 'pallas': GQA layers read
   them with pallas_kernels.paged_decode, paged_cache.kernel_layers); shared by engines so each
-  shape compiles once. Call it inside mesh.context()."""
+  shape compiles once. exit_lookup: per-row depth settings (_call_fn; None: all R recurrences).
+  Call it inside mesh.context()."""
   mesh = mesh or EngineMesh.create(cfg)
-  return _compiled_call(cfg, layout, logits, top_logprobs, mesh, attention_impl)
+  return _compiled_call(cfg, layout, logits, top_logprobs, mesh, attention_impl, exit_lookup)
 
 
 @functools.lru_cache(maxsize=32)
-def _compiled_call(cfg, layout, logits, top_logprobs, mesh, attention_impl) -> Callable:
+def _compiled_call(
+  cfg, layout, logits, top_logprobs, mesh, attention_impl, exit_lookup=None
+) -> Callable:
   call = functools.partial(
-    _call_fn, LoopedLM(cfg), mesh, layout, logits, top_logprobs, attention_impl
+    _call_fn, LoopedLM(cfg), mesh, layout, logits, top_logprobs, attention_impl, exit_lookup
   )
   return jax.jit(call, donate_argnums=(1,))
 
@@ -172,12 +203,37 @@ class _CallInputs:
   index: np.ndarray
   targets: np.ndarray
   slot: np.ndarray  # Each row's state slot (KDA layers); padding rows the scratch slot.
+  # Per-row depth settings (DepthInputs' fields, then past_depth [rows, slots]), or None when
+  # the engine runs every row at full depth.
+  depth: dict | None = None
 
   @classmethod
   def empty(
-    cls, rows: int, tokens: int, columns: int, scratch_page: int, scratch_slot: int = 0
+    cls,
+    rows: int,
+    tokens: int,
+    columns: int,
+    scratch_page: int,
+    scratch_slot: int = 0,
+    depth: tuple[int, int, int] | None = None,
   ) -> _CallInputs:
+    """depth: (the rows' default recurrences, d_model, depth slots per page-table column, 0
+    unless needs_depths) of an engine with per-row depth settings; None: without."""
     zeros_B = np.zeros((rows,), np.int32)
+    rows_depth = None
+    if depth is not None:
+      recurrences, d_model, per_column = depth
+      rows_depth = {
+        "recurrences": np.full((rows,), recurrences, np.int32),
+        "criterion": zeros_B.copy(),
+        "threshold": np.zeros((rows,), np.float32),
+        "min_recurrences": zeros_B.copy(),
+        "check_every": np.ones((rows,), np.int32),
+        "init_scale": np.ones((rows,), np.float32),
+        "warm": np.zeros((rows,), bool),
+        "state": np.zeros((rows, d_model), np.float32),
+        "past_depth": np.zeros((rows, columns * per_column), np.int32),
+      }
     return cls(
       np.zeros((rows, tokens), np.int32),
       np.full((rows, columns), scratch_page, np.int32),
@@ -190,9 +246,11 @@ class _CallInputs:
       zeros_B.copy(),
       np.zeros((rows, tokens), np.int32),
       np.full((rows,), scratch_slot, np.int32),
+      rows_depth,
     )
 
   def args(self) -> tuple:
+    depth = () if self.depth is None else tuple(self.depth.values())
     return (
       self.tokens,
       self.table,
@@ -205,20 +263,23 @@ class _CallInputs:
       self.index,
       self.targets,
       self.slot,
+      *depth,
     )
 
 
-def _abstract_args(params, pages, scratch_page: int, scratch_slot: int, mesh: EngineMesh):
+def _abstract_args(
+  params, pages, scratch_page: int, scratch_slot: int, mesh: EngineMesh, depth=None
+):
   """shape -> a call's arguments as lowering sees them: params and pages as they are placed (as
   ShapeDtypeStructs: nothing of an engine is kept alive by its table) and host arrays of a call
-  on no tokens (replicated on a mesh of several devices)."""
+  on no tokens (replicated on a mesh of several devices); depth as _CallInputs.empty's."""
   spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
   params, pages = jax.tree.map(spec, params), jax.tree.map(spec, pages)
   replicated = mesh.replicated() if mesh.mesh.size > 1 else None
 
   def abstract(shape) -> tuple:
     rows, tokens, columns = shape
-    args = _CallInputs.empty(rows, tokens, columns, scratch_page, scratch_slot).args()
+    args = _CallInputs.empty(rows, tokens, columns, scratch_page, scratch_slot, depth).args()
     if replicated is not None:
       args = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated) for a in args)
     return (params, pages, *args)
@@ -246,13 +307,20 @@ class ModelExecutor:
     top_logprobs: int = 0,
     mesh: EngineMesh | None = None,
     attention_impl: str = "xla",
+    exit_lookup: str | None = None,
+    trained_recurrences: int | None = None,
   ):
     """padding: the padded call shapes (rows, tokens, page-table columns). top_logprobs: k > 0
     makes every call also compute, per position, the logprob of the next token and the k most
     likely ones, kept for requests with position_logprobs. mesh: where params and pages are
     placed and the calls run (looped.engine.mesh; None: one device). layout: sharing, format,
     KV policy and page size of the pages (looped/model/cache_layout.py KVLayout).
-    attention_impl: 'xla' or 'pallas', how the calls read the pages (compiled_call)."""
+    attention_impl: 'xla' or 'pallas', how the calls read the pages (compiled_call).
+    exit_lookup: the steps take each request's depth settings (GenRequest.depth, resolved by
+    the engine), with this unshared lookup (looped.model.adaptive.LOOKUPS); None: every token
+    runs the model's R recurrences. trained_recurrences: what a request's recurrences 0 means
+    (default: the model's R; an engine looping further than trained runs a model whose R is
+    its maximum)."""
     self.model = model
     self.mesh = mesh or EngineMesh.create(model.cfg)
     self.params = self.mesh.place_params(model, params)
@@ -261,6 +329,13 @@ class ModelExecutor:
     self.scratch_page = num_pages
     self.scratch_slot = num_slots
     self.attention_impl = attention_impl
+    self.exit_lookup = exit_lookup
+    self.trained_recurrences = trained_recurrences or model.cfg.num_recurrences
+    # The recurrences of each page slot's token, kept on the host for the lookups that read
+    # them (needs_depths): a page and its depths move together, prefix hits included.
+    self.page_depths = None
+    if exit_lookup is not None and needs_depths(layout, exit_lookup):
+      self.page_depths = np.zeros((num_pages + 1, layout.page_size), np.int32)
     self.reset_pages()
     self.padding = padding
     self.clock = clock
@@ -292,6 +367,7 @@ class ModelExecutor:
       self.top_logprobs,
       self.mesh,
       self.attention_impl,
+      self.exit_lookup,
       signature(self.params),
       signature(self.pages),
     )
@@ -303,11 +379,19 @@ class ModelExecutor:
       record_logits,
       self.top_logprobs,
       self.attention_impl,
+      self.exit_lookup,
     )
     abstract = _abstract_args(
-      self.params, self.pages, self.scratch_page, self.scratch_slot, self.mesh
+      self.params, self.pages, self.scratch_page, self.scratch_slot, self.mesh, self._depth()
     )
     return step_table.shared(key, lambda: step_table.StepTable(fn, abstract, self.mesh))
+
+  def _depth(self) -> tuple[int, int, int] | None:
+    """_CallInputs.empty's depth argument for this executor's calls."""
+    if self.exit_lookup is None:
+      return None
+    per_column = self.page_size if self.page_depths is not None else 0
+    return self.trained_recurrences, self.model.cfg.d_model, per_column
 
   def _call(self, params, pages, *args):
     """One padded call, its shape read off the tokens and page table: the table's executable."""
@@ -369,7 +453,7 @@ class ModelExecutor:
   def _inputs(self, batch, shape, group) -> _CallInputs:
     """The host arrays of one call; a row that cannot be built raises RequestFailed."""
     inputs = _CallInputs.empty(
-      shape.rows, shape.tokens, shape.columns, self.scratch_page, self.scratch_slot
+      shape.rows, shape.tokens, shape.columns, self.scratch_page, self.scratch_slot, self._depth()
     )
     for row, i in enumerate(group):
       seq, new, ctx = batch.seqs[i], batch.num_new_tokens[i], batch.num_context_tokens[i]
@@ -389,9 +473,41 @@ class ModelExecutor:
         if self.top_logprobs and state.request.position_logprobs:
           known = state.tokens[ctx + 1 : ctx + new + 1]  # The last one is sampled if unknown.
           inputs.targets[row, : len(known)] = known
+        if inputs.depth is not None:
+          self._depth_row(inputs.depth, row, state, ctx, new, inputs.table[row])
       except Exception as e:
         raise RequestFailed(seq.request.request_id, e) from e
     return inputs
+
+  def _depth_row(self, depth: dict, row: int, state: RequestState, ctx: int, new: int, table):
+    """Row `row`'s depth settings (_CallInputs.depth) for the chunk of `new` tokens after
+    `ctx`: its request's, with no exit in a prompt chunk unless exit_in_prefill, and the
+    previous position's final state where it computes a generated token warm."""
+    request = state.request
+    d = request.depth or DepthParams()
+    prompt_chunk = ctx < request.prompt_len
+    criterion = d.exit_criterion if d.exit_in_prefill or not prompt_chunk else "none"
+    depth["recurrences"][row] = d.recurrences or self.trained_recurrences
+    depth["criterion"][row] = adaptive.criterion_index(criterion)
+    depth["threshold"][row] = adaptive.threshold_of(criterion, d.exit_threshold)
+    depth["min_recurrences"][row] = d.min_recurrences
+    depth["check_every"][row] = d.exit_every
+    depth["init_scale"][row] = d.init_scale
+    warm = d.continuous_compute and not prompt_chunk and state.state_position == ctx - 1
+    depth["warm"][row] = warm
+    if warm:
+      depth["state"][row] = state.last_state
+    if self.page_depths is not None:
+      depth["past_depth"][row] = self.page_depths[table].reshape(-1)
+
+  def _record_depths(self, seq, state: RequestState, ctx, new, depth: int, final) -> None:
+    """After a call: the row's final state (continuous compute) and, where steps read them,
+    the recurrences of its new tokens' page slots."""
+    state.last_state, state.state_position = np.asarray(final), ctx + new - 1
+    if self.page_depths is not None:
+      positions = np.arange(ctx, ctx + new)
+      pages = np.asarray(seq.pages)[positions // self.page_size]
+      self.page_depths[pages, positions % self.page_size] = depth
 
   def execute(self, batch: scheduler_lib.StepBatch) -> float:
     """Runs one step. Nothing of it is applied (request states, emitted tokens) unless all of it
@@ -408,14 +524,17 @@ class ModelExecutor:
     for call_inputs in inputs:
       self.pages, *out = self._run(call_inputs)
       outputs.append(out)
+    host = lambda x: None if x is None else np.asarray(x)
     outputs = [
       (
         np.asarray(token_B),
         np.asarray(logprob_B),
-        None if logits is None else np.asarray(logits),
+        host(logits),
         None if positions is None else tuple(np.asarray(x) for x in positions),
+        host(depth_B),
+        host(state_BxD),
       )
-      for token_B, logprob_B, logits, positions in outputs
+      for token_B, logprob_B, logits, positions, depth_B, state_BxD in outputs
     ]
     wall = time.perf_counter() - start
     self.step_log.append(
@@ -434,10 +553,13 @@ class ModelExecutor:
     for i, seq in enumerate(batch.seqs):
       try:
         k, row = where[i]
-        token_B, logprob_B, logits, positions = outputs[k]
+        token_B, logprob_B, logits, positions, depth_B, state_BxD = outputs[k]
         state = self.states[seq.request.request_id]
         new, ctx = batch.num_new_tokens[i], batch.num_context_tokens[i]
         update = self._row_update(seq, state, row, ctx, new, logits, positions, logprob_B)
+        update["depth"] = self.trained_recurrences if depth_B is None else int(depth_B[row])
+        if state_BxD is not None:
+          update["final"] = (ctx, new, state_BxD[row])
         if update["sampled"]:
           token, logprob = int(token_B[row]), float(logprob_B[row])
           update["emit"] = (token, logprob, self._stop(state, token))
@@ -447,7 +569,10 @@ class ModelExecutor:
     for seq, state, update in updates:
       state.logits.update(update["logits"])
       state.positions.update(update["positions"])
+      if "final" in update:
+        self._record_depths(seq, state, *update["final"][:2], update["depth"], update["final"][2])
       if "emit" in update:
+        state.token_depths.append(update["depth"])
         self._emit(seq, state, *update["emit"])
     return wall if self.clock is None else self.clock.execute(batch)
 

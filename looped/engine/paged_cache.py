@@ -193,7 +193,7 @@ def gather(
     ]
 
   layers = {stage: one(stage) for stage in STAGES}
-  return KVCache(context_B.astype(jnp.int32), layers, layout.share_kv, layout.format, layout.policy)
+  return KVCache(context_B.astype(jnp.int32), layers, layout)
 
 
 def scatter(

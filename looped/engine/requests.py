@@ -14,6 +14,10 @@ import hashlib
 import numpy as np
 
 from looped.engine.sampling import SamplingParams
+from looped.model import adaptive
+
+# A request's recurrences and exit settings (looped.model.adaptive.DepthSettings).
+DepthParams = adaptive.DepthSettings
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -27,6 +31,9 @@ class GenRequest:
   # needs top_logprobs > 0), e.g. to score the prompt. Such a request never hits the prefix
   # cache, so each of its positions is computed.
   position_logprobs: bool = False
+  # Recurrences and exits (None: the engine's default, EngineConfig.depth; the engine
+  # resolves it when the request is added).
+  depth: DepthParams | None = None
 
   @property
   def prompt_len(self) -> int:
@@ -37,9 +44,20 @@ class GenRequest:
     """Most tokens it can generate (the scheduler's page reservation uses this)."""
     return self.sampling.max_new_tokens
 
+  @property
+  def block_exact(self) -> bool:
+    """Whether its cached positions depend on how its prompt is cut into calls (exits are
+    decided per call, a warm start chains generated tokens): the scheduler then cuts its
+    prompt in blocks and its generated positions one per call, in any layout."""
+    depth = self.depth
+    return depth is not None and (depth.exits or depth.continuous_compute)
+
   def prompt_page_keys(self, page_size: int) -> list[int]:
-    """Keys of the full prompt pages: non-negative 63-bit hashes chained over the tokens."""
+    """Keys of the full prompt pages: non-negative 63-bit hashes chained over the tokens (and
+    the depth settings, DepthParams.page_key, where they change the pages)."""
     keys, digest = [], b""
+    if self.depth is not None:
+      digest = self.depth.page_key()
     if self.position_logprobs:  # A chain no other request shares: no hit, every position run.
       digest = b"positions" + np.int64(self.request_id).tobytes()
     tokens = np.asarray(self.prompt_tokens, np.int64)
@@ -69,6 +87,13 @@ class Generation:
   logits: dict = dataclasses.field(default_factory=dict, repr=False)
   # Position p -> (log p(token p + 1), top ids, their logprobs), for position_logprobs requests.
   positions: dict = dataclasses.field(default_factory=dict, repr=False)
+  # Recurrences of the call that produced each generated token (the first: its prompt's
+  # last chunk), as Huginn counts compute steps.
+  recurrences: list[int] = dataclasses.field(default_factory=list)
+
+  @property
+  def mean_recurrences(self) -> float | None:
+    return float(np.mean(self.recurrences)) if self.recurrences else None
 
   def record(self) -> dict:
     """The result as generations.jsonl stores it (recorded logits and positions left out)."""
@@ -89,6 +114,7 @@ class TokenEvent:
   num_generated: int  # Tokens generated so far, this one included.
   # On the first token of a position_logprobs request: its prompt positions' records.
   prompt_positions: dict | None = None
+  recurrences: int = 0  # Recurrences of the call that produced the token.
 
 
 @dataclasses.dataclass(frozen=True)

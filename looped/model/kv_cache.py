@@ -40,9 +40,23 @@ class KVCache:
   length_B: jax.Array
   layers: dict  # {'prelude': [KV], 'core': [KV], 'coda': [KV]}; KV = (k, v), raw or quantized,
   # or a KDAState for KDA layers.
-  share_kv: bool = flax.struct.field(pytree_node=False)
-  kv_format: str | None = flax.struct.field(pytree_node=False, default=None)
-  kv_policy: str = flax.struct.field(pytree_node=False, default=kv_policy_lib.FINAL)
+  layout: cache_layout.KVLayout = flax.struct.field(pytree_node=False)  # Sharing, format, policy.
+  # Recurrences each filled slot's token ran ([B, S] int32), where a decode with exits needs
+  # them (an unshared cache's 'skip' and 'always-last' lookups, looped.model.adaptive); None:
+  # not recorded.
+  depth_BxS: jax.Array | None = None
+
+  @property
+  def share_kv(self) -> bool:
+    return self.layout.share_kv
+
+  @property
+  def kv_format(self) -> str | None:
+    return self.layout.format
+
+  @property
+  def kv_policy(self) -> str:
+    return self.layout.policy
 
   @property
   def max_len(self) -> int:
@@ -98,8 +112,10 @@ def init_cache(
   dtype=None,
   kv_format: str | None = None,
   kv_policy: str = kv_policy_lib.FINAL,
+  depths: bool = False,
 ) -> KVCache:
-  """An empty cache; under sharing its core keeps the copies kv_policy caches (kv_policy.py)."""
+  """An empty cache; under sharing its core keeps the copies kv_policy caches (kv_policy.py).
+  depths: it also records each slot's recurrences (KVCache.depth_BxS)."""
   dtype = dtype or cfg.compute_dtype
   if kv_format is not None:
     mixers.check_kv_format(cfg, kv_format)
@@ -115,9 +131,11 @@ def init_cache(
       return KDAState(jnp.zeros(lead + (batch, *state)), jnp.zeros(lead + (batch, *conv)))
     return tuple(zeros(lead + (batch, max_len, *s)) for s in cache.token_shapes)
 
-  layout = cache_layout.cache_layout(cfg, share_kv, kv_policy)
-  layers = {stage: [entry(layer) for layer in layout.stage(stage)] for stage in cache_layout.STAGES}
-  return KVCache(jnp.zeros((batch,), jnp.int32), layers, share_kv, kv_format, layout.kv_policy)
+  layout = cache_layout.KVLayout(share_kv, kv_format, kv_policy)
+  cached = layout.cache(cfg)
+  layers = {stage: [entry(layer) for layer in cached.stage(stage)] for stage in cache_layout.STAGES}
+  depth_BxS = jnp.zeros((batch, max_len), jnp.int32) if depths else None
+  return KVCache(jnp.zeros((batch,), jnp.int32), layers, layout, depth_BxS)
 
 
 def _write_rows(cache_BxSx, chunk_BxTx, start_B):
@@ -194,10 +212,13 @@ def stored_chunk(cache: KVCache, new: dict) -> dict:
   return {name: [quantize(kv) for kv in kvs] for name, kvs in new.items()}
 
 
-def write_chunk(cache: KVCache, new: dict, num_tokens, slotted_core: bool = False) -> KVCache:
+def write_chunk(
+  cache: KVCache, new: dict, num_tokens, slotted_core: bool = False, depth_BxT=None
+) -> KVCache:
   """Appends the chunk's raw K/V (same structure as cache.layers, T slots), advances length
   by num_tokens (an int, or per row [B]: a padded row's real tokens). slotted_core: the shared
-  core's entries lead with the KV policy's copies (cache_layout's lead).
+  core's entries lead with the KV policy's copies (cache_layout's lead). depth_BxT: the
+  recurrences the chunk's tokens ran, where the cache records depths (KVCache.depth_BxS).
 
   KDA layers' new entries are their states after the chunk, which replace the old ones. A
   paged entry (PagedKV) gets the chunk's entries written into its pages through its table.
@@ -222,7 +243,12 @@ def write_chunk(cache: KVCache, new: dict, num_tokens, slotted_core: bool = Fals
   layers = {}
   for name, kvs in cache.layers.items():
     layers[name] = [write_one(name, kv, kv_new) for kv, kv_new in zip(kvs, new[name], strict=True)]
-  return cache.replace(length_B=cache.length_B + num_tokens, layers=layers)
+  depth_BxS = cache.depth_BxS
+  if depth_BxS is not None:
+    if depth_BxT is None:
+      raise ValueError("This cache records depths: write_chunk needs the chunk's depth_BxT.")
+    depth_BxS = _write_rows(depth_BxS, jnp.asarray(depth_BxT, jnp.int32), cache.length_B)
+  return cache.replace(length_B=cache.length_B + num_tokens, layers=layers, depth_BxS=depth_BxS)
 
 
 def num_cached_values(cache: KVCache) -> int:

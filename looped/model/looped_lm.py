@@ -24,10 +24,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from looped.model import adaptive, mixer_registry
 from looped.model import depth as depth_lib
 from looped.model import kv_cache as kv_cache_lib
 from looped.model import kv_policy as kv_policy_lib
-from looped.model import mixer_registry
 from looped.model import mixers as mixers_lib
 from looped.model.config import ModelConfig
 from looped.model.injection import Injection
@@ -405,6 +405,111 @@ def _cached_core(cache: KVCache, policy, kv_per_layer: list) -> tuple[list, bool
   return kv_per_layer, False
 
 
+def _depth_start(cfg: ModelConfig, h0_BxTxD, depth, given: bool):
+  """h_0 under per-row depth settings: state_init's noise scaled by init_scale (Huginn's; not
+  a given initial state), or a warm row's previous final state (continuous compute)."""
+  if not given and cfg.state_init == "like_init":
+    h0_BxTxD = h0_BxTxD * depth.init_scale_B[:, None, None].astype(h0_BxTxD.dtype)
+  warm_BxTxD = depth.state_BxD[:, None, :].astype(h0_BxTxD.dtype)
+  return jnp.where(depth.warm_B[:, None, None], warm_BxTxD, h0_BxTxD)
+
+
+def _new_depths(cache: KVCache, depth_B, t: int, big_r: int):
+  """The recurrences the chunk's tokens ran ([B, T]) where the cache records them (all R at
+  full depth); None where it does not."""
+  if cache.depth_BxS is None:
+    return None
+  b = cache.length_B.shape[0]
+  ran_B = jnp.full((b,), big_r, jnp.int32) if depth_B is None else depth_B
+  return jnp.broadcast_to(ran_B[:, None], (b, t))
+
+
+def _adaptive_kv_zeros(cfg: ModelConfig, cache: KVCache, policy, b: int, t: int) -> list:
+  """What an adaptive decode keeps of the core's new entries while rows run, zeros: each cached
+  copy's (shared: the policy's copies, [C, ...] when several) or every recurrence's
+  (unshared, [R, ...]); a KDA layer's state as its cache entry holds it."""
+  lead = () if cache.share_kv else (cfg.num_recurrences,)
+  if cache.share_kv and policy.copies > 1:
+    lead = (policy.copies,)
+  zeros = []
+  for kind, entry in zip(cfg.mixers("core"), cache.layers["core"], strict=True):
+    if isinstance(entry, KDAState):
+      zeros.append(jax.tree.map(jnp.zeros_like, entry))
+      continue
+    base = mixer_registry.get(kind).entry_zeros(cfg, b, t)
+    zeros.append(jax.tree.map(lambda z: jnp.broadcast_to(z, lead + z.shape), base))
+  return zeros
+
+
+def _lookup_reads(cache: KVCache, lookup: str, r, bcast: dict) -> tuple[jax.Array | None, dict]:
+  """(the cached recurrence each row reads at recurrence r (1-based), or None: recurrence r's
+  own; recurrence r's broadcasts). An unshared cache's lookup for recurrences earlier tokens
+  never ran (adaptive.LOOKUPS): 'latest' needs nothing (the cache holds a token's last K/V in
+  the recurrences after its exit); 'skip' hides the slots that did not run r; 'always-last'
+  reads every slot's last recurrence (the last copy) in a row where some slot did not run r."""
+  if cache.share_kv or lookup == "latest":
+    return None, bcast
+  if cache.depth_BxS is None:
+    raise ValueError(f"exit_lookup {lookup!r} needs a cache that records depths (depth_BxS).")
+  ran_BxS = cache.depth_BxS >= r
+  if lookup == "always-last":
+    filled_BxS = jnp.arange(ran_BxS.shape[1])[None, :] < cache.length_B[:, None]
+    hole_B = jnp.any(filled_BxS & ~ran_BxS, axis=1)
+    return jnp.where(hole_B, _copies(cache) - 1, r - 1), bcast
+  past_mask = bcast["past_mask"]  # [B, T, S], or [B, T, S + T] with the own chunk (KV format).
+  own = past_mask.shape[-1] - ran_BxS.shape[1]
+  ran_BxS = jnp.concatenate([ran_BxS, jnp.ones((ran_BxS.shape[0], own), bool)], axis=1)
+  return None, {**bcast, "past_mask": past_mask & ran_BxS[:, None, :]}
+
+
+def _copies(cache: KVCache) -> int:
+  """Recurrences an unshared cache holds (its core entries' leading axis)."""
+  entry = cache.layers["core"][0]
+  if isinstance(entry, PagedKV):
+    return entry.page_table_BxP.shape[0]
+  return jax.tree.leaves(entry)[0].shape[0]
+
+
+def _adaptive_xs(xs: dict, i, read_B, active_B) -> dict:
+  """Recurrence i's (0-based) Recurrence inputs in an adaptive decode: its active rows, and the
+  copy it reads (a KV policy's slot; unshared: copy i, or per row read_B)."""
+  b = active_B.shape[0]
+  out = {"active_B": active_B, "stop_B": jnp.zeros_like(active_B)}
+  if "read_slot" in xs:
+    out["read_slot"] = xs["read_slot"][i]
+  if "past" in xs:
+    rows, read_B = jnp.arange(b), jnp.full((b,), i) if read_B is None else read_B
+    out["past"] = [jax.tree.map(lambda a: a[read_B, rows], e) for e in xs["past"]]
+  return out
+
+
+def _record_kv(kept: list, new: list, i, active_B, write_RxC) -> list:
+  """The core entries kept after recurrence i: shared, each copy takes the active rows' new
+  entries when the recurrence writes it (write_RxC, the policy's); unshared, copy i does."""
+  if write_RxC is not None:
+    update = functools.partial(_write_copies, active_B, write_RxC[i])
+    return [jax.tree.map(update, n, k) for n, k in zip(new, kept, strict=True)]
+
+  def one(k_R, n):
+    mask = active_B.reshape((-1,) + (1,) * (n.ndim - 1))
+    return jax.lax.dynamic_update_index_in_dim(k_R, jnp.where(mask, n, k_R[i]), i, 0)
+
+  return [jax.tree.map(one, k, n) for k, n in zip(kept, new, strict=True)]
+
+
+def _adaptive_cached(cache: KVCache, policy, kept: list, depth_B) -> tuple[list, bool]:
+  """(the core entries the cache stores, slotted) after an adaptive decode: shared, the kept
+  copies (each the last recurrence a row ran up to its own); unshared, every recurrence's,
+  where a row that stopped after k recurrences holds its recurrence-k entry in the later ones
+  (what 'latest' reads)."""
+  if cache.share_kv:
+    return kept, policy.copies > 1
+  big_r, b = jax.tree.leaves(kept[0])[0].shape[:2]
+  read_RxB = jnp.minimum(jnp.arange(big_r)[:, None], jnp.maximum(depth_B - 1, 0)[None, :])
+  rows = jnp.arange(b)[None, :]
+  return [jax.tree.map(lambda a: a[read_RxB, rows], e) for e in kept], False
+
+
 def init_params(model: LoopedLM, rng: jax.Array, tokens_BxT: jax.Array) -> dict:
   """{'params': ...} of a fresh model as plain arrays.
 
@@ -432,6 +537,14 @@ class LoopedLM(nn.Module):
       (looped/model/kv_policy.py); 'final_kv' then holds the policy's cached recurrences,
       [copies, ...] per layer when it keeps several. Decode mode takes the policy from the
       cache (init_cache's kv_policy).
+
+  Decode mode's test-time depth (docs/design.md §3, "Depth at test time"):
+    depth: each row's recurrences and exit settings (adaptive.DepthInputs, replacing
+      depth_mask_BxR); the loop stops once every row has stopped. aux then also holds
+      'depth_B' (recurrences each row ran) and 'state_BxD' (its last real token's final state,
+      a continuous-compute start).
+    exit_lookup: what an unshared cache serves for recurrences a token never ran
+      (adaptive.LOOKUPS; 'always-last' and 'skip' need a cache that records depths).
   """
 
   cfg: ModelConfig
@@ -454,6 +567,8 @@ class LoopedLM(nn.Module):
     segment_ids_BxT: jax.Array | None = None,
     cache_segment_ids_BxS: jax.Array | None = None,
     kv_policy: str = kv_policy_lib.FINAL,
+    depth: adaptive.DepthInputs | None = None,
+    exit_lookup: str = adaptive.DEFAULT_LOOKUP,
   ):
     """Returns (logits_BxTxV float32, aux).
 
@@ -478,6 +593,7 @@ class LoopedLM(nn.Module):
         positions 0..S-1 (S >= the cache's slots, covering every filled one).
       shared_kv, read_shared_R, kv_format, prefill_block, kv_policy: parallel-mode options
         (the class docstring).
+      depth, exit_lookup: decode mode's test-time depth (the class docstring).
     aux: 'final_kv' (parallel) or 'cache' (decode), 'residual_norm_R',
       'relative_residual_R' (means over active sequences), optionally 'states_RxBxTxD', and
       with cfg.exit_gate 'exit_logits_RxBxT' (each recurrence's exit-gate logit per token).
@@ -485,6 +601,8 @@ class LoopedLM(nn.Module):
     _check_mode_options(
       cache, prefill_block, kv_policy, num_new_B, segment_ids_BxT, cache_segment_ids_BxS
     )
+    if depth is not None and (cache is None or collect_states or depth_mask_BxR is not None):
+      raise ValueError("depth is a decode option: it replaces depth_mask_BxR, collects no h_r.")
     if cache is None:
       return self._parallel(
         tokens_BxT,
@@ -509,6 +627,8 @@ class LoopedLM(nn.Module):
       num_new_B,
       segment_ids_BxT,
       cache_segment_ids_BxS,
+      depth,
+      exit_lookup,
     )
 
   def _parallel(
@@ -603,11 +723,12 @@ class LoopedLM(nn.Module):
     num_new_B,
     segment_ids_BxT,
     cache_segment_ids_BxS,
+    depth=None,
+    exit_lookup=adaptive.DEFAULT_LOOKUP,
   ):
-    """New tokens (a prefill chunk or one decode step per row) against a KVCache: they attend
-    to the cache's slots below each row's length and causally to each other; aux['cache'] is the
-    cache with their K/V written (core layers: every recurrence's, or the final one's under
-    sharing, docs/design.md §3)."""
+    """New tokens (a prefill chunk or one per row) against a KVCache: they attend to its slots
+    below each row's length and causally to each other; aux['cache'] has their K/V written (core:
+    every recurrence's, or under sharing the final one's, docs/design.md §3)."""
     cfg = self.cfg
     b, t = tokens_BxT.shape
     read_past = kv_cache_lib.reader(cache.kv_format, cfg.compute_dtype)
@@ -650,15 +771,23 @@ class LoopedLM(nn.Module):
       read_past,
     )
     bcast.update(_decode_broadcasts(reads, paged_pools, num_new_B))
-    carry, ys = self._recurrences(True, collect_states)({"h": h0_BxTxD}, xs, bcast)
+    if depth is None:
+      carry, ys = self._recurrences(True, collect_states)({"h": h0_BxTxD}, xs, bcast)
+      h_BxTxD = carry["h"]
+      aux = self._diagnostics(ys, depth_mask_BxR, collect_states)
+      core_new, slotted = _cached_core(cache, policy, ys["kv"])
+    else:
+      head = (tokens_BxT, positions_BxT, plain_context, initial_state_BxTxD is not None)
+      h_BxTxD, core_new, slotted, aux = self._adaptive_core(
+        h0_BxTxD, xs, bcast, depth, cache, policy, num_new_B, head, exit_lookup
+      )
     logits_BxTxV, coda_kvs = self._coda_and_head(
-      carry["h"], embed, positions_BxT, plain_context, tokens_BxT
+      h_BxTxD, embed, positions_BxT, plain_context, tokens_BxT
     )
-    aux = self._diagnostics(ys, depth_mask_BxR, collect_states)
-    core_new, slotted = _cached_core(cache, policy, ys["kv"])
     new_cache = {"prelude": prelude_kvs, "core": core_new, "coda": coda_kvs}
     num = t if num_new_B is None else num_new_B
-    aux["cache"] = write_chunk(cache, new_cache, num, slotted_core=slotted)
+    depth_BxT = _new_depths(cache, aux.get("depth_B"), t, cfg.num_recurrences)
+    aux["cache"] = write_chunk(cache, new_cache, num, slotted_core=slotted, depth_BxT=depth_BxT)
     # The chunk's entries alone: what a paged engine scatters (the dense write above then goes
     # unused there, and XLA drops it).
     aux["cache_chunk"] = stored_chunk(cache, new_cache)
@@ -814,6 +943,81 @@ class LoopedLM(nn.Module):
       return carry, jax.tree.map(lambda *a: jnp.stack(a), *ys)
 
     return unrolled
+
+  def _adaptive_core(self, h0_BxTxD, xs, bcast, depth, cache, policy, num_new_B, head, lookup):
+    """The recurrences of a decode call with per-row depth (docs/design.md §3, "Depth at test
+    time"): one recurrence per iteration of a while loop that ends once every row has stopped
+    (its exit criterion, or its own recurrence count); a stopped row keeps its state and its
+    cached K/V, and the loop costs nothing more once all have. head: (tokens, positions, the
+    coda's context, whether h_0 was given) for the last real token's logits, computed only when
+    some row checks a logit criterion. lookup: exit_lookup's. Returns
+    (final states, the core entries to cache, slotted, aux: 'depth_B' the recurrences each row
+    ran, 'state_BxD' its last real token's final state)."""
+    cfg = self.cfg
+    b, t, _ = h0_BxTxD.shape
+    if lookup not in adaptive.LOOKUPS:
+      raise ValueError(f"exit_lookup = {lookup!r}: expected one of {adaptive.LOOKUPS}.")
+    tokens_BxT, positions_BxT, context, given = head
+    h0_BxTxD = _depth_start(cfg, h0_BxTxD, depth, given)
+    num_B = jnp.full((b,), t, jnp.int32) if num_new_B is None else num_new_B.astype(jnp.int32)
+    real_BxT = jnp.arange(t)[None, :] < num_B[:, None]
+    last_B = jnp.maximum(num_B - 1, 0)
+    write_RxC = jnp.asarray(policy.writes, bool) if cache.share_kv else None
+    none = adaptive.criterion_index("none")
+
+    def body(mdl, c):
+      i = c["i"]
+      r = i + 1
+      active_B = ~c["done_B"] & (i < depth.recurrences_B)
+      read_B, bcast_r = _lookup_reads(cache, lookup, r, bcast)
+      xs_r = _adaptive_xs(xs, i, read_B, active_B)
+      carry, ys = Recurrence(cfg, True, name="recurrence")({"h": c["h"]}, xs_r, bcast_r)
+      h_BxTxD = carry["h"]
+      state = c["exit"]
+      if cfg.exit_gate:
+        gate_B = ys["exit_logit_BxT"][jnp.arange(b), last_B]
+        state = adaptive.gate_step(state, gate_B, active_B)
+      checks = adaptive.is_check(
+        r, depth.min_recurrences_B, depth.check_every_B, depth.recurrences_B
+      )
+      checked_B = active_B & checks & (depth.criterion_B != none)
+      need = jnp.any(checked_B & adaptive.is_logit_criterion(depth.criterion_B))
+      skip = lambda m, h: jnp.zeros((b, cfg.vocab_size), jnp.float32)
+      predict = lambda m, h: m._last_logits(h, last_B, tokens_BxT, positions_BxT, context)
+      logits_BxV = nn.cond(need, predict, skip, mdl, h_BxTxD)
+      exit_B, state = adaptive.check(
+        state, depth.criterion_B, depth.threshold_B, checked_B, h_BxTxD, logits_BxV, real_BxT
+      )
+      stop_B = active_B & (exit_B | (r >= depth.recurrences_B))
+      return {
+        "i": r,
+        "h": h_BxTxD,
+        "done_B": c["done_B"] | stop_B,
+        "depth_B": jnp.where(active_B, r, c["depth_B"]),
+        "kv": _record_kv(c["kv"], ys["kv"], i, active_B, write_RxC),
+        "exit": state,
+      }
+
+    init = {
+      "i": jnp.zeros((), jnp.int32),
+      "h": h0_BxTxD,
+      "done_B": num_B == 0,  # Padding rows run nothing.
+      "depth_B": jnp.zeros((b,), jnp.int32),
+      "kv": _adaptive_kv_zeros(cfg, cache, policy, b, t),
+      "exit": adaptive.init_state(h0_BxTxD, cfg.vocab_size),
+    }
+    running = lambda mdl, c: (c["i"] < cfg.num_recurrences) & ~jnp.all(c["done_B"])
+    c = nn.while_loop(running, body, self, init)
+    core_new, slotted = _adaptive_cached(cache, policy, c["kv"], c["depth_B"])
+    state_BxD = c["h"][jnp.arange(b), last_B].astype(jnp.float32)
+    return c["h"], core_new, slotted, {"depth_B": c["depth_B"], "state_BxD": state_BxD}
+
+  def _last_logits(self, h_BxTxD, last_B, tokens_BxT, positions_BxT, context):
+    """The logits of each row's last real token from states h (the coda and head; what a
+    logit exit criterion reads after a recurrence)."""
+    head, _ = self._embed(tokens_BxT)
+    logits, _ = self._coda_and_head(h_BxTxD, head, positions_BxT, context, tokens_BxT)
+    return logits[jnp.arange(h_BxTxD.shape[0]), last_B]
 
 
 def recurrence_logits(cfg: ModelConfig, params, states_RxBxTxD: jax.Array) -> jax.Array:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from looped.model import adaptive
 from looped.model.kv_cache import init_cache
 from looped.model.looped_lm import LoopedLM
 
@@ -87,6 +88,8 @@ def decode_forward(
   cache_dtype=None,
   segment_ids_BxT: jax.Array | None = None,
   kv_policy: str = "final",
+  depth: adaptive.DepthSettings | None = None,
+  exit_lookup: str = adaptive.DEFAULT_LOOKUP,
 ):
   """Logits of every position by prefilling `prefill` tokens in one call, then the rest in
   calls of `block` tokens (the last one may be shorter).
@@ -96,33 +99,47 @@ def decode_forward(
   perplexity's forward; block = C > 1 is block prefill (docs/design.md §3).
   segment_ids_BxT: document masking (LoopedLM's), the row's ids; every call reads them for
   its tokens and for the cache's slots (slot s holds position s).
+  depth: each call's recurrences and exits (docs/design.md §3, "Depth at test time"): the
+  prefill call is a prompt (DepthSettings.exit_in_prefill), every later call exits by the
+  criterion, and under continuous compute starts from the previous call's final state; the
+  returned cache then records every position's recurrences (KVCache.depth_BxS). exit_lookup:
+  the unshared cache's lookup (adaptive.LOOKUPS).
   Returns (logits_BxTxV, final KVCache).
   """
   if block < 1 or prefill < 0:
     raise ValueError(f"block must be >= 1 and prefill >= 0, got {block} and {prefill}.")
   b, t = tokens_BxT.shape
-  cache = init_cache(model.cfg, b, t, share_kv, cache_dtype, kv_format, kv_policy)
+  cfg = model.cfg
+  depths = depth is not None
+  cache = init_cache(cfg, b, t, share_kv, cache_dtype, kv_format, kv_policy, depths=depths)
   chunks = []
 
   masked = segment_ids_BxT is not None
   ids_BxT = segment_ids_BxT if masked else jnp.zeros((b, t), jnp.int32)
 
-  def call(cache, chunk):
+  def call(carry, chunk, prompt=False):
+    cache, state_BxD = carry
     tokens, ids = chunk
     segments = dict(segment_ids_BxT=ids, cache_segment_ids_BxS=ids_BxT) if masked else {}
+    if depths:
+      recurrences = depth.recurrences or cfg.num_recurrences
+      inputs = depth.inputs(b, cfg.d_model, recurrences, prompt, state_BxD)
+      inputs = inputs.replace(warm_B=inputs.warm_B & (cache.length_B > 0))
+      segments.update(depth=inputs, exit_lookup=exit_lookup)
     logits, aux = model.apply(params, tokens, cache=cache, **segments)
-    return aux["cache"], logits
+    return (aux["cache"], aux.get("state_BxD", state_BxD)), logits
 
+  carry = (cache, jnp.zeros((b, cfg.d_model), jnp.float32))
   if prefill:
-    cache, logits = call(cache, (tokens_BxT[:, :prefill], ids_BxT[:, :prefill]))
+    carry, logits = call(carry, (tokens_BxT[:, :prefill], ids_BxT[:, :prefill]), prompt=True)
     chunks.append(logits)
   whole = (t - prefill) // block * block
   if whole:
     as_blocks = lambda x: x[:, prefill : prefill + whole].reshape(b, -1, block).swapaxes(0, 1)
-    cache, logits_NxBxCxV = jax.lax.scan(call, cache, (as_blocks(tokens_BxT), as_blocks(ids_BxT)))
+    carry, logits_NxBxCxV = jax.lax.scan(call, carry, (as_blocks(tokens_BxT), as_blocks(ids_BxT)))
     chunks.append(jnp.moveaxis(logits_NxBxCxV, 0, 1).reshape(b, whole, -1))
   if prefill + whole < t:
     rest = slice(prefill + whole, None)
-    cache, logits = call(cache, (tokens_BxT[:, rest], ids_BxT[:, rest]))
+    carry, logits = call(carry, (tokens_BxT[:, rest], ids_BxT[:, rest]))
     chunks.append(logits)
-  return jnp.concatenate(chunks, axis=1), cache
+  return jnp.concatenate(chunks, axis=1), carry[0]

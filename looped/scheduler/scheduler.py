@@ -108,6 +108,12 @@ class SchedulerStats:
   readmit_cached_tokens: int = 0  # ... of which prefix-cache hits.
 
 
+def _block_exact(seq: Sequence) -> bool:
+  """A request scheduled as under shared_blocks whatever the config (an engine request whose
+  depth settings make its pages depend on its blocks: GenRequest.block_exact)."""
+  return getattr(seq.request, "block_exact", False)
+
+
 class Scheduler:
   """Owns the queue, the running set and the page pool; advances simulated time step by step."""
 
@@ -300,7 +306,7 @@ class Scheduler:
     if c.prefill_block is None:
       return min(q, budget)
     prompt = seq.request.prompt_len
-    if c.shared_blocks:
+    if c.shared_blocks or _block_exact(seq):
       if start >= prompt:  # A decoded position: its own block, as when it was decoded.
         return 1 if budget >= 1 else 0
       q = min((start // c.prefill_block + 1) * c.prefill_block, prompt) - start
@@ -313,7 +319,7 @@ class Scheduler:
     one call, never resumed)."""
     c = self.config
     tokens = len(hits) * c.page_size
-    if not c.shared_blocks or tokens >= seq.request.prompt_len:
+    if not (c.shared_blocks or _block_exact(seq)) or tokens >= seq.request.prompt_len:
       return hits
     boundary = math.lcm(c.prefill_block, c.page_size)  # A block and a page boundary.
     return hits[: tokens // boundary * boundary // c.page_size]

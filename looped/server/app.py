@@ -1,9 +1,13 @@
-"""The HTTP layer: OpenAI's `/v1/completions` and `/v1/models`, `/health`, `/metrics`.
+"""The HTTP layer: OpenAI's `/v1/completions`, `/v1/chat/completions` and `/v1/models`,
+`/health`, `/metrics`.
 
-Handlers parse and check a request (protocol.py), hand one engine request per prompt to the
-engine loop and turn its events into OpenAI's response objects or server-sent events. A task per
-request watches for the client going away and cancels the request, which frees its pages.
-`create_app` routes each endpoint to one method of `_Routes`.
+Handlers parse and check a request (protocol.py; a chat is rendered into one prompt with the
+model's chat template, chat.py), hand one engine request per prompt to the engine loop and turn
+its events into OpenAI's response objects or server-sent events, in the shape of the endpoint
+(`_TEXT`, `_CHAT`). A task per request watches for the client going away and cancels the
+request, which frees its pages; a stream whose client stops reading is cancelled once
+`Limits.stream_backlog` of its tokens wait to be sent (`_Call`). `create_app` routes each
+endpoint to one method of `_Routes`.
 """
 
 from __future__ import annotations
@@ -20,8 +24,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from looped.engine.requests import GenRequest
 from looped.engine.sampling import SamplingParams
-from looped.server import guards, openapi, protocol
-from looped.server.engine_loop import Done, EngineLoop, Failed, QueueFull, Warming
+from looped.server import chat, guards, openapi, protocol
+from looped.server.engine_loop import Done, EngineLoop, Failed, QueueFull, Token, Warming
 
 _FINISH = {"length": "length", "stop_token": "stop", "stop_string": "stop"}
 
@@ -52,7 +56,7 @@ class TextStream:
 
 
 class _Logprobs:
-  """OpenAI's legacy logprobs object, built token by token."""
+  """OpenAI's legacy logprobs object (/v1/completions), built token by token."""
 
   def __init__(self, tokenizer, k: int):
     self.tokenizer, self.k = tokenizer, k
@@ -70,7 +74,7 @@ class _Logprobs:
       )
     self.text_offset.append(offset)
 
-  def payload(self) -> dict:
+  def payload(self) -> protocol.Logprobs:
     out = {
       "tokens": self.tokens,
       "token_logprobs": self.token_logprobs,
@@ -78,6 +82,30 @@ class _Logprobs:
       "text_offset": self.text_offset,
     }
     self.tokens, self.token_logprobs, self.top_logprobs, self.text_offset = [], [], [], []
+    return out
+
+
+class _ChatLogprobs:
+  """The chat API's logprobs object ({"content": [{token, logprob, bytes, top_logprobs}]}),
+  built token by token."""
+
+  def __init__(self, tokenizer, k: int):
+    self.tokenizer, self.k = tokenizer, k
+    self.content: list[protocol.TokenLogprob] = []
+
+  def _entry(self, token: int, logprob: float) -> protocol.TopLogprob:
+    text = token_text(self.tokenizer, token)
+    raw = None if text.startswith("token_id:") else list(text.encode("utf-8"))
+    return {"token": text, "logprob": logprob, "bytes": raw}
+
+  def add(self, token: int, logprob: float, top, offset: int) -> None:
+    del offset  # The chat object has none.
+    ids, lps = top if top is not None else ((), ())
+    alternatives = [self._entry(i, lp) for i, lp in zip(ids[: self.k], lps[: self.k])]
+    self.content.append({**self._entry(token, logprob), "top_logprobs": alternatives})
+
+  def payload(self) -> protocol.ChatLogprobs:
+    out, self.content = {"content": self.content}, []
     return out
 
 
@@ -118,12 +146,19 @@ async def _watch_disconnect(request: Request, on_gone) -> None:
 
 
 def create_app(
-  loop: EngineLoop, tokenizer, limits: protocol.Limits, *, stop_token_ids: tuple[int, ...]
+  loop: EngineLoop,
+  tokenizer,
+  limits: protocol.Limits,
+  *,
+  stop_token_ids: tuple[int, ...],
+  chat_template: chat.ChatTemplate | None = None,
 ) -> FastAPI:
-  """stop_token_ids: tokens that end a request unless it sets ignore_eos (the tokenizer's EOS)."""
+  """stop_token_ids: tokens that end a request unless it sets ignore_eos (the tokenizer's EOS).
+  chat_template: what renders a chat's messages (None: the tokenizer's, chat.for_tokenizer)."""
   app = FastAPI(title="looped", docs_url=None, redoc_url=None, openapi_url=None)
-  guards.install(app, limits.max_body_bytes)
-  routes = _Routes(loop, tokenizer, limits, stop_token_ids)
+  guards.install(app, limits.max_body_bytes, limits.body_timeout_s)
+  template = chat_template or chat.for_tokenizer(tokenizer)
+  routes = _Routes(loop, tokenizer, limits, stop_token_ids, template)
   app.add_api_route("/health", routes.health, methods=["GET"])
   app.add_api_route("/openapi.json", routes.openapi, methods=["GET"])
   app.add_api_route("/v1/models", routes.models, methods=["GET"])
@@ -132,16 +167,20 @@ def create_app(
   app.add_api_route("/detokenize", routes.detokenize, methods=["POST"])
   app.add_api_route("/metrics", routes.prometheus, methods=["GET"])
   app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
+  app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
   return app
 
 
 class _Routes:
-  """One handler per endpoint, over what they share: the engine loop, the tokenizer, the
-  limits and the request-id counter."""
+  """One handler per endpoint, over what they share: the engine loop, the tokenizer, the chat
+  template, the limits and the request-id counter."""
 
-  def __init__(self, loop: EngineLoop, tokenizer, limits: protocol.Limits, stop_token_ids):
+  def __init__(
+    self, loop: EngineLoop, tokenizer, limits: protocol.Limits, stop_token_ids, chat_template
+  ):
     self.loop, self.tokenizer, self.limits = loop, tokenizer, limits
     self.stop_token_ids = stop_token_ids
+    self.chat_template = chat_template
     self.metrics = loop.metrics
     self.ids = itertools.count()
     self.created = int(time.time())
@@ -226,14 +265,30 @@ class _Routes:
     return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
   async def completions(self, request: Request) -> Response:
-    """Parses and checks the request, submits one engine request per prompt, then streams the
-    first one's tokens or answers with every prompt's choice once all are done."""
     try:  # Off the event loop: /health and streams go on while a large body is checked.
       params = await asyncio.to_thread(
         protocol.parse, await request.body(), self.tokenizer, self.limits
       )
     except protocol.RequestError as e:
       return self._refuse(e, "invalid")
+    return await self._serve(request, params, _TEXT)
+
+  async def chat_completions(self, request: Request) -> Response:
+    try:  # The template renders on the worker thread too.
+      params = await asyncio.to_thread(
+        protocol.parse_chat,
+        await request.body(),
+        self.tokenizer,
+        self.limits,
+        self.chat_template.render,
+      )
+    except protocol.RequestError as e:
+      return self._refuse(e, "invalid")
+    return await self._serve(request, params, _CHAT)
+
+  async def _serve(self, request: Request, params: protocol.Completion, shape) -> Response:
+    """Submits one engine request per prompt, then streams the first one's tokens or answers
+    with every prompt's choice once all are done, in the endpoint's shape."""
     sampling = SamplingParams(
       max_new_tokens=params.max_tokens,
       temperature=params.temperature,
@@ -247,15 +302,19 @@ class _Routes:
     positions = params.logprobs is not None and (params.echo or params.logprobs > 0)
     engine_requests = [
       GenRequest(
-        next(self.ids), p.tokens, sampling, prompt_text=p.text, position_logprobs=positions
+        next(self.ids),
+        p.tokens,
+        sampling,
+        prompt_text=p.text,
+        position_logprobs=positions,
+        depth=params.depth,
       )
       for p in params.prompts
     ]
-    aio = asyncio.get_running_loop()
-    queues = [asyncio.Queue() for _ in engine_requests]
-    sinks = [lambda event, q=q: aio.call_soon_threadsafe(q.put_nowait, event) for q in queues]
+    backlog = self.limits.stream_backlog if params.stream else None
+    call = _Call(self.loop, engine_requests, backlog, self.metrics)
     try:
-      self.loop.submit(engine_requests, sinks)
+      self.loop.submit(engine_requests, call.sinks(asyncio.get_running_loop()))
     except QueueFull as e:
       return self._refuse(
         protocol.RequestError(f"the server is busy: {e}", None, 429), "queue_full"
@@ -264,65 +323,151 @@ class _Routes:
       return _error(protocol.RequestError(str(e), None, 503))
     except ValueError as e:  # The engine's own checks (protocol.parse should have caught it).
       return self._refuse(protocol.RequestError(str(e)), "invalid")
-    finished = set()
-
-    def gone() -> None:
-      """Cancels what is unfinished; a handler waiting for it gets a Failed and returns."""
-      for r, q in zip(engine_requests, queues):
-        if r.request_id not in finished:
-          finished.add(r.request_id)
-          self.loop.cancel(r.request_id)
-          q.put_nowait(Failed(499, "the client disconnected."))
-
-    watcher = asyncio.ensure_future(_watch_disconnect(request, gone))
+    call.watcher = asyncio.ensure_future(_watch_disconnect(request, call.gone))
     head = {
-      "id": f"cmpl-{uuid.uuid4().hex}",
-      "object": "text_completion",
+      "id": f"{shape.id_prefix}{uuid.uuid4().hex}",
+      "object": shape.object,
       "created": int(time.time()),
       "model": self.limits.model_name,
     }
     if params.stream:
-      stream = _stream(
-        params, engine_requests[0], queues[0], head, self.tokenizer, finished, gone, watcher
-      )
+      stream = _stream(params, call, {**head, "object": shape.chunk_object}, self.tokenizer, shape)
       return StreamingResponse(stream, media_type="text/event-stream")
-    return await _answer(
-      params, engine_requests, queues, head, self.tokenizer, finished, gone, watcher
-    )
+    return await _answer(params, call, head, self.tokenizer, shape)
 
 
-async def _answer(
-  params, engine_requests, queues, head: dict, tokenizer, finished, gone, watcher
-) -> JSONResponse:
+class _Call:
+  """The engine requests of one HTTP request: an event queue each, which have finished, and the
+  cancel of the others when the client goes away or, streaming, falls behind.
+
+  backlog: for a stream, the most token events that may wait in its queue (sent by the engine,
+  not yet written to the client's connection); one more cancels the request, frees its pages and
+  queues an error event after the waiting tokens. A stream's events wait there only once the
+  connection's buffers are full (the server's send buffer, bounded in program.bind, and the
+  client's receive buffer), that is when its client has stopped reading: such a client holds
+  the engine for a bounded number of tokens, not for its whole max_tokens."""
+
+  def __init__(self, loop: EngineLoop, requests: list[GenRequest], backlog, metrics):
+    self.loop, self.requests, self.backlog, self.metrics = loop, requests, backlog, metrics
+    self.queues = [asyncio.Queue() for _ in requests]
+    self.finished: set[int] = set()
+    self.watcher: asyncio.Future | None = None
+
+  def sinks(self, aio: asyncio.AbstractEventLoop) -> list:
+    """Thread-safe sinks for the engine loop: each event is queued on the event loop."""
+    return [
+      lambda event, i=i: aio.call_soon_threadsafe(self._deliver, i, event)
+      for i in range(len(self.requests))
+    ]
+
+  def _deliver(self, i: int, event) -> None:
+    queue, rid = self.queues[i], self.requests[i].request_id
+    queue.put_nowait(event)
+    if self.backlog is not None and isinstance(event, Token) and rid not in self.finished:
+      if queue.qsize() > self.backlog:
+        self.finished.add(rid)
+        self.loop.cancel(rid)
+        self.metrics.inc("looped:streams_stalled_total")
+        message = (
+          f"the client stopped reading: {queue.qsize()} tokens were waiting to be sent "
+          f"(serve.stream_backlog = {self.backlog}), so the request was cancelled."
+        )
+        queue.put_nowait(Failed(408, message))
+
+  def gone(self) -> None:
+    """Cancels what is unfinished; a handler waiting for it gets a Failed and returns."""
+    for r, q in zip(self.requests, self.queues):
+      if r.request_id not in self.finished:
+        self.finished.add(r.request_id)
+        self.loop.cancel(r.request_id)
+        q.put_nowait(Failed(499, "the client disconnected."))
+
+  def close(self) -> None:
+    if self.watcher is not None:
+      self.watcher.cancel()
+
+
+class _TextShape:
+  """/v1/completions' objects: a choice's `text` and the legacy logprobs object."""
+
+  id_prefix, object, chunk_object = "cmpl-", "text_completion", "text_completion"
+  logprobs = _Logprobs
+
+  def choice(self, index: int, text: str, logprobs, finish_reason: str) -> protocol.Choice:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+  def opening(self) -> dict | None:
+    return None
+
+  def chunk(self, text: str, logprobs, finish_reason: str | None) -> protocol.Choice:
+    return self.choice(0, text, logprobs, finish_reason)
+
+
+class _ChatShape:
+  """/v1/chat/completions' objects: the assistant's `message`, in a stream a first chunk with
+  its role and then `delta`s of its content; the chat logprobs object."""
+
+  id_prefix, object, chunk_object = "chatcmpl-", "chat.completion", "chat.completion.chunk"
+  logprobs = _ChatLogprobs
+
+  def choice(self, index: int, text: str, logprobs, finish_reason: str) -> protocol.ChatChoice:
+    message = {"role": "assistant", "content": text}
+    return {
+      "index": index,
+      "message": message,
+      "logprobs": logprobs,
+      "finish_reason": finish_reason,
+    }
+
+  def opening(self) -> protocol.ChatChunkChoice:
+    delta = {"role": "assistant", "content": ""}
+    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+
+  def chunk(self, text: str, logprobs, finish_reason: str | None) -> protocol.ChatChunkChoice:
+    delta = {"content": text} if text or finish_reason is None else {}
+    return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+_TEXT, _CHAT = _TextShape(), _ChatShape()
+
+
+async def _answer(params, call: _Call, head: dict, tokenizer, shape) -> JSONResponse:
   """The non-streaming response: every prompt's choice and the usage once all are done, or
   the first failure's error (cancelling the rest)."""
   try:
-    choices = []
+    choices, recurrences = [], []
     usage = {"prompt_tokens": 0, "completion_tokens": 0}
-    for i, (prompt, r, q) in enumerate(zip(params.prompts, engine_requests, queues)):
+    for i, (prompt, r, q) in enumerate(zip(params.prompts, call.requests, call.queues)):
       while not isinstance(event := await q.get(), (Done, Failed)):
         pass
-      finished.add(r.request_id)
+      call.finished.add(r.request_id)
       if isinstance(event, Failed):
-        gone()
+        call.gone()
         return JSONResponse(guards.error_body(event.message, event.status), event.status)
-      choices.append(_choice(i, params, prompt, event, tokenizer))
+      choices.append(_choice(i, params, prompt, event, tokenizer, shape))
       usage["prompt_tokens"] += len(prompt.tokens)
       usage["completion_tokens"] += len(event.tokens)
+      recurrences += event.recurrences
   except asyncio.CancelledError:
-    gone()
+    call.gone()
     raise
   finally:
-    watcher.cancel()
+    call.close()
   usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+  usage["mean_recurrences"] = _mean(recurrences)
   return JSONResponse({**head, "choices": choices, "usage": usage})
 
 
-def _choice(index: int, params, prompt: protocol.Prompt, done: Done, tokenizer) -> dict:
+def _mean(recurrences) -> float | None:
+  """usage's mean_recurrences: over the completion's tokens (None without any)."""
+  return sum(recurrences) / len(recurrences) if recurrences else None
+
+
+def _choice(index: int, params, prompt: protocol.Prompt, done: Done, tokenizer, shape) -> dict:
   prefix = prompt.text if params.echo else ""
   logprobs = None
   if params.logprobs is not None:
-    out = _Logprobs(tokenizer, params.logprobs)
+    out = shape.logprobs(tokenizer, params.logprobs)
     if params.echo:
       _prompt_logprobs(out, prompt, done.positions, tokenizer)
     start = len(prompt.text)
@@ -332,55 +477,53 @@ def _choice(index: int, params, prompt: protocol.Prompt, done: Done, tokenizer) 
       offset = start + len(tokenizer.decode(done.tokens[:j]))
       out.add(token, lp, None if top is None else top[1:], offset)
     logprobs = out.payload()
-  return {
-    "index": index,
-    "text": prefix + done.text,
-    "logprobs": logprobs,
-    "finish_reason": _FINISH[done.finish_reason],
-  }
+  return shape.choice(index, prefix + done.text, logprobs, _FINISH[done.finish_reason])
 
 
-async def _stream(
-  params, request: GenRequest, queue: asyncio.Queue, head: dict, tokenizer, finished, gone, watcher
-) -> AsyncIterator[str]:
+async def _stream(params, call: _Call, head: dict, tokenizer, shape) -> AsyncIterator[str]:
   """Server-sent events: a chunk per generated token (its text may be held back, see
-  TextStream; with echo the first also carries the prompt), the finish reason on the last, then
-  `[DONE]`."""
+  TextStream; with echo the first also carries the prompt; a chat's opens with the role), the
+  finish reason on the last, then `[DONE]`."""
   prompt = params.prompts[0]
+  request, queue = call.requests[0], call.queues[0]
   text = TextStream(params.stop)
   generated: list[int] = []
-  out = None if params.logprobs is None else _Logprobs(tokenizer, params.logprobs)
+  out = None if params.logprobs is None else shape.logprobs(tokenizer, params.logprobs)
 
-  def chunk(delta: str, finish_reason: str | None) -> str:
-    logprobs = None if out is None else out.payload()
-    choice = {"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+  def event(choice) -> str:
     return f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
 
   try:
+    if (opening := shape.opening()) is not None:
+      yield event(opening)
     while True:
-      event = await queue.get()
-      if isinstance(event, Failed):
-        yield f"data: {json.dumps(guards.error_body(event.message, event.status))}\n\n"
+      item = await queue.get()
+      if isinstance(item, Failed):
+        yield f"data: {json.dumps(guards.error_body(item.message, item.status))}\n\n"
         break
-      if isinstance(event, Done):
-        finished.add(request.request_id)
-        yield chunk(text.delta(event.text, final=True), _FINISH[event.finish_reason])
+      if isinstance(item, Done):
+        call.finished.add(request.request_id)
+        logprobs = None if out is None else out.payload()
+        delta = text.delta(item.text, final=True)
+        yield event(shape.chunk(delta, logprobs, _FINISH[item.finish_reason]))
         if params.include_usage:
-          usage = {"prompt_tokens": len(prompt.tokens), "completion_tokens": len(event.tokens)}
+          usage = {"prompt_tokens": len(prompt.tokens), "completion_tokens": len(item.tokens)}
           usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+          usage["mean_recurrences"] = _mean(item.recurrences)
           yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage})}\n\n"
         break
       prefix = ""
       if not generated and params.echo:
         prefix = prompt.text
         if out is not None:
-          _prompt_logprobs(out, prompt, event.prompt_positions or {}, tokenizer)
+          _prompt_logprobs(out, prompt, item.prompt_positions or {}, tokenizer)
       if out is not None:
         offset = len(prompt.text) + len(tokenizer.decode(generated))
-        out.add(event.token, event.logprob, event.top, offset)
-      generated.append(event.token)
-      yield chunk(prefix + text.delta(event.text, final=False), None)
+        out.add(item.token, item.logprob, item.top, offset)
+      generated.append(item.token)
+      logprobs = None if out is None else out.payload()
+      yield event(shape.chunk(prefix + text.delta(item.text, final=False), logprobs, None))
     yield "data: [DONE]\n\n"
   finally:
-    watcher.cancel()
-    gone()
+    call.close()
+    call.gone()

@@ -41,3 +41,11 @@ class ServeConfig(EngineSection):
   max_body_bytes: int = field(
     1 << 22, "Request bodies over this many bytes get HTTP 413.", min=1024
   )
+  body_timeout_s: float = field(
+    60.0, "A request body not complete this long after the request began gets HTTP 408.", min=0.1
+  )
+  stream_backlog: int = field(
+    64,
+    "Tokens a stream may have waiting for a client that stopped reading before it is cancelled.",
+    min=1,
+  )

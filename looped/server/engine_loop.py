@@ -44,6 +44,7 @@ class Done:
   finish_reason: str  # 'length', 'stop_token' or 'stop_string'.
   positions: dict  # RequestState.positions (empty unless position_logprobs).
   cached_prompt_tokens: int
+  recurrences: tuple[int, ...] = ()  # Of the call that produced each token (Generation's).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +90,11 @@ class EngineLoop:
 
   def _register_gauges(self, metrics: Metrics) -> None:
     engine = self.engine
+    metrics.histogram(
+      "looped:recurrences_per_token",
+      tuple(range(1, engine.model.cfg.num_recurrences + 1)),
+      "Recurrences of the call that produced each generated token (test-time depth).",
+    )
     metrics.gauge("vllm:num_requests_running", "Requests in the running batch.", self.num_running)
     metrics.gauge("vllm:num_requests_waiting", "Requests queued.", self.num_waiting)
     metrics.gauge(
@@ -247,6 +253,7 @@ class EngineLoop:
     else:
       self.metrics.observe("vllm:inter_token_latency_seconds", now - tracked.last_token)
     tracked.last_token = now
+    self.metrics.observe("looped:recurrences_per_token", event.recurrences)
     tracked.sink(event)
 
   def _done(self, g: Generation) -> None:
@@ -261,7 +268,15 @@ class EngineLoop:
       return
     self.metrics.observe("vllm:e2e_request_latency_seconds", time.monotonic() - tracked.arrival)
     tracked.sink(
-      Done(g.tokens, g.logprobs, g.text, g.finish_reason, g.positions, g.cached_prompt_tokens)
+      Done(
+        g.tokens,
+        g.logprobs,
+        g.text,
+        g.finish_reason,
+        g.positions,
+        g.cached_prompt_tokens,
+        tuple(g.recurrences),
+      )
     )
 
   def _abort(self, rid: int) -> None:

@@ -67,6 +67,7 @@ class Metrics:
       ("vllm:prefix_cache_hits_total", "Prompt tokens found in the prefix cache."),
       ("looped:requests_rejected_total", "Requests refused before the engine, by reason."),
       ("looped:requests_aborted_total", "Requests cancelled (client gone) before finishing."),
+      ("looped:streams_stalled_total", "Streams cancelled: their client stopped reading."),
     ):
       self.help[name] = ("counter", text)
     for name, buckets, text in (
@@ -74,6 +75,12 @@ class Metrics:
       ("vllm:inter_token_latency_seconds", ITL_BUCKETS, "Time between consecutive tokens."),
       ("vllm:e2e_request_latency_seconds", E2E_BUCKETS, "Arrival to finish."),
     ):
+      self.help[name] = ("histogram", text)
+      self.histograms[name] = Histogram(buckets)
+
+  def histogram(self, name: str, buckets: Sequence[float], text: str) -> None:
+    """Declares a histogram of the caller's own (observe fills it)."""
+    with self._lock:
       self.help[name] = ("histogram", text)
       self.histograms[name] = Histogram(buckets)
 

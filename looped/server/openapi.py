@@ -1,11 +1,11 @@
 """The server's OpenAPI 3.0 document, served at /openapi.json.
 
 Generated from protocol.py's declarations for the served model's limits (vocabulary, context,
-logprobs, batch size): the completion request's field records (each field's type, range,
-default and doc) and the request and response types of every route. Not generated from handler
-signatures: the handlers read raw bodies so that each refusal names its field. It tells clients
-what is accepted, and an API fuzzer (schemathesis, tests/server_fuzz_test.py) sends what it
-allows and what it does not.
+logprobs, batch size): the completion and chat requests' field records (each field's type,
+range, default, nullability and doc) and the request and response types of every route. Not
+generated from handler signatures: the handlers read raw bodies so that each refusal names its
+field. It tells clients what is accepted, and an API fuzzer (schemathesis,
+tests/server_fuzz_test.py) sends what it allows and what it does not.
 """
 
 from __future__ import annotations
@@ -71,8 +71,9 @@ def _request_body(fields: tuple[protocol.Field, ...], limits: protocol.Limits) -
 
 
 _WHY = {
-  400: "a field is invalid (the message names it)",
+  400: "a field is invalid (the message names it), or the HTTP request is malformed",
   404: "another model is asked for",
+  408: "the body was not complete within serve.body_timeout_s",
   413: "the body is over serve.max_body_bytes",
   429: "the queue is full (retry later)",
   503: "the server is warming up or shutting down",
@@ -114,6 +115,10 @@ def routes() -> tuple[Route, ...]:
     "application/json": protocol.CompletionResponse,
     "text/event-stream": protocol.StreamEvent,
   }
+  chat = {
+    "application/json": protocol.ChatCompletionResponse,
+    "text/event-stream": protocol.StreamEvent,
+  }
   return (
     Route(
       "/v1/completions",
@@ -121,7 +126,15 @@ def routes() -> tuple[Route, ...]:
       "the completion (a JSON object, or server-sent events with stream)",
       completion,
       body=protocol.REQUEST,
-      errors=(400, 404, 413, 429, 503),
+      errors=(400, 404, 408, 413, 429, 503),
+    ),
+    Route(
+      "/v1/chat/completions",
+      "post",
+      "the assistant's reply (a JSON object, or server-sent events with stream)",
+      chat,
+      body=protocol.CHAT_REQUEST,
+      errors=(400, 404, 408, 413, 429, 503),
     ),
     Route("/v1/models", "get", "the served model", {"application/json": protocol.Models}),
     Route("/health", "get", "ready", {"application/json": protocol.Health}, errors=(503,)),
@@ -131,7 +144,7 @@ def routes() -> tuple[Route, ...]:
       "the prompt's token ids",
       {"application/json": protocol.Tokens},
       body=protocol.TokenizeRequest,
-      errors=(400, 413),
+      errors=(400, 408, 413),
     ),
     Route(
       "/detokenize",
@@ -139,7 +152,7 @@ def routes() -> tuple[Route, ...]:
       "the tokens' text",
       {"application/json": protocol.Detokenized},
       body=protocol.DetokenizeRequest,
-      errors=(400, 413),
+      errors=(400, 408, 413),
     ),
     Route(
       "/tokenizer_info",

@@ -28,7 +28,7 @@ from looped.engine import mesh as mesh_lib
 from looped.engine.engine import Engine
 from looped.model import config as model_lib
 from looped.model.looped_lm import LoopedLM
-from looped.server import protocol
+from looped.server import guards, protocol
 from looped.server.app import create_app
 from looped.server.config import ServeConfig
 from looped.server.engine_loop import EngineLoop
@@ -91,6 +91,8 @@ def build(config, chosen: tuple[str, ...] = ()) -> tuple[Any, EngineLoop]:
     max_logprobs=s.max_logprobs,
     warmup=s.warmup,
     max_body_bytes=s.max_body_bytes,
+    body_timeout_s=s.body_timeout_s,
+    stream_backlog=s.stream_backlog,
   )
 
 
@@ -103,6 +105,8 @@ def serve_engine(
   max_logprobs: int,
   warmup: bool = False,
   max_body_bytes: int = 1 << 22,
+  body_timeout_s: float = 60.0,
+  stream_backlog: int = 64,
 ):
   """An app and a started loop around an Engine (also what tests build directly); warmup: the
   loop compiles every step shape before it is ready (EngineLoop)."""
@@ -115,6 +119,11 @@ def serve_engine(
     page_size=engine.config.page_size,
     max_batch=max(1, max_waiting),
     max_body_bytes=max_body_bytes,
+    body_timeout_s=body_timeout_s,
+    stream_backlog=stream_backlog,
+    max_recurrences=engine.model.cfg.num_recurrences,
+    exit_gate=engine.model.cfg.exit_gate,
+    depth=engine.engine_config.depth,
   )
   loop = EngineLoop(engine, max_waiting=max_waiting, metrics=Metrics(name), warmup=warmup)
   loop.start()
@@ -122,10 +131,17 @@ def serve_engine(
   return app, loop
 
 
+# Each connection's kernel send buffer (Linux doubles it), set on the listening socket, whose
+# connections inherit it. Left to itself Linux grows a buffer to 4 MiB, which would take ~20,000
+# streamed tokens for a client that stopped reading before the server could see it (app._Call).
+SEND_BUFFER_BYTES = 64 << 10
+
+
 def bind(host: str, port: int) -> socket.socket:
   family = socket.AF_INET6 if ":" in host else socket.AF_INET
   sock = socket.socket(family, socket.SOCK_STREAM)
   sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+  sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
   try:
     sock.bind((host, port))
   except OSError as e:
@@ -173,6 +189,7 @@ def run(config, workdir: str, chosen: tuple[str, ...] = ()) -> dict[str, Any]:
   server = uvicorn.Server(
     uvicorn.Config(
       app,
+      http=guards.HttpProtocol,
       log_level="warning",
       lifespan="off",
       timeout_graceful_shutdown=s.drain_timeout_s,

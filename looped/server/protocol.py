@@ -1,13 +1,17 @@
-"""The server's request and response types, and the parser of a `/v1/completions` body.
+"""The server's request and response types, and the parsers of `/v1/completions` and
+`/v1/chat/completions` bodies.
 
-Each request field is declared once, as a record in `REQUEST` (name, doc, default, range):
-`parse` checks a body with the records' `check`, and openapi.py writes the OpenAPI document
-from their `schema` and from the response types below, so a field added here is accepted and
-documented with no second edit. Fields are checked by hand rather than by a schema library so
-that each refusal is one sentence naming the field (`param` in OpenAI's error object), and so a
-body the engine could choke on (NaN temperature, bad token ids, a prompt longer than the context)
-is a 400 in the request's own handler: the engine loop only ever sees requests it can serve.
-Rules that relate several fields (the context, the page pool, a streamed batch) are `_check_fits`.
+Each request field is declared once, as a record in `REQUEST` or `CHAT_REQUEST` (name, doc,
+default, range; the fields the two share are the same records): `parse` and `parse_chat` check a
+body with the records' `check`, and openapi.py writes the OpenAPI document from their `schema`
+and from the response types below, so a field added here is accepted and documented with no
+second edit. As in OpenAI's API, `null` in an optional field means its default. Fields are
+checked by hand rather than by a schema library so that each refusal is one sentence naming the
+field (`param` in OpenAI's error object) and quoting at most QUOTE_CHARS of the value, and so a
+body the engine could choke on (NaN temperature, bad token ids, a prompt longer than the context,
+an integer of 5,000 digits) is a 400 in the request's own handler: the engine loop only ever sees
+requests it can serve. Rules that relate several fields (the context, the page pool, a streamed
+batch) are `_check_fits`.
 """
 
 from __future__ import annotations
@@ -15,13 +19,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import reprlib
 import secrets
+from collections.abc import Callable
 from typing import Annotated, Any, Literal, NotRequired, TypedDict
 
 from looped.engine import sampling
+from looped.engine.requests import DepthParams
+from looped.model import adaptive
 
 MAX_STOP_STRINGS = 4  # As OpenAI's API.
 MAX_STOP_CHARS = 1024  # A stop string's length: streams hold back that many characters.
+QUOTE_CHARS = 80  # The most characters of a client's value an error message quotes.
 
 
 class RequestError(ValueError):
@@ -45,6 +54,11 @@ class Limits:
   page_size: int
   max_batch: int = 256  # Prompts in one request (serve.max_waiting: a batch queues at once).
   max_body_bytes: int = 1 << 22  # Request bodies over this many bytes get a 413.
+  body_timeout_s: float = 60.0  # A body not complete this long after the request began: 408.
+  stream_backlog: int = 64  # Tokens a stream may have waiting for its client before it is aborted.
+  max_recurrences: int = 0  # The most recurrences a request may ask for (the engine's loop).
+  exit_gate: bool = False  # The model has an exit gate (exit_criterion 'gate').
+  depth: DepthParams = DepthParams()  # The server's depth settings (serve.recurrences, ...).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +83,40 @@ class Completion:
   logprobs: int | None
   echo: bool
   ignore_eos: bool
+  depth: DepthParams | None = None  # The request's own depth settings (None: the server's).
+
+
+class HugeInteger:
+  """A JSON integer with more digits than Python's int() reads (sys.get_int_max_str_digits,
+  4,300): `json_object` parses it into this, so the field holding it is refused by name
+  instead of the parser failing on the whole body."""
+
+  def __init__(self, digits: int):
+    self.digits = digits
+
+  def __repr__(self) -> str:
+    return f"<an integer of {self.digits} digits>"
+
+
+def _read_int(text: str) -> int | HugeInteger:
+  try:
+    return int(text)
+  except ValueError:
+    return HugeInteger(len(text.lstrip("-")))
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel = 2
+_REPR.maxstring = _REPR.maxlong = _REPR.maxother = QUOTE_CHARS // 2
+for _kind in ("tuple", "list", "array", "dict", "set", "frozenset", "deque"):
+  setattr(_REPR, f"max{_kind}", 4)
+
+
+def quote(value: Any) -> str:
+  """A client's value as an error message quotes it: a repr cut to QUOTE_CHARS characters (a
+  1 MB field name or a 4,000-digit number is not echoed back whole)."""
+  text = _REPR.repr(value)
+  return text if len(text) <= QUOTE_CHARS else text[: QUOTE_CHARS - 3] + "..."
 
 
 def is_int(value: Any) -> bool:
@@ -99,8 +147,10 @@ def json_object(raw: bytes) -> dict:
     body = json.loads(text)
   except json.JSONDecodeError as e:
     raise RequestError(f"the body is not JSON ({e.msg} at line {e.lineno}).") from None
-  except RecursionError:  # The parser's depth bound: no request nests more than 3 levels.
+  except RecursionError:  # The parser's depth bound: a valid request nests 5 levels at most.
     raise RequestError("the body nests JSON arrays or objects too deeply.") from None
+  except ValueError:  # An integer over int()'s digit limit: read again, keeping it apart.
+    body = json.loads(text, parse_int=_read_int)
   if not isinstance(body, dict):
     raise RequestError("the body must be a JSON object.")
   return body
@@ -125,14 +175,16 @@ class Field:
   """One request field: `check` parses the body's value (or refuses it naming the field) and
   `rule` states what it accepts as a JSON schema, for the same limits.
 
-  default: the value of an absent field (or a function of Limits); None where the field may
-  also be null, which means absent. required: the body must hold it.
+  default: the value of an absent or null field (or a function of Limits); None: the field has
+  no value then. required: the body must hold it, not null. nullable: null means the default
+  (else null is checked as a value).
   """
 
   name: str
   doc: str
   default: ByLimits = None
   required: bool = False
+  nullable: bool = True
 
   def check(self, value: Any, limits: Limits, tokenizer) -> Any:
     raise NotImplementedError
@@ -141,17 +193,24 @@ class Field:
     raise NotImplementedError
 
   def take(self, body: dict, limits: Limits, tokenizer) -> Any:
-    """The field's parsed value in `body`."""
-    if self.required and self.name not in body:
+    """The field's parsed value in `body`: null is its default, as in OpenAI's API."""
+    if self.name in body and (body[self.name] is not None or not self.nullable):
+      return self.check(body[self.name], limits, tokenizer)
+    if self.required:
       raise RequestError(f"{self.name} is required.", self.name)
-    return self.check(body.get(self.name, at(self.default, limits)), limits, tokenizer)
+    return self.check(at(self.default, limits), limits, tokenizer)
 
   def schema(self, limits: Limits) -> dict:
-    """The field's JSON schema: its rule, doc and default."""
+    """The field's JSON schema: its rule, doc and default (a nullable optional field says so;
+    an enum then lists null, as OpenAPI 3.0 asks)."""
     out = {**self.rule(limits), "description": self.doc}
     if not self.required:
       default = at(self.default, limits)
-      out.update({"nullable": True} if default is None else {"default": default})
+      out.update({} if default is None else {"default": default})
+      if self.nullable:
+        out["nullable"] = True
+        if "enum" in out:
+          out["enum"] = [*out["enum"], None]
     return out
 
   def refuse(self, message: str, status: int = 400) -> RequestError:
@@ -171,11 +230,11 @@ class Integer(Field):
     if value is None and self.default is None:
       return None
     if not is_int(value):
-      raise self.refuse(f"{self.name} must be an integer, got {value!r}.")
+      raise self.refuse(f"{self.name} must be an integer, got {quote(value)}.")
     hi = at(self.hi, limits)
     if value < self.lo or (hi is not None and value > hi):
       bounds = f">= {self.lo}" if hi is None else f"in [{self.lo}, {hi}]"
-      raise self.refuse(f"{self.name} must be {bounds}, got {value}.")
+      raise self.refuse(f"{self.name} must be {bounds}, got {quote(value)}.")
     return value
 
   def rule(self, limits: Limits) -> dict:
@@ -193,14 +252,17 @@ class Number(Field):
 
   def check(self, value: Any, limits: Limits, tokenizer) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-      raise self.refuse(f"{self.name} must be a number, got {value!r}.")
-    if not math.isfinite(value):
-      raise self.refuse(f"{self.name} must be a finite number, got {value!r}.")
-    value = float(value)
-    if not (self.lo < value if self.lo_open else self.lo <= value) or value > self.hi:
-      bounds = f"{'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}]"
-      raise self.refuse(f"{self.name} must be in {bounds}, got {value}.")
-    return value
+      raise self.refuse(f"{self.name} must be a number, got {quote(value)}.")
+    bounds = f"{'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}]"
+    try:
+      number = float(value)
+    except OverflowError:  # An integer beyond any float: 400 digits of temperature.
+      raise self.refuse(f"{self.name} must be in {bounds}, got {quote(value)}.") from None
+    if not math.isfinite(number):
+      raise self.refuse(f"{self.name} must be a finite number, got {number!r}.")
+    if not (self.lo < number if self.lo_open else self.lo <= number) or number > self.hi:
+      raise self.refuse(f"{self.name} must be in {bounds}, got {quote(value)}.")
+    return number
 
   def rule(self, limits: Limits) -> dict:
     open_lo = {"exclusiveMinimum": True} if self.lo_open else {}
@@ -211,7 +273,7 @@ class Number(Field):
 class Boolean(Field):
   def check(self, value: Any, limits: Limits, tokenizer) -> bool:
     if not isinstance(value, bool):
-      raise self.refuse(f"{self.name} must be true or false, got {value!r}.")
+      raise self.refuse(f"{self.name} must be true or false, got {quote(value)}.")
     return value
 
   def rule(self, limits: Limits) -> dict:
@@ -222,7 +284,7 @@ class Boolean(Field):
 class Text(Field):
   def check(self, value: Any, limits: Limits, tokenizer) -> str:
     if not isinstance(value, str):
-      raise self.refuse(f"{self.name} must be a string, got {value!r}.")
+      raise self.refuse(f"{self.name} must be a string, got {quote(value)}.")
     return value
 
   def rule(self, limits: Limits) -> dict:
@@ -237,7 +299,7 @@ class Exactly(Field):
 
   def check(self, value: Any, limits: Limits, tokenizer) -> int:
     if not is_int(value) or value != self.default:
-      raise self.refuse(f"{self.name} must be {self.default} ({self.why}), got {value!r}.")
+      raise self.refuse(f"{self.name} must be {self.default} ({self.why}), got {quote(value)}.")
     return value
 
   def rule(self, limits: Limits) -> dict:
@@ -246,12 +308,18 @@ class Exactly(Field):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ServedModel(Field):
-  """The served model's name: asking for another is a 404."""
+  """The served model's name: asking for another is a 404. Not nullable: OpenAI's API requires
+  a model, and a null one names none."""
+
+  nullable: bool = False
 
   def check(self, value: Any, limits: Limits, tokenizer) -> str:
+    if not isinstance(value, str):
+      raise self.refuse(f"model must be a string, got {quote(value)}.")
     if value != limits.model_name:
       raise self.refuse(
-        f"model {value!r} is not served here (this server serves {limits.model_name!r}).", 404
+        f"model {quote(value)} is not served here (this server serves {limits.model_name!r}).",
+        404,
       )
     return value
 
@@ -289,7 +357,7 @@ class Stop(Field):
     elif isinstance(value, list) and all(isinstance(s, str) for s in value):
       stop = tuple(value)
     else:
-      raise self.refuse(f"stop must be a string or a list of strings, got {value!r}.")
+      raise self.refuse(f"stop must be a string or a list of strings, got {quote(value)}.")
     if len(stop) > MAX_STOP_STRINGS or not all(stop):
       raise self.refuse(f"stop must hold at most {MAX_STOP_STRINGS} non-empty strings.")
     for i, s in enumerate(stop):
@@ -327,7 +395,7 @@ class Prompts(Field):
       bad = [t for t in item if not 0 <= t < limits.vocab_size]
       if bad:
         raise self.refuse(
-          f"{where} holds token id {bad[0]}; ids must lie in [0, {limits.vocab_size})."
+          f"{where} holds token id {quote(bad[0])}; ids must lie in [0, {limits.vocab_size})."
         )
       return Prompt(tuple(item), tokenizer.decode(item))
     raise self.refuse(f"{where} must be a non-empty string or list of token ids.")
@@ -339,15 +407,237 @@ class Prompts(Field):
     return {"oneOf": [text, tokens, {**batch, "maxItems": limits.max_batch}]}
 
 
+# The roles a chat message may have: what every chat template renders. Tool calls and their
+# results ('tool', 'function') are not served.
+CHAT_ROLES = ("system", "user", "assistant")
+MESSAGE_KEYS = ("role", "content", "name")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Messages(Field):
+  """A chat: a non-empty list of {role, content, name?}, where content is a non-empty string or
+  a non-empty list of OpenAI's text parts ({"type": "text", "text": ...}, joined with newlines,
+  as vLLM does; image or audio parts are refused). Parsed into a tuple of dicts with string
+  content, which is what a chat template renders. A refusal names the message's key, e.g.
+  `messages[2].role`."""
+
+  def check(self, value: Any, limits: Limits, tokenizer) -> tuple[dict, ...]:
+    if not isinstance(value, list) or not value:
+      raise self.refuse(f"messages must be a non-empty list of messages, got {quote(value)}.")
+    return tuple(self._message(m, f"messages[{i}]") for i, m in enumerate(value))
+
+  def _message(self, message: Any, where: str) -> dict:
+    if not isinstance(message, dict):
+      raise RequestError(
+        f"{where} must be an object with a role and a content, got {quote(message)}.", where
+      )
+    for key in message:
+      if key not in MESSAGE_KEYS:
+        name = bounded(key)
+        raise RequestError(
+          f"{where}.{name} is not supported (a message holds {', '.join(MESSAGE_KEYS)}).",
+          f"{where}.{name}",
+        )
+    role = message.get("role")
+    if role not in CHAT_ROLES:
+      raise RequestError(
+        f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {quote(role)}.",
+        f"{where}.role",
+      )
+    out = {"role": role, "content": self._content(message.get("content"), f"{where}.content")}
+    name = message.get("name")
+    if name is not None:
+      if not isinstance(name, str):
+        raise RequestError(f"{where}.name must be a string, got {quote(name)}.", f"{where}.name")
+      out["name"] = check_text(name, f"{where}.name", f"{where}.name")
+    return out
+
+  def _content(self, content: Any, where: str) -> str:
+    if isinstance(content, str):
+      if not content:
+        raise RequestError(f"{where} is empty.", where)
+      return check_text(content, where, where)
+    if not isinstance(content, list) or not content:
+      raise RequestError(
+        f"{where} must be a non-empty string or list of text parts, got {quote(content)}.", where
+      )
+    texts = []
+    for j, part in enumerate(content):
+      at_part = f"{where}[{j}]"
+      kind = part.get("type") if isinstance(part, dict) else None
+      if kind != "text" or set(part) != {"type", "text"}:
+        if isinstance(kind, str) and kind != "text":
+          message = f"{at_part} is a {quote(kind)} part; only text parts are served."
+        else:
+          message = f'{at_part} must be {{"type": "text", "text": ...}}, got {quote(part)}.'
+        raise RequestError(message, at_part)
+      text = part["text"]
+      if not isinstance(text, str) or not text:
+        raise RequestError(
+          f"{at_part}.text must be a non-empty string, got {quote(text)}.", f"{at_part}.text"
+        )
+      texts.append(check_text(text, f"{at_part}.text", f"{at_part}.text"))
+    return "\n".join(texts)
+
+  def rule(self, limits: Limits) -> dict:
+    part = {
+      "type": "object",
+      "required": ["type", "text"],
+      "additionalProperties": False,
+      "properties": {
+        "type": {"type": "string", "enum": ["text"]},
+        "text": {"type": "string", "minLength": 1},
+      },
+    }
+    content = {"type": "array", "items": part, "minItems": 1}
+    message = {
+      "type": "object",
+      "required": ["role", "content"],
+      "additionalProperties": False,
+      "properties": {
+        "role": {"type": "string", "enum": list(CHAT_ROLES)},
+        "content": {"oneOf": [{"type": "string", "minLength": 1}, content]},
+        "name": {"type": "string", "nullable": True},
+      },
+    }
+    return {"type": "array", "items": message, "minItems": 1}
+
+
+# The fields both endpoints take, one record each: a change here changes both.
+MODEL = ServedModel(
+  name="model",
+  doc="The served model (the only one accepted).",
+  default=lambda limits: limits.model_name,
+)
+TEMPERATURE = Number(
+  name="temperature",
+  doc="Sampling temperature; 0 is greedy.",
+  default=1.0,
+  lo=0,
+  hi=sampling.MAX_TEMPERATURE,
+)
+TOP_P = Number(
+  name="top_p",
+  doc="Nucleus sampling: the smallest set of likeliest tokens whose probability reaches top_p.",
+  default=1.0,
+  lo=0,
+  hi=1,
+  lo_open=True,
+)
+TOP_K = Integer(
+  name="top_k",
+  # -1 (vLLM's off) and 0 both mean all tokens; more than the vocabulary is not a top-k.
+  doc="Sample from the k likeliest tokens; 0 or -1: from all of them.",
+  default=0,
+  lo=-1,
+  hi=lambda limits: limits.vocab_size,
+)
+SEED = Integer(
+  name="seed",
+  doc="The sampler's seed, for a repeatable completion; null: a random one.",
+  lo=0,
+  hi=2**31 - 1,
+)
+STOP = Stop(name="stop", doc="Strings that end the completion when generated.")
+N = Exactly(name="n", doc="Completions per prompt.", default=1, why="one completion per prompt")
+STREAM = Boolean(
+  name="stream", doc="Send tokens as server-sent events (one prompt).", default=False
+)
+STREAM_OPTIONS = Options(
+  name="stream_options",
+  doc="Options of a stream.",
+  fields=(
+    Boolean(
+      name="include_usage", doc="Send the usage in a last chunk before [DONE].", default=False
+    ),
+  ),
+)
+IGNORE_EOS = Boolean(
+  name="ignore_eos", doc="Generate past the end-of-sequence token.", default=False
+)
+USER = Text(name="user", doc="Who sends the request (accepted, not used).", default="")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Choice(Field):
+  """One of `choices` (strings, or a function of Limits giving them: what the served model
+  takes); null or absent: the default (None: no value)."""
+
+  choices: ByLimits
+
+  def check(self, value: Any, limits: Limits, tokenizer) -> str | None:
+    if value is None and self.default is None:
+      return None
+    choices = at(self.choices, limits)
+    if not isinstance(value, str) or value not in choices:
+      raise self.refuse(f"{self.name} must be one of {', '.join(choices)}, got {quote(value)}.")
+    return value
+
+  def rule(self, limits: Limits) -> dict:
+    return {"type": "string", "enum": list(at(self.choices, limits))}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptionalNumber(Number):
+  """A Number whose absence (null or absent, default None) is a value of its own."""
+
+  def check(self, value: Any, limits: Limits, tokenizer) -> float | None:
+    return None if value is None else super().check(value, limits, tokenizer)
+
+
+# Test-time depth (docs/design.md §3, "Depth at test time"): a request's own recurrences and
+# exit; an absent one keeps the server's setting (serve.recurrences, serve.exit_criterion, ...),
+# and a request naming a criterion without a threshold gets that criterion's default.
+DEPTH_FIELDS = ("recurrences", "exit_criterion", "exit_threshold", "min_recurrences")
+RECURRENCES = Integer(
+  name="recurrences",
+  doc="Recurrences per token, at most the server's serve.max_recurrences (0: the model's R); "
+  "null: the server's setting.",
+  lo=0,
+  hi=lambda limits: limits.max_recurrences,
+)
+EXIT_CRITERION = Choice(
+  name="exit_criterion",
+  doc="Per-token exit: 'none', Huginn's criteria or Ouro's 'gate' (a model with an exit gate); "
+  "null: the server's setting.",
+  choices=lambda limits: tuple(c for c in adaptive.CRITERIA if c != "gate" or limits.exit_gate),
+)
+EXIT_THRESHOLD = OptionalNumber(
+  name="exit_threshold",
+  doc="The exit criterion's threshold (the gate's in (0, 1], argmax-stability's a whole "
+  "number); null: the criterion's default.",
+  lo=0,
+  hi=1e6,
+)
+MIN_RECURRENCES = Integer(
+  name="min_recurrences",
+  doc="No exit before this many recurrences; null: the server's setting.",
+  lo=0,
+  hi=lambda limits: limits.max_recurrences,
+)
+
+
+def depth_of(values: dict, limits: Limits) -> DepthParams | None:
+  """A request's depth settings (the server's with the request's fields over them; None when
+  it gives none), or RequestError naming the field that makes them unservable."""
+  given = {k: values.get(k) for k in DEPTH_FIELDS if values.get(k) is not None}
+  if not given:
+    return None
+  if "exit_criterion" in given and "exit_threshold" not in given:
+    given["exit_threshold"] = None  # The request's criterion's default, not the server's.
+  depth = dataclasses.replace(limits.depth, **given)
+  try:
+    depth.check(limits.max_recurrences, limits.exit_gate)
+  except adaptive.DepthError as e:
+    raise RequestError(str(e), e.field) from None
+  return depth
+
+
 # The fields of a /v1/completions body, in the order they are checked (the first bad one is
 # named). A field added here is documented (openapi.py) and checked by `parse` with no other
 # edit; `_completion` says what the engine does with its value.
 REQUEST: tuple[Field, ...] = (
-  ServedModel(
-    name="model",
-    doc="The served model (the only one accepted).",
-    default=lambda limits: limits.model_name,
-  ),
+  MODEL,
   Prompts(
     name="prompt",
     doc="A string, a list of token ids, or a batch (a list of either): one completion each.",
@@ -360,47 +650,14 @@ REQUEST: tuple[Field, ...] = (
     lo=1,
     context_hi=lambda limits: limits.max_model_len - 1,  # A prompt holds a token at least.
   ),
-  Number(
-    name="temperature",
-    doc="Sampling temperature; 0 is greedy.",
-    default=1.0,
-    lo=0,
-    hi=sampling.MAX_TEMPERATURE,
-  ),
-  Number(
-    name="top_p",
-    doc="Nucleus sampling: the smallest set of likeliest tokens whose probability reaches top_p.",
-    default=1.0,
-    lo=0,
-    hi=1,
-    lo_open=True,
-  ),
-  Integer(
-    name="top_k",
-    # -1 (vLLM's off) and 0 both mean all tokens; more than the vocabulary is not a top-k.
-    doc="Sample from the k likeliest tokens; 0 or -1: from all of them.",
-    default=0,
-    lo=-1,
-    hi=lambda limits: limits.vocab_size,
-  ),
-  Integer(
-    name="seed",
-    doc="The sampler's seed, for a repeatable completion; null: a random one.",
-    lo=0,
-    hi=2**31 - 1,
-  ),
-  Stop(name="stop", doc="Strings that end the completion when generated."),
-  Exactly(name="n", doc="Completions per prompt.", default=1, why="one completion per prompt"),
-  Boolean(name="stream", doc="Send tokens as server-sent events (one prompt).", default=False),
-  Options(
-    name="stream_options",
-    doc="Options of a stream.",
-    fields=(
-      Boolean(
-        name="include_usage", doc="Send the usage in a last chunk before [DONE].", default=False
-      ),
-    ),
-  ),
+  TEMPERATURE,
+  TOP_P,
+  TOP_K,
+  SEED,
+  STOP,
+  N,
+  STREAM,
+  STREAM_OPTIONS,
   Integer(
     name="logprobs",
     doc="Return each token's log-probability and this many likeliest alternatives; null: none.",
@@ -408,25 +665,114 @@ REQUEST: tuple[Field, ...] = (
     hi=lambda limits: limits.max_logprobs,
   ),
   Boolean(name="echo", doc="Prefix the completion with the prompt.", default=False),
-  Boolean(name="ignore_eos", doc="Generate past the end-of-sequence token.", default=False),
-  Text(name="user", doc="Who sends the request (accepted, not used).", default=""),
+  IGNORE_EOS,
+  USER,
+  RECURRENCES,
+  EXIT_CRITERION,
+  EXIT_THRESHOLD,
+  MIN_RECURRENCES,
 )
 FIELDS = frozenset(f.name for f in REQUEST)
+
+# The fields of a /v1/chat/completions body: the chat is rendered with the served model's chat
+# template into one prompt (`parse_chat`); the sampling fields are the completions' records.
+CHAT_REQUEST: tuple[Field, ...] = (
+  MODEL,
+  Messages(
+    name="messages",
+    doc="The chat so far: a list of {role, content, name?}; content is a string or text parts.",
+    required=True,
+  ),
+  Integer(
+    name="max_tokens",
+    doc="The most tokens to generate; null: up to the model's context.",
+    lo=1,
+    context_hi=lambda limits: limits.max_model_len - 1,
+  ),
+  Integer(
+    name="max_completion_tokens",
+    doc="OpenAI's newer name for max_tokens; it wins where both are given.",
+    lo=1,
+    context_hi=lambda limits: limits.max_model_len - 1,
+  ),
+  TEMPERATURE,
+  TOP_P,
+  TOP_K,
+  SEED,
+  STOP,
+  N,
+  STREAM,
+  STREAM_OPTIONS,
+  Boolean(name="logprobs", doc="Return each generated token's log-probability.", default=False),
+  Integer(
+    name="top_logprobs",
+    doc="With logprobs: this many likeliest alternatives per token; null: none.",
+    lo=0,
+    hi=lambda limits: limits.max_logprobs,
+  ),
+  IGNORE_EOS,
+  USER,
+)
+CHAT_FIELDS = frozenset(f.name for f in CHAT_REQUEST)
+
+
+def bounded(name: str) -> str:
+  """A client's name (an unknown field's) cut to QUOTE_CHARS characters."""
+  return name if len(name) <= QUOTE_CHARS else name[: QUOTE_CHARS - 3] + "..."
+
+
+def _values(raw: bytes, fields: tuple[Field, ...], limits: Limits, tokenizer) -> dict:
+  """Each field's parsed value in a body, or RequestError naming the first bad or unknown one."""
+  body = json_object(raw)
+  names = sorted(f.name for f in fields)
+  unknown = sorted(set(body) - set(names))
+  if unknown:
+    name = bounded(unknown[0])
+    raise RequestError(
+      f"unknown or unsupported field {name!r} (supported: {', '.join(names)}).", name
+    )
+  return {f.name: f.take(body, limits, tokenizer) for f in fields}
 
 
 def parse(raw: bytes, tokenizer, limits: Limits) -> Completion:
   """The checked request, or RequestError naming the first bad field."""
-  body = json_object(raw)
-  names = sorted(f.name for f in REQUEST)
-  unknown = sorted(set(body) - set(names))
-  if unknown:
-    raise RequestError(
-      f"unknown or unsupported field {unknown[0]!r} (supported: {', '.join(names)}).",
-      unknown[0],
-    )
-  values = {f.name: f.take(body, limits, tokenizer) for f in REQUEST}
-  request = _completion(values)
+  values = _values(raw, REQUEST, limits, tokenizer)
+  request = dataclasses.replace(_completion(values), depth=depth_of(values, limits))
   _check_fits(request, limits)
+  return request
+
+
+def parse_chat(
+  raw: bytes, tokenizer, limits: Limits, render: Callable[[tuple[dict, ...]], str]
+) -> Completion:
+  """The checked chat request as one completion of the prompt `render` (the served model's chat
+  template) makes of its messages, or RequestError naming the first bad field."""
+  values = _values(raw, CHAT_REQUEST, limits, tokenizer)
+  if values["top_logprobs"] is not None and not values["logprobs"]:
+    raise RequestError("top_logprobs needs logprobs: true.", "top_logprobs")
+  try:
+    text = render(values["messages"])
+  except Exception as e:  # The template's own refusal (raise_exception) or its failure.
+    raise RequestError(
+      f"the chat template cannot render these messages: {quote(str(e) or type(e).__name__)}",
+      "messages",
+    ) from None
+  tokens = tuple(int(t) for t in tokenizer.encode(check_text(text, "the chat", "messages")))
+  if not tokens:
+    raise RequestError("the chat template renders these messages as no text.", "messages")
+  max_tokens = values["max_completion_tokens"] or values["max_tokens"]
+  top = values["top_logprobs"]
+  request = _completion(
+    {
+      **values,
+      "prompt": (Prompt(tokens, text),),
+      "max_tokens": max_tokens or max(1, limits.max_model_len - len(tokens)),
+      "logprobs": (top or 0) if values["logprobs"] else None,
+      "echo": False,
+    }
+  )
+  given = "max_completion_tokens" if values["max_completion_tokens"] else "max_tokens"
+  _check_fits(request, limits, prompt_param="messages", tokens_param=given)
   return request
 
 
@@ -449,33 +795,39 @@ def _completion(values: dict) -> Completion:
   )
 
 
-def _check_fits(request: Completion, limits: Limits) -> None:
+def _check_fits(
+  request: Completion,
+  limits: Limits,
+  prompt_param: str = "prompt",
+  tokens_param: str = "max_tokens",
+) -> None:
   """Refuses a request whose fields are valid alone but not together: a streamed batch, or a
-  prompt whose completion overflows the context or the page pool."""
+  prompt whose completion overflows the context or the page pool. prompt_param, tokens_param:
+  the fields the prompt and max_tokens came from (a chat's prompt is its messages)."""
   prompts, max_tokens = request.prompts, request.max_tokens
   if request.stream and len(prompts) > 1:
     raise RequestError("stream takes a single prompt.", "stream")
   for i, p in enumerate(prompts):
-    where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+    where = prompt_param if len(prompts) == 1 else f"prompt[{i}]"
     if len(p.tokens) >= limits.max_model_len:
       raise RequestError(
         f"{where} is {len(p.tokens)} tokens; the model's context is {limits.max_model_len} "
         "tokens, which leaves no room for a new one.",
-        "prompt",
+        prompt_param,
       )
     total = len(p.tokens) + max_tokens
     if total > limits.max_model_len:
       raise RequestError(
-        f"max_tokens = {max_tokens} plus the {len(p.tokens)} tokens of {where} exceeds the "
+        f"{tokens_param} = {max_tokens} plus the {len(p.tokens)} tokens of {where} exceeds the "
         f"model's context of {limits.max_model_len} tokens.",
-        "max_tokens",
+        tokens_param,
       )
     pages = -(-(total - 1) // limits.page_size)
     if pages > limits.max_pages:
       raise RequestError(
-        f"max_tokens = {max_tokens} with {where} needs {pages} KV pages; the pool holds "
+        f"{tokens_param} = {max_tokens} with {where} needs {pages} KV pages; the pool holds "
         f"{limits.max_pages}.",
-        "max_tokens",
+        tokens_param,
       )
 
 
@@ -558,6 +910,8 @@ class Usage(TypedDict):
   prompt_tokens: Count
   completion_tokens: Count
   total_tokens: Count
+  # Mean recurrences of the calls that produced the completion's tokens (test-time depth).
+  mean_recurrences: NotRequired[float | None]
 
 
 class CompletionResponse(TypedDict):
@@ -571,8 +925,72 @@ class CompletionResponse(TypedDict):
   usage: Usage
 
 
+class TopLogprob(TypedDict):
+  token: str
+  logprob: float
+  bytes: list[int] | None  # The token's UTF-8 bytes; null for one that is not text alone.
+
+
+class TokenLogprob(TypedDict):
+  token: str
+  logprob: float
+  bytes: list[int] | None
+  top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(TypedDict):
+  content: list[TokenLogprob]
+
+
+class ChatMessage(TypedDict):
+  role: Literal["assistant"]
+  content: str
+
+
+class ChatChoice(TypedDict):
+  index: Count
+  message: ChatMessage
+  logprobs: ChatLogprobs | None
+  finish_reason: Literal["length", "stop"]
+
+
+class ChatCompletionResponse(TypedDict):
+  """The assistant's reply."""
+
+  id: str
+  object: Literal["chat.completion"]
+  created: int
+  model: str
+  choices: list[ChatChoice]
+  usage: Usage
+
+
+class ChatDelta(TypedDict):
+  role: NotRequired[Literal["assistant"]]  # The first chunk's.
+  content: NotRequired[str]
+
+
+class ChatChunkChoice(TypedDict):
+  index: Count
+  delta: ChatDelta
+  logprobs: ChatLogprobs | None
+  finish_reason: Literal["length", "stop"] | None
+
+
+class ChatCompletionChunk(TypedDict):
+  """A streamed chat's event (StreamEvent.data); the usage chunk has no choices."""
+
+  id: str
+  object: Literal["chat.completion.chunk"]
+  created: int
+  model: str
+  choices: list[ChatChunkChoice]
+  usage: NotRequired[Usage]
+
+
 class StreamEvent(TypedDict):
-  """A server-sent event: a CompletionResponse chunk as JSON, or [DONE]."""
+  """A server-sent event: a CompletionResponse or ChatCompletionChunk chunk as JSON, or
+  [DONE]."""
 
   data: str
 
