@@ -3,6 +3,7 @@ properties are their declared fields, a field added there is documented and pars
 second edit, every bound (and nullability) the document states is the one the parser checks,
 and the response types' keys are the documented ones."""
 
+import dataclasses
 import json
 from typing import Annotated, Literal, NotRequired, TypedDict
 from unittest import mock
@@ -182,6 +183,29 @@ class ResponseDocumentTest(absltest.TestCase):
         },
       },
     )
+
+
+class ChatDepthTest(absltest.TestCase):
+  def test_chat_takes_the_depth_fields(self):
+    """A chat request's recurrences and exit reach its Completion as a completion's do, with
+    the same bounds (the server's max_recurrences) and errors naming the field."""
+    limits = dataclasses.replace(_LIMITS, max_recurrences=8)
+    render = lambda messages: messages[-1]["content"]
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    depth = {"recurrences": 2, "exit_criterion": "kl", "exit_threshold": 0.01}
+    chat = lambda **f: protocol.parse_chat(
+      json.dumps({**body, **f}).encode(), BytesTokenizer(), limits, render
+    )
+    got = chat(**depth).depth
+    want = protocol.parse(
+      json.dumps({"prompt": "x", "max_tokens": 1, **depth}).encode(), BytesTokenizer(), limits
+    ).depth
+    self.assertEqual(got, want)
+    self.assertEqual((got.recurrences, got.exit_criterion, got.exit_threshold), (2, "kl", 0.01))
+    self.assertIsNone(chat().depth)  # None given: the server's settings.
+    with self.assertRaises(protocol.RequestError) as e:
+      chat(recurrences=9)
+    self.assertEqual(e.exception.param, "recurrences")
 
 
 if __name__ == "__main__":

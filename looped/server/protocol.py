@@ -712,6 +712,10 @@ CHAT_REQUEST: tuple[Field, ...] = (
   ),
   IGNORE_EOS,
   USER,
+  RECURRENCES,
+  EXIT_CRITERION,
+  EXIT_THRESHOLD,
+  MIN_RECURRENCES,
 )
 CHAT_FIELDS = frozenset(f.name for f in CHAT_REQUEST)
 
@@ -771,6 +775,7 @@ def parse_chat(
       "echo": False,
     }
   )
+  request = dataclasses.replace(request, depth=depth_of(values, limits))
   given = "max_completion_tokens" if values["max_completion_tokens"] else "max_tokens"
   _check_fits(request, limits, prompt_param="messages", tokens_param=given)
   return request
