@@ -47,6 +47,9 @@ setuptools.setup(
       "schemathesis>=4.0",  # tests/server_fuzz_test.py fuzzes the server from its OpenAPI doc.
       "hypothesis>=6.100",  # Property tests of the request parser (and schemathesis' engine).
       "filelock>=3.12",  # tests/conftest.py: jax's lock on the run's shared compilation cache.
+      # tests/server_chat_test.py compares the server's chat templates with transformers' own
+      # apply_chat_template (its tokenizers only: no torch).
+      "transformers>=4.57",
     ],
     "tensorboard": ["tensorboard>=2.15"],  # The viewer for WORKDIR/tensorboard/ event files.
     # launch/xm_launch.py: XManager (~600 MB of cloud clients installed; pins protobuf<7).

@@ -16,6 +16,7 @@ batch) are `_check_fits`.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import json
 import math
@@ -171,7 +172,7 @@ def token_range(limits: Limits) -> dict:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Field:
+class Field(abc.ABC):
   """One request field: `check` parses the body's value (or refuses it naming the field) and
   `rule` states what it accepts as a JSON schema, for the same limits.
 
@@ -186,11 +187,13 @@ class Field:
   required: bool = False
   nullable: bool = True
 
+  @abc.abstractmethod
   def check(self, value: Any, limits: Limits, tokenizer) -> Any:
-    raise NotImplementedError
+    """The parsed value, or RequestError naming the field (each kind of field its own)."""
 
+  @abc.abstractmethod
   def rule(self, limits: Limits) -> dict:
-    raise NotImplementedError
+    """The JSON schema of what `check` accepts under these limits."""
 
   def take(self, body: dict, limits: Limits, tokenizer) -> Any:
     """The field's parsed value in `body`: null is its default, as in OpenAI's API."""
