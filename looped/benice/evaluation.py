@@ -182,29 +182,9 @@ def make_stats_fns(
   )
 
 
-# The eval section's test-time depth fields at their defaults (evaluation without them).
-DEPTH_DEFAULTS = {
-  "recurrences": 0,
-  "exit_criterion": "none",
-  "exit_threshold": None,
-  "min_recurrences": 0,
-  "exit_every": 1,
-  "continuous_compute": False,
-  "exit_lookup": adaptive.DEFAULT_LOOKUP,
-}
-
-
 def depth_settings(eval_config) -> adaptive.DepthSettings:
   """The eval section's (config.eval) recurrences and exits."""
-  e = eval_config
-  return adaptive.DepthSettings(
-    recurrences=e.recurrences,
-    exit_criterion=e.exit_criterion,
-    exit_threshold=e.exit_threshold,
-    min_recurrences=e.min_recurrences,
-    exit_every=e.exit_every,
-    continuous_compute=e.continuous_compute,
-  )
+  return adaptive.settings_of(eval_config)
 
 
 def depth_model(cfg: ModelConfig, eval_config) -> ModelConfig:

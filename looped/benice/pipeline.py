@@ -15,6 +15,7 @@ pretraining run (or a converted checkpoint) supplies the model and tokenizer it 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -33,8 +34,8 @@ from looped.benice import evaluation, objectives, report, samples, stages, timin
 from looped.benice.config import MODEL_NAMES, BeniceConfig, EvalConfig, PipelineConfig
 from looped.checkpoints import checkpointing, model_record
 from looped.data import tokenizers
+from looped.model import adaptive, mixers
 from looped.model import kv_policy as kv_policy_lib
-from looped.model import mixers
 from looped.model.looped_lm import LoopedLM
 from looped.train import dry_run, trainer
 from looped.train import objectives as train_objectives
@@ -273,10 +274,14 @@ def _eval_key(eval_config) -> dict:
     del key["kv_policy"]
   if "kv_policies" in key and not tuple(key["kv_policies"]):
     del key["kv_policies"]
-  for name, value in evaluation.DEPTH_DEFAULTS.items():  # Test-time depth's, likewise.
-    if key.get(name) == value:
+  for name, (_, default, _) in schema.fields(EvalConfig).items():  # Test-time depth's, likewise.
+    if name in _DEPTH_FIELDS and key.get(name) == default:
       del key[name]
   return key
+
+
+# The eval section's test-time depth fields (evaluations cached before them keep their keys).
+_DEPTH_FIELDS = {f.name for f in dataclasses.fields(adaptive.DepthSettings)} | {"exit_lookup"}
 
 
 def _evaluate(config, workdir: str, model: LoopedLM, abstract, stage_dirs: dict, mesh):

@@ -83,17 +83,7 @@ def _check_buckets(section: str, name: str, value, reach: int | None) -> None:
 
 def depth_params(settings: EngineSection) -> DepthParams:
   """The section's depth settings of a request that gives none (EngineConfig.depth)."""
-  s = settings
-  return DepthParams(
-    recurrences=s.recurrences,
-    exit_criterion=s.exit_criterion,
-    exit_threshold=s.exit_threshold,
-    min_recurrences=s.min_recurrences,
-    exit_every=s.exit_every,
-    init_scale=s.init_scale,
-    continuous_compute=s.continuous_compute,
-    exit_in_prefill=s.exit_in_prefill,
-  )
+  return adaptive.settings_of(settings)
 
 
 def depth_model(settings: EngineSection, cfg):

@@ -255,6 +255,14 @@ class DepthSettings:
     )
 
 
+def settings_of(section) -> DepthSettings:
+  """The DepthSettings a config section states: its fields named as DepthSettings' (a typed
+  section or a ConfigDict; the engine's section holds them all, the evaluation's some), the
+  others at their defaults."""
+  names = (f.name for f in dataclasses.fields(DepthSettings))
+  return DepthSettings(**{n: getattr(section, n) for n in names if hasattr(section, n)})
+
+
 def is_logit_criterion(criterion_B: jax.Array) -> jax.Array:
   return jnp.isin(criterion_B, jnp.asarray([_INDEX[c] for c in LOGIT_CRITERIA], jnp.int32))
 
