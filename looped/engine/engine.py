@@ -36,6 +36,7 @@ from looped.engine.requests import (
   StepOutput,
   TokenEvent,
 )
+from looped.engine.speculative import SpeculativeParams
 from looped.model import adaptive, mixers
 from looped.model import kv_policy as kv_policy_lib
 from looped.model.cache_layout import KVLayout
@@ -160,6 +161,12 @@ class EngineConfig:
   exit_lookup: str = adaptive.DEFAULT_LOOKUP
   # The depth settings of a request that gives none (GenRequest.depth None).
   depth: DepthParams = DepthParams()
+  # Self-speculative decoding (looped/engine/speculative.py) of a request that gives none
+  # (GenRequest.speculative None; recurrences 0: off), the verify call's passes (1: 'block';
+  # n: Jacobi passes, KV-sharing only) and the most tokens a request may draft per round.
+  speculative: SpeculativeParams = SpeculativeParams()
+  speculative_verify: int = 1
+  max_speculative_tokens: int = 8
 
   @property
   def layout(self) -> KVLayout:
@@ -227,6 +234,8 @@ class Engine:
       attention_impl=self.attention_impl,
       exit_lookup=c.exit_lookup if c.adaptive_depth else None,
       trained_recurrences=self.trained_recurrences,
+      speculative_passes=c.speculative_verify if _speculates(c) else 0,
+      max_lookahead=c.max_speculative_tokens,
     )
     self.executor.on_token = self._on_token
     self.page_bytes = c.layout.page_bytes(model.cfg)
@@ -342,7 +351,10 @@ class Engine:
     """Queues a request (its arrival_s on the caller's clock); ValueError if unservable or if
     its id is in flight already."""
     self.check_request(request)
-    request = dataclasses.replace(request, depth=self._depth_of(request))
+    depth = self._depth_of(request)
+    request = dataclasses.replace(
+      request, depth=depth, speculative=self._speculative_of(request, depth)
+    )
     rid = request.request_id
     if rid in self.executor.states:
       raise ValueError(f"request {rid}: a request with this id is in flight.")
@@ -381,6 +393,26 @@ class Engine:
         "(EngineConfig.adaptive_depth is off); it takes no recurrences or exit settings."
       )
     return depth
+
+  def _speculative_of(self, request: GenRequest, depth: DepthParams) -> SpeculativeParams:
+    """The request's speculation, checked, or the engine's default (docs/engine.md)."""
+    c = self.engine_config
+    spec = request.speculative or c.speculative
+    rid = request.request_id
+    try:
+      spec.check(depth.recurrences or self.trained_recurrences, c.max_speculative_tokens)
+    except ValueError as e:
+      raise ValueError(f"request {rid}: {e}") from None
+    if spec.enabled and self.executor.spec_steps is None:
+      raise ValueError(
+        f"request {rid}: this engine does not speculate (it needs adaptive_depth and one device)."
+      )
+    if spec.enabled and (depth.exits or depth.continuous_compute):
+      raise ValueError(
+        f"request {rid}: speculative decoding drafts and verifies at fixed depths; it takes no "
+        "exit criterion or continuous compute."
+      )
+    return spec
 
   @property
   def stats(self) -> scheduler_lib.SchedulerStats:
@@ -546,6 +578,9 @@ class Engine:
     busy = stats.busy_s
     ttft = np.asarray([g.ttft_s for g in generations])
     depths = [d for g in generations for d in g.recurrences]
+    rounds = sum(len(g.speculative_rounds) for g in generations)
+    drafted = sum(g.drafted_tokens for g in generations)
+    accepted = sum(g.accepted_tokens for g in generations)
     return {
       "num_requests": len(generations),
       "generated_tokens": tokens,
@@ -558,6 +593,10 @@ class Engine:
       else None,
       "preemptions": stats.num_preemptions,
       "num_steps": stats.num_steps,
+      "speculative_rounds": rounds,
+      "drafted_tokens": drafted,
+      "accepted_tokens": accepted,
+      "acceptance_rate": accepted / drafted if drafted else None,
       "busy_s": busy,
       "num_pages": self.num_pages,
       "page_bytes": self.page_bytes,
@@ -586,6 +625,9 @@ def _generation(seq: scheduler_lib.Sequence, state: RequestState) -> Generation:
     logits=state.logits,
     positions=state.positions,
     recurrences=list(state.token_depths),
+    speculative_rounds=list(state.rounds),
+    drafted_tokens=state.drafted,
+    accepted_tokens=state.accepted,
   )
 
 
@@ -601,9 +643,23 @@ def _depth_model(model: LoopedLM, c: EngineConfig) -> LoopedLM:
   return model if top == r else LoopedLM(dataclasses.replace(model.cfg, num_recurrences=top))
 
 
+def _speculates(c: EngineConfig) -> bool:
+  """Whether the engine runs speculative rounds (a request may ask for them)."""
+  return c.adaptive_depth and max(c.mesh_shape) == 1 and c.max_speculative_tokens > 0
+
+
 def _check_config(model: LoopedLM, c: EngineConfig) -> None:
   """ValueError naming what the model and config cannot serve with."""
   paged_cache.check_model(model.cfg)
+  if not 1 <= c.speculative_verify:
+    raise ValueError(f"speculative_verify = {c.speculative_verify}: passes must be >= 1.")
+  if c.speculative_verify > 1 and not c.share_kv:
+    raise ValueError(
+      f"speculative_verify = {c.speculative_verify} Jacobi passes: an unshared cache verifies "
+      "exactly in one pass ('block'); the passes are for KV-sharing."
+    )
+  if c.speculative_verify > 1 and not mixers.all_with(model.cfg, "core", "attends"):
+    raise ValueError("speculative_verify Jacobi passes re-read per-token entries: attention cores.")
   if c.exit_lookup not in adaptive.LOOKUPS:
     raise ValueError(f"exit_lookup = {c.exit_lookup!r}: expected one of {adaptive.LOOKUPS}.")
   if c.exit_lookup != adaptive.DEFAULT_LOOKUP and not mixers.all_with(model.cfg, "core", "attends"):

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from looped.engine import paged_cache, sampling, step_table
+from looped.engine import paged_cache, sampling, speculative, step_table
 from looped.engine.mesh import EngineMesh
 from looped.engine.padding import (  # noqa: F401 (bucket, powers_of_two re-exported)
   CallShape,
@@ -72,6 +72,10 @@ class RequestState:
   # The final state of the last position computed and that position (continuous compute).
   last_state: np.ndarray | None = None
   state_position: int = -1
+  # Tokens each speculative round emitted (looped.engine.speculative), the tokens they ...
+  rounds: list[int] = dataclasses.field(default_factory=list)
+  drafted: int = 0  # ... drafted ...
+  accepted: int = 0  # ... and of those, kept by verification.
 
 
 def needs_depths(layout: KVLayout, exit_lookup: str) -> bool:
@@ -206,6 +210,7 @@ class _CallInputs:
   # Per-row depth settings (DepthInputs' fields, then past_depth [rows, slots]), or None when
   # the engine runs every row at full depth.
   depth: dict | None = None
+  draft: np.ndarray | None = None  # A speculative call's draft recurrences per row.
 
   @classmethod
   def empty(
@@ -216,9 +221,11 @@ class _CallInputs:
     scratch_page: int,
     scratch_slot: int = 0,
     depth: tuple[int, int, int] | None = None,
+    draft: bool = False,
   ) -> _CallInputs:
     """depth: (the rows' default recurrences, d_model, depth slots per page-table column, 0
-    unless needs_depths) of an engine with per-row depth settings; None: without."""
+    unless needs_depths) of an engine with per-row depth settings; None: without. draft: the
+    inputs of a speculative call (looped.engine.speculative.call_fn)."""
     zeros_B = np.zeros((rows,), np.int32)
     rows_depth = None
     if depth is not None:
@@ -247,10 +254,13 @@ class _CallInputs:
       np.zeros((rows, tokens), np.int32),
       np.full((rows,), scratch_slot, np.int32),
       rows_depth,
+      np.ones((rows,), np.int32) if draft else None,
     )
 
   def args(self) -> tuple:
     depth = () if self.depth is None else tuple(self.depth.values())
+    if self.draft is not None:
+      depth += (self.draft,)
     return (
       self.tokens,
       self.table,
@@ -268,7 +278,7 @@ class _CallInputs:
 
 
 def _abstract_args(
-  params, pages, scratch_page: int, scratch_slot: int, mesh: EngineMesh, depth=None
+  params, pages, scratch_page: int, scratch_slot: int, mesh: EngineMesh, depth=None, draft=False
 ):
   """shape -> a call's arguments as lowering sees them: params and pages as they are placed (as
   ShapeDtypeStructs: nothing of an engine is kept alive by its table) and host arrays of a call
@@ -279,7 +289,7 @@ def _abstract_args(
 
   def abstract(shape) -> tuple:
     rows, tokens, columns = shape
-    args = _CallInputs.empty(rows, tokens, columns, scratch_page, scratch_slot, depth).args()
+    args = _CallInputs.empty(rows, tokens, columns, scratch_page, scratch_slot, depth, draft).args()
     if replicated is not None:
       args = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated) for a in args)
     return (params, pages, *args)
@@ -309,6 +319,8 @@ class ModelExecutor:
     attention_impl: str = "xla",
     exit_lookup: str | None = None,
     trained_recurrences: int | None = None,
+    speculative_passes: int = 0,
+    max_lookahead: int = 0,
   ):
     """padding: the padded call shapes (rows, tokens, page-table columns). top_logprobs: k > 0
     makes every call also compute, per position, the logprob of the next token and the k most
@@ -320,7 +332,9 @@ class ModelExecutor:
     the engine), with this unshared lookup (looped.model.adaptive.LOOKUPS); None: every token
     runs the model's R recurrences. trained_recurrences: what a request's recurrences 0 means
     (default: the model's R; an engine looping further than trained runs a model whose R is
-    its maximum)."""
+    its maximum). speculative_passes: n > 0 runs the scheduler's speculative rounds
+    (StepBatch.speculative; needs exit_lookup) with n verify passes (looped.engine.speculative);
+    max_lookahead: the most tokens a round drafts (its calls pad k to a power of two)."""
     self.model = model
     self.mesh = mesh or EngineMesh.create(model.cfg)
     self.params = self.mesh.place_params(model, params)
@@ -352,10 +366,18 @@ class ModelExecutor:
     # (step_table.StepTable.lookup); else a shape not compiled yet is compiled on its step.
     self.strict = False
     self.steps = self._step_table(model.cfg, record_logits)
+    self.speculative_passes = speculative_passes
+    self.lookahead_buckets = powers_of_two(max_lookahead) if speculative_passes else ()
+    self.spec_steps = None
+    if speculative_passes:
+      if exit_lookup is None:
+        raise ValueError("speculative rounds draft at their own depth: they need exit_lookup.")
+      self.spec_steps = self._step_table(model.cfg, record_logits, speculative_passes)
 
-  def _step_table(self, cfg, record_logits: bool) -> step_table.StepTable:
+  def _step_table(self, cfg, record_logits: bool, passes: int = 0) -> step_table.StepTable:
     """The process's compiled steps for this model, layout, pool and mesh (shared by engines
-    with the same ones: a shape compiles once while it lives)."""
+    with the same ones: a shape compiles once while it lives); passes > 0: the speculative
+    calls' (looped.engine.speculative.call_fn) with that many verify passes."""
     signature = lambda tree: (
       str(jax.tree.structure(tree)),
       tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(tree)),
@@ -370,6 +392,7 @@ class ModelExecutor:
       self.exit_lookup,
       signature(self.params),
       signature(self.pages),
+      passes,
     )
     fn = functools.partial(
       _call_fn,
@@ -381,8 +404,24 @@ class ModelExecutor:
       self.attention_impl,
       self.exit_lookup,
     )
+    if passes:
+      fn = functools.partial(
+        speculative.call_fn,
+        LoopedLM(cfg),
+        self.layout,
+        record_logits,
+        self.attention_impl,
+        self.exit_lookup,
+        passes,
+      )
     abstract = _abstract_args(
-      self.params, self.pages, self.scratch_page, self.scratch_slot, self.mesh, self._depth()
+      self.params,
+      self.pages,
+      self.scratch_page,
+      self.scratch_slot,
+      self.mesh,
+      self._depth(),
+      draft=bool(passes),
     )
     return step_table.shared(key, lambda: step_table.StepTable(fn, abstract, self.mesh))
 
@@ -393,10 +432,12 @@ class ModelExecutor:
     per_column = self.page_size if self.page_depths is not None else 0
     return self.trained_recurrences, self.model.cfg.d_model, per_column
 
-  def _call(self, params, pages, *args):
+  def _call(self, table: step_table.StepTable, params, pages, *args):
     """One padded call, its shape read off the tokens and page table: the table's executable."""
     (rows, tokens), columns = args[0].shape, args[1].shape[1]
-    _, executable = self.steps.lookup((rows, tokens, columns), strict=self.strict)
+    # Speculative shapes compile on first use unless a warm-up compiled some (Engine.warmup).
+    strict = self.strict and (table is self.steps or bool(table.shapes()))
+    _, executable = table.lookup((rows, tokens, columns), strict=strict)
     return executable(params, pages, *args)
 
   def add(self, request: GenRequest) -> None:
@@ -433,12 +474,14 @@ class ModelExecutor:
       self.pages = jax.jit(init, out_shardings=shardings)()
 
   def _run(self, inputs: _CallInputs):
-    """One model call on the mesh: the step's inputs replicated, params and pages in place."""
+    """One model call on the mesh: the step's inputs replicated, params and pages in place (a
+    speculative call's program when the inputs have draft recurrences)."""
     args = inputs.args()
     if self.mesh.mesh.size > 1:  # One device: jit's own dispatch moves host arrays faster.
       args = jax.device_put(args, self.mesh.replicated())
+    table = self.steps if inputs.draft is None else self.spec_steps
     with self.mesh.context():
-      return self._call(self.params, self.pages, *args)
+      return self._call(table, self.params, self.pages, *args)
 
   def _fit(self, padded: StepShape) -> StepShape:
     """Strict: each call in the smallest compiled shape that holds it (StepTable.lookup)."""
@@ -450,16 +493,27 @@ class ModelExecutor:
       calls.append(CallShape(rows, tokens, columns))
     return StepShape(tuple(calls), padded.groups)
 
-  def _inputs(self, batch, shape, group) -> _CallInputs:
-    """The host arrays of one call; a row that cannot be built raises RequestFailed."""
+  def _inputs(self, batch, shape, group, speculative: bool = False) -> _CallInputs:
+    """The host arrays of one call; a row that cannot be built raises RequestFailed. A
+    speculative call's rows feed their last token and draft `new` more."""
     inputs = _CallInputs.empty(
-      shape.rows, shape.tokens, shape.columns, self.scratch_page, self.scratch_slot, self._depth()
+      shape.rows,
+      shape.tokens,
+      shape.columns,
+      self.scratch_page,
+      self.scratch_slot,
+      self._depth(),
+      speculative,
     )
     for row, i in enumerate(group):
       seq, new, ctx = batch.seqs[i], batch.num_new_tokens[i], batch.num_context_tokens[i]
       try:
         state = self.states[seq.request.request_id]
-        inputs.tokens[row, :new] = state.tokens[ctx : ctx + new]
+        if speculative:
+          inputs.tokens[row, 0] = state.tokens[ctx]
+          inputs.draft[row] = state.request.speculative.recurrences
+        else:
+          inputs.tokens[row, :new] = state.tokens[ctx : ctx + new]
         inputs.table[row, : len(seq.pages)] = seq.pages
         inputs.context[row], inputs.num_new[row] = ctx, new
         sp = state.request.sampling
@@ -509,40 +563,52 @@ class ModelExecutor:
       pages = np.asarray(seq.pages)[positions // self.page_size]
       self.page_depths[pages, positions % self.page_size] = depth
 
+  def _calls(self, batch: scheduler_lib.StepBatch) -> list[tuple[CallShape, tuple, bool]]:
+    """The step's padded calls: (shape, batch rows, speculative) each; the plain rows in at
+    most two (padding.py), the speculative rounds in one."""
+    n = len(batch.seqs)
+    spec = batch.speculative or (False,) * n
+    plain = [i for i in range(n) if not spec[i]]
+    calls = []
+    if plain:
+      new = [batch.num_new_tokens[i] for i in plain]
+      padded = self._fit(self.padding.shape(new, [batch.num_context_tokens[i] for i in plain]))
+      for shape, group in zip(padded.calls, padded.groups):
+        calls.append((shape, tuple(plain[j] for j in group), False))
+    rounds = tuple(i for i in range(n) if spec[i])
+    if rounds:
+      k = bucket(max(batch.num_new_tokens[i] for i in rounds), self.lookahead_buckets)
+      reach = max(batch.num_context_tokens[i] for i in rounds) + k
+      columns = bucket(-(-reach // self.page_size), self.padding.column_buckets)
+      shape = (bucket(len(rounds), self.padding.row_buckets), k, columns)
+      if self.strict and self.spec_steps.shapes():
+        shape = self.spec_steps.lookup(shape, strict=True)[0]
+      calls.append((CallShape(*shape), rounds, True))
+    return calls
+
   def execute(self, batch: scheduler_lib.StepBatch) -> float:
     """Runs one step. Nothing of it is applied (request states, emitted tokens) unless all of it
     succeeds: a row that fails raises RequestFailed naming its request, anything else fails the
     step as a whole; either way the scheduler's state is that of before the step."""
     n = len(batch.seqs)
     self.last_batch = [seq.request.request_id for seq in batch.seqs]
-    padded = self._fit(self.padding.shape(batch.num_new_tokens, batch.num_context_tokens))
-    inputs = [self._inputs(batch, c, g) for c, g in zip(padded.calls, padded.groups)]
+    calls = self._calls(batch)
+    inputs = [self._inputs(batch, c, g, spec) for c, g, spec in calls]
     # Per batch row: (call, row within it), and each call's outputs.
-    where = {i: (k, row) for k, g in enumerate(padded.groups) for row, i in enumerate(g)}
+    where = {i: (k, row) for k, (_, g, _) in enumerate(calls) for row, i in enumerate(g)}
     start = time.perf_counter()
     outputs = []
     for call_inputs in inputs:
       self.pages, *out = self._run(call_inputs)
-      outputs.append(out)
-    host = lambda x: None if x is None else np.asarray(x)
-    outputs = [
-      (
-        np.asarray(token_B),
-        np.asarray(logprob_B),
-        host(logits),
-        None if positions is None else tuple(np.asarray(x) for x in positions),
-        host(depth_B),
-        host(state_BxD),
-      )
-      for token_B, logprob_B, logits, positions, depth_B, state_BxD in outputs
-    ]
+      outputs.append(tuple(None if x is None else jax.tree.map(np.asarray, x) for x in out))
     wall = time.perf_counter() - start
     self.step_log.append(
       {
         "rows": n,
         "tokens": int(sum(batch.num_new_tokens)),
-        "computed": padded.computed,
-        "calls": [(c.rows, c.tokens, c.columns) for c in padded.calls],
+        "computed": sum(c.computed for c, _, _ in calls),
+        "calls": [(c.rows, c.tokens, c.columns) for c, _, _ in calls],
+        "speculative": any(spec for _, _, spec in calls),
         "s": wall,
       }
     )
@@ -553,28 +619,69 @@ class ModelExecutor:
     for i, seq in enumerate(batch.seqs):
       try:
         k, row = where[i]
-        token_B, logprob_B, logits, positions, depth_B, state_BxD = outputs[k]
         state = self.states[seq.request.request_id]
         new, ctx = batch.num_new_tokens[i], batch.num_context_tokens[i]
-        update = self._row_update(seq, state, row, ctx, new, logits, positions, logprob_B)
-        update["depth"] = self.trained_recurrences if depth_B is None else int(depth_B[row])
-        if state_BxD is not None:
-          update["final"] = (ctx, new, state_BxD[row])
-        if update["sampled"]:
-          token, logprob = int(token_B[row]), float(logprob_B[row])
-          update["emit"] = (token, logprob, self._stop(state, token))
+        if calls[k][2]:
+          update = self._round_update(state, row, ctx, new, outputs[k], inputs[k])
+        else:
+          update = self._plain_update(seq, state, row, ctx, new, outputs[k])
         updates.append((seq, state, update))
       except Exception as e:
         raise RequestFailed(seq.request.request_id, e) from e
     for seq, state, update in updates:
-      state.logits.update(update["logits"])
-      state.positions.update(update["positions"])
-      if "final" in update:
-        self._record_depths(seq, state, *update["final"][:2], update["depth"], update["final"][2])
-      if "emit" in update:
-        state.token_depths.append(update["depth"])
-        self._emit(seq, state, *update["emit"])
+      self._apply(seq, state, update)
     return wall if self.clock is None else self.clock.execute(batch)
+
+  def _plain_update(self, seq, state, row, ctx, new, outputs) -> dict:
+    """A plain call row's results (_apply applies them)."""
+    token_B, logprob_B, logits, positions, depth_B, state_BxD = outputs
+    update = self._row_update(seq, state, row, ctx, new, logits, positions, logprob_B)
+    update["depth"] = self.trained_recurrences if depth_B is None else int(depth_B[row])
+    if state_BxD is not None:
+      update["final"] = (ctx, new, state_BxD[row])
+    update["emits"] = []
+    if update["sampled"]:
+      token, logprob = int(token_B[row]), float(logprob_B[row])
+      update["emits"] = [(token, logprob, self._stop(state, [token]))]
+    return update
+
+  def _round_update(self, state, row, ctx, k, outputs, inputs: _CallInputs) -> dict:
+    """A speculative round's results: its emitted tokens up to the first that ends the
+    request, the verifier's logits at their positions, the drafts kept."""
+    emitted_BxK, m_B, a_B, logprob_BxK, logits = outputs
+    emits, tokens = [], []
+    for j in range(int(m_B[row])):
+      tokens.append(int(emitted_BxK[row, j]))
+      stop = self._stop(state, tokens)
+      emits.append((tokens[-1], float(logprob_BxK[row, j]), stop))
+      if stop[0] is not None:
+        break
+    update = {"emits": emits, "positions": {}, "logits": {}, "round": (k, int(a_B[row]))}
+    if logits is not None:
+      update["logits"] = {ctx + j: logits[row, j] for j in range(len(emits))}
+    update["depth"] = int(inputs.depth["recurrences"][row])
+    update["pages"] = (ctx, len(emits))
+    return update
+
+  def _apply(self, seq, state: RequestState, update: dict) -> None:
+    """Applies one row's results to its request (after the whole step succeeded)."""
+    state.logits.update(update["logits"])
+    state.positions.update(update["positions"])
+    if "final" in update:
+      self._record_depths(seq, state, *update["final"][:2], update["depth"], update["final"][2])
+    if "round" in update:
+      seq.emitted = len(update["emits"])
+      state.rounds.append(len(update["emits"]))
+      state.drafted += update["round"][0]
+      state.accepted += update["round"][1]
+      ctx, written = update["pages"]
+      if self.page_depths is not None:  # The verifier's recurrences, at the kept positions.
+        positions = np.arange(ctx, ctx + written)
+        pages = np.asarray(seq.pages)[positions // self.page_size]
+        self.page_depths[pages, positions % self.page_size] = update["depth"]
+    for emit in update["emits"]:
+      state.token_depths.append(update["depth"])
+      self._emit(seq, state, *emit)
 
   def _row_update(self, seq, state, i, ctx, new, logits, positions, logprob_B) -> dict:
     """Call row i's logits and position logprobs to record, and whether its chunk (new tokens
@@ -591,9 +698,9 @@ class ModelExecutor:
         update["positions"][ctx + j] = (lp, top_ids[i, j].tolist(), top[i, j].tolist())
     return update
 
-  def _stop(self, state: RequestState, token: int) -> tuple[str | None, str]:
-    """(finish reason or None, text) once `token` is appended: computed before anything is."""
-    return sampling.check_stop(state.generated + [token], state.request.sampling, self.decode)
+  def _stop(self, state: RequestState, tokens: list[int]) -> tuple[str | None, str]:
+    """(finish reason or None, text) once `tokens` are appended: computed before anything is."""
+    return sampling.check_stop(state.generated + tokens, state.request.sampling, self.decode)
 
   def _emit(self, seq, state: RequestState, token: int, logprob: float, stop) -> None:
     state.generated.append(token)

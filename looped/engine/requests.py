@@ -14,6 +14,7 @@ import hashlib
 import numpy as np
 
 from looped.engine.sampling import SamplingParams
+from looped.engine.speculative import SpeculativeParams
 from looped.model import adaptive
 
 # A request's recurrences and exit settings (looped.model.adaptive.DepthSettings).
@@ -34,6 +35,15 @@ class GenRequest:
   # Recurrences and exits (None: the engine's default, EngineConfig.depth; the engine
   # resolves it when the request is added).
   depth: DepthParams | None = None
+  # Self-speculative decoding (None: the engine's default, EngineConfig.speculative).
+  speculative: SpeculativeParams | None = None
+
+  @property
+  def lookahead(self) -> int:
+    """Tokens each speculative round drafts (0: plain decoding), what the scheduler reserves.
+    Requests recording every position's logprobs decode plainly."""
+    s = self.speculative
+    return s.tokens if s is not None and s.enabled and not self.position_logprobs else 0
 
   @property
   def prompt_len(self) -> int:
@@ -90,6 +100,10 @@ class Generation:
   # Recurrences of the call that produced each generated token (the first: its prompt's
   # last chunk), as Huginn counts compute steps.
   recurrences: list[int] = dataclasses.field(default_factory=list)
+  # Self-speculative decoding: the tokens each round emitted, drafted, drafts kept.
+  speculative_rounds: list[int] = dataclasses.field(default_factory=list)
+  drafted_tokens: int = 0
+  accepted_tokens: int = 0
 
   @property
   def mean_recurrences(self) -> float | None:

@@ -328,16 +328,23 @@ class _DecodeReads:
 
 
 def _decode_reads(
-  cfg: ModelConfig, cache: KVCache, b: int, t: int, segment_ids_BxT, cache_segment_ids_BxS
+  cfg: ModelConfig,
+  cache: KVCache,
+  b: int,
+  t: int,
+  segment_ids_BxT,
+  cache_segment_ids_BxS,
+  jacobi: bool = False,
 ) -> _DecodeReads:
   """New tokens attend to the cache's slots below each row's length and causally to each
-  other, within their document when segment ids are given."""
+  other, within their document when segment ids are given. jacobi: token j of the chunk reads
+  the chunk's earlier tokens from the cache's slots (length + i for i < j, entries a previous
+  pass wrote there) and only itself in the chunk: a Jacobi pass over the chunk."""
   positions_BxT = cache.length_B[:, None] + jnp.arange(t)[None, :]
   s = cache.max_len
-  past_mask_BxTxS = jnp.broadcast_to(
-    (jnp.arange(s)[None, :] < cache.length_B[:, None])[:, None, :], (b, t, s)
-  )
-  self_mask_BxTxT = causal_mask(t, b)
+  limit_BxT = positions_BxT if jacobi else jnp.broadcast_to(cache.length_B[:, None], (b, t))
+  past_mask_BxTxS = jnp.arange(s)[None, None, :] < limit_BxT[:, :, None]
+  self_mask_BxTxT = diagonal_mask(t, b) if jacobi else causal_mask(t, b)
   segments = {}
   if segment_ids_BxT is not None:  # Document masking: cache slots and chunk of its document.
     if cache_segment_ids_BxS.shape[1] < max(s, 1):
@@ -352,7 +359,7 @@ def _decode_reads(
     tail_BxW = tail_segment_ids(cache_segment_ids_BxS, cache.length_B, width)
     segments = dict(segment_ids_BxT=segment_ids_BxT, tail_segment_ids_BxW=tail_BxW)
   quantize_own = None
-  if cache.kv_format is not None:
+  if cache.kv_format is not None and not jacobi:  # (Jacobi: earlier tokens come from the cache.)
     # The chunk's earlier tokens are read through the format too (past = [cache ; own chunk]),
     # so a chunk computes what its tokens one at a time would: a cache never returns raw K/V.
     fmt = cache.kv_format
@@ -569,6 +576,7 @@ class LoopedLM(nn.Module):
     kv_policy: str = kv_policy_lib.FINAL,
     depth: adaptive.DepthInputs | None = None,
     exit_lookup: str = adaptive.DEFAULT_LOOKUP,
+    jacobi: bool = False,
   ):
     """Returns (logits_BxTxV float32, aux).
 
@@ -594,6 +602,9 @@ class LoopedLM(nn.Module):
       shared_kv, read_shared_R, kv_format, prefill_block, kv_policy: parallel-mode options
         (the class docstring).
       depth, exit_lookup: decode mode's test-time depth (the class docstring).
+      jacobi: decode mode: the chunk's tokens read each other from the cache's slots at their
+        positions, where a previous pass over the same chunk wrote them (speculative
+        verification's Jacobi passes), instead of their own recurrence's K/V.
     aux: 'final_kv' (parallel) or 'cache' (decode), 'residual_norm_R',
       'relative_residual_R' (means over active sequences), optionally 'states_RxBxTxD', and
       with cfg.exit_gate 'exit_logits_RxBxT' (each recurrence's exit-gate logit per token).
@@ -603,6 +614,8 @@ class LoopedLM(nn.Module):
     )
     if depth is not None and (cache is None or collect_states or depth_mask_BxR is not None):
       raise ValueError("depth is a decode option: it replaces depth_mask_BxR, collects no h_r.")
+    if jacobi and cache is None:
+      raise ValueError("jacobi is a decode option: the chunk reads itself from a cache.")
     if cache is None:
       return self._parallel(
         tokens_BxT,
@@ -629,6 +642,7 @@ class LoopedLM(nn.Module):
       cache_segment_ids_BxS,
       depth,
       exit_lookup,
+      jacobi,
     )
 
   def _parallel(
@@ -725,6 +739,7 @@ class LoopedLM(nn.Module):
     cache_segment_ids_BxS,
     depth=None,
     exit_lookup=adaptive.DEFAULT_LOOKUP,
+    jacobi=False,
   ):
     """New tokens (a prefill chunk or one per row) against a KVCache: they attend to its slots
     below each row's length and causally to each other; aux['cache'] has their K/V written (core:
@@ -732,7 +747,7 @@ class LoopedLM(nn.Module):
     cfg = self.cfg
     b, t = tokens_BxT.shape
     read_past = kv_cache_lib.reader(cache.kv_format, cfg.compute_dtype)
-    reads = _decode_reads(cfg, cache, b, t, segment_ids_BxT, cache_segment_ids_BxS)
+    reads = _decode_reads(cfg, cache, b, t, segment_ids_BxT, cache_segment_ids_BxS, jacobi)
     positions_BxT = reads.positions_BxT
 
     def plain_context(prefix: str, i: int) -> MixerContext:

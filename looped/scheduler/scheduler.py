@@ -57,6 +57,8 @@ class Sequence:
   finish_s: float | None = None
   stopped: bool = False  # Set by an executor when a sampled token ends the request early.
   slot: int | None = None  # Its state slot while running (SchedulerConfig.state_slots).
+  # Tokens its last speculative round emitted (set by the executor; StepBatch.speculative).
+  emitted: int = 0
 
 
 @dataclasses.dataclass
@@ -67,6 +69,10 @@ class StepBatch:
   num_new_tokens: list[int]
   num_context_tokens: list[int]  # Tokens already in the cache before this step.
   num_sampled: int  # Sequences whose chunk ends at their last token: they emit a token.
+  # Per sequence: a speculative round (num_new_tokens is its lookahead k, more than it has to
+  # feed); the executor sets the sequence's `emitted` (1..k tokens) and the scheduler keeps
+  # that many of the k positions, giving back pages past them.
+  speculative: tuple[bool, ...] = ()
 
 
 class Executor(Protocol):
@@ -222,7 +228,9 @@ class Scheduler:
       self._decode_step_time is not None
       and not changed
       and len(seqs) == len(self.running)
-      and all(s.num_output and s.num_tokens - c == 1 for s, c in zip(seqs, contexts))
+      and all(
+        s.num_output and s.num_tokens - c == 1 == q for s, c, q in zip(seqs, contexts, new_tokens)
+      )
     ):
       end = self._decode_run(seqs, sum(contexts), now, next_arrival_s)
     else:
@@ -303,6 +311,11 @@ class Scheduler:
     """Tokens to compute from position `start` within `budget` (0: wait for a later step)."""
     c = self.config
     q = seq.num_tokens - start
+    k = getattr(seq.request, "lookahead", 0)
+    if k and q == 1 and start >= seq.request.prompt_len:  # A speculative round, or plain.
+      k = min(k, seq.request.output_len - seq.num_output)  # Nothing drafted past the end.
+      if k > 1:
+        return k if k <= budget else 0
     if c.prefill_block is None:
       return min(q, budget)
     prompt = seq.request.prompt_len
@@ -338,20 +351,25 @@ class Scheduler:
   def _execute(
     self, seqs: list[Sequence], new_tokens: list[int], contexts: list[int], now: float
   ) -> float:
-    sampled = sum(c + q == s.num_tokens for s, q, c in zip(seqs, new_tokens, contexts))
-    duration = self.executor.execute(StepBatch(seqs, new_tokens, contexts, sampled))
+    sampled = sum(c + q >= s.num_tokens for s, q, c in zip(seqs, new_tokens, contexts))
+    spec = tuple(c + q > s.num_tokens for s, q, c in zip(seqs, new_tokens, contexts))
+    duration = self.executor.execute(StepBatch(seqs, new_tokens, contexts, sampled, spec))
     end = now + duration
     self.stats.num_steps += 1
     self.stats.busy_s += duration
     any_finished = False
     p = self.config.page_size
-    for seq, q in zip(seqs, new_tokens):
+    for seq, q, speculative in zip(seqs, new_tokens, spec):
+      emitted = 1
+      if speculative:  # Keeps the positions of the tokens it emitted (StepBatch.speculative).
+        emitted = q = seq.emitted
+        self._trim(seq, seq.num_computed + q)
       seq.num_computed += q
       if seq.num_computed // p > seq.num_registered:
         self._register(seq)
-      if seq.num_computed == seq.num_tokens:
-        seq.num_output += 1
-        seq.num_tokens += 1
+      if seq.num_computed == seq.num_tokens + emitted - 1:
+        seq.num_output += emitted
+        seq.num_tokens += emitted
         if seq.first_token_s is None:
           seq.first_token_s = end
         if seq.num_output == seq.request.output_len or seq.stopped:
@@ -470,6 +488,14 @@ class Scheduler:
       ]
     self.pool.register(seq.pages[start:full], new_keys)
     seq.num_registered = full
+
+  def _trim(self, seq: Sequence, tokens: int) -> None:
+    """Gives back the pages past the first `tokens` positions (a speculative round's rejected
+    positions: fresh pages, held by no one else and never offered to the prefix cache)."""
+    keep = -(-tokens // self.config.page_size)
+    if len(seq.pages) > keep:
+      self.pool.release(seq.pages[keep:])
+      del seq.pages[keep:]
 
   def _free_slot(self, seq: Sequence) -> None:
     """Gives the sequence's state slot back (its state is not kept: a re-admitted request is
