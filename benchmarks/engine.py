@@ -49,6 +49,10 @@ not depend on them), float32, KV pages of 16 tokens.
 6. Test-time depth (--depth_sweep, benchmarks/engine_depth.py): the step's recurrence loop
    against the alternatives, and tokens/s against mean recurrences per token at batch 1 and 8,
    shared and unshared, beside the ideal speed-up.
+7. Self-speculative decoding (--speculative_sweep --checkpoint=STAGE_DIR [--variant=...],
+   benchmarks/engine_speculative.py): on a trained model and eval-text prompts, decode tokens/s
+   with and without speculation at batch 1 and 8, shared and unshared, over draft depths and
+   lookaheads, with the acceptance rate, tokens per round and agreement with plain decoding.
 """
 
 import argparse
@@ -74,8 +78,9 @@ os.environ.setdefault(
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from benchmarks import engine_depth  # noqa: E402
+from benchmarks import engine_depth, engine_speculative  # noqa: E402
 from configs import benice, pretrain  # noqa: E402
+from looped.checkpoints import model_record, restore  # noqa: E402
 from looped.engine import padding  # noqa: E402
 from looped.engine.engine import Engine, EngineConfig, pages_for_budget  # noqa: E402
 from looped.engine.executor import ModelExecutor, powers_of_two  # noqa: E402
@@ -657,6 +662,18 @@ def main():
     default=["entropy-diff:0.01", "entropy-diff:0.1", "kl:0.05"],
     help="Its exit settings, criterion:threshold.",
   )
+  parser.add_argument(
+    "--speculative_sweep",
+    action="store_true",
+    help="Only part 7: self-speculative decoding (engine_speculative.py); needs --checkpoint.",
+  )
+  parser.add_argument(
+    "--checkpoint", default="", help="Trained params (a stage dir) instead of random ones."
+  )
+  parser.add_argument("--spec_prompt_tokens", type=int, default=32, help="Its prompt length.")
+  parser.add_argument("--spec_new_tokens", type=int, default=64, help="Its tokens per request.")
+  parser.add_argument("--spec_drafts", type=int, nargs="+", default=[1, 2], help="Its r values.")
+  parser.add_argument("--spec_lookahead", type=int, nargs="+", default=[2, 4, 8], help="Its k.")
   parser.add_argument("--out", default="", help="Write the results as JSON here.")
   parser.add_argument("--hardware_out", default="", help="Write the fitted profile (JSON) here.")
   parser.add_argument(
@@ -674,10 +691,15 @@ def main():
   args = parser.parse_args()
 
   config = benice.get_config(args.variant) if args.variant else pretrain.get_config()
-  config.model.max_seq_len = args.max_model_len
+  if args.checkpoint:  # The checkpoint's own model (its record), at its own max_seq_len.
+    config.model, config.data = model_record.model_and_data(config, args.checkpoint)
+  else:
+    config.model.max_seq_len = args.max_model_len
   cfg = model_lib.from_config(config.model)
   model = LoopedLM(cfg)
   params = init_params(model, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
+  if args.checkpoint:
+    params = restore.restore_params(model, args.checkpoint, -1, "checkpoint")
   model_shape = shape.ModelShape.from_config(dataclasses.asdict(cfg))
   requests = _requests(args.requests, args.new_tokens)
   results = {"device": str(jax.devices()[0]), "args": vars(args)}
@@ -690,6 +712,12 @@ def main():
   )
   if args.depth_sweep:
     return _depth(model, params, results, args)
+  if args.speculative_sweep:
+    if not args.checkpoint:
+      parser.error("--speculative_sweep measures a trained model: give --checkpoint.")
+    results["speculative_sweep"] = rows = engine_speculative.sweep(model, params, config, args)
+    engine_speculative.print_table(rows)
+    return _write(results, args)
   if args.before and (args.skip_throughput or args.refit):
     parser.error("--before compares throughput: drop --skip_throughput / --refit.")
   if args.before and args.before_runs < 1:
@@ -776,6 +804,10 @@ def _depth(model, params, results, args) -> None:
   engine_depth.print_tables(
     results["depth_loop"], results["depth_sweep"], model.cfg.num_recurrences
   )
+  _write(results, args)
+
+
+def _write(results, args) -> None:
   results["load_average_end"] = os.getloadavg()[0]
   if args.out:
     with open(args.out, "w") as f:

@@ -15,8 +15,8 @@ A page holds a generated table between two marker lines, which Markdown does not
 name; tests/docs_test.py runs the same check, so a table edited by hand, or a report changed
 without regenerating its table, fails the tests. The tables are built by the scripts that own
 them (experiments/gap_table.py, experiments/composition_table.py,
-experiments/composition_memory.py, experiments/recipe_table.py) and, for the pipeline reports,
-by the functions below.
+experiments/composition_memory.py, experiments/recipe_table.py, experiments/depth_table.py) and,
+for the pipeline reports, by the functions below.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.join(_REPO, "experiments"))
 
 import composition_memory  # noqa: E402
 import composition_table  # noqa: E402
+import depth_table  # noqa: E402
 import gap_table  # noqa: E402
 import recipe_table  # noqa: E402
 
@@ -399,6 +400,32 @@ def serving_live() -> str:
   return "\n".join(lines)
 
 
+def _depth_reports() -> dict:
+  return depth_table.load(_results("test_time_depth"))
+
+
+_SPECULATIVE_MODELS = {"default_benice": "default, BeNice!", "fixed_benice": "`:fixed`, BeNice!"}
+
+
+def speculative_quality() -> str:
+  """Speculative decoding's teacher-forced path under sharing (experiments/speculative_quality.py):
+  block verification of k tokens against exact shared decode, per model."""
+  lines = [
+    "| model | ppl exact shared decode | ppl unshared (vs exact [95% CI]) | "
+    + " | ".join(f"k={k}: ppl (vs exact [95% CI])" for k in (2, 4, 8))
+    + " |",
+    "|---|---:|---:|" + "---:|" * 3,
+  ]
+  for name, label in _SPECULATIVE_MODELS.items():
+    with open(_results("speculative", name, "quality.json")) as f:
+      results = json.load(f)["results"]
+    cell = lambda r: f"{r['ppl']:.3f} ({gap_with_ci(r['gap_vs_exact_shared'], r['gap_ci95'])})"
+    exact = results["exact shared decode (C=1)"]["ppl"]
+    blocks = " | ".join(cell(results[f"block C={k}"]) for k in (2, 4, 8))
+    lines.append(f"| {label} | {exact:.3f} | {cell(results['unshared'])} | {blocks} |")
+  return "\n".join(lines)
+
+
 def serving_live_changes(name: str = _SERVING_LIVE[1]) -> str:
   """Shared over unshared at each budget and format (medians over repeats; the range pairs the
   worst shared run with the best unshared one and the reverse), beside the paper's figures."""
@@ -480,6 +507,9 @@ TABLES: dict[str, Callable[[], str]] = {
   "serving_live_sim": serving_live_sim,
   "serving_live_changes_dense_write": lambda: serving_live_changes(_SERVING_LIVE_DENSE_WRITE),
   "serving_live_sim_scaled": lambda: serving_live_sim(_SERVING_LIVE_SCALED),
+  "speculative_quality": speculative_quality,
+  "test_time_depth_exits": lambda: depth_table.exits_table(_depth_reports()),
+  "test_time_depth_fixed": lambda: depth_table.fixed_table(_depth_reports()),
 }
 
 

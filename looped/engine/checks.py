@@ -14,13 +14,18 @@ import math
 import ml_collections
 
 from looped import config_checks as cc
-from looped.engine import paged_cache
+from looped.engine import paged_cache, speculative
 from looped.engine.config import EngineSection
 from looped.engine.engine import EngineConfig
 from looped.engine.requests import DepthParams
+from looped.engine.speculative import SpeculativeParams
 from looped.model import adaptive, kv_policy, mixers
 from looped.model import config as model_lib
 from looped.model.cache_layout import KVLayout
+
+# The most tokens a request may draft per round when the section's default is fewer (the
+# speculative calls pad k to powers of two up to it).
+DEFAULT_MAX_LOOKAHEAD = 8
 
 
 def check_model_and_format(settings: EngineSection, section: str, model_cfg):
@@ -112,10 +117,39 @@ def check_depth(settings: EngineSection, section: str, cfg) -> None:
     raise cc.ConfigError(str(e)) from None
 
 
+def check_speculative(settings: EngineSection, section: str, cfg) -> None:
+  """The section's speculation fields against the model and the other fields."""
+  s = settings
+  try:
+    passes = speculative.parse_verify(s.speculative_verify)
+  except ValueError:
+    cc.fail(f"{section}.speculative_verify", s.speculative_verify, "must be 'block' or n >= 1")
+  if passes > 1 and not s.share_kv:
+    cc.fail(
+      f"{section}.speculative_verify",
+      s.speculative_verify,
+      "needs share_kv: an unshared cache verifies exactly in one pass ('block')",
+    )
+  if passes > 1 and not mixers.all_with(cfg, "core", "attends"):
+    cc.fail(f"{section}.speculative_verify", s.speculative_verify, "needs attention core layers")
+  r = s.speculative_recurrences
+  top = s.recurrences or cfg.num_recurrences
+  if r > top:
+    cc.fail(f"{section}.speculative_recurrences", r, f"must be at most the recurrences ({top})")
+  depth = depth_params(s)
+  if r and (depth.exits or depth.continuous_compute):
+    cc.fail(
+      f"{section}.speculative_recurrences",
+      r,
+      "drafts at a fixed depth: it takes exit_criterion 'none' and no continuous_compute",
+    )
+
+
 def check_section(settings: EngineSection, section: str, model_cfg, mesh_shape) -> tuple:
   """Every engine field against the model and mesh: (ModelConfig, kv_format, kv_policy)."""
   cfg, fmt = check_model_and_format(settings, section, model_cfg)
   check_depth(settings, section, cfg)
+  check_speculative(settings, section, cfg)
   policy = kv_policy_of(settings, section, depth_model(settings, cfg))
   block, budget = settings.prefill_block, settings.max_num_batched_tokens
   if block > budget:
@@ -190,5 +224,8 @@ def engine_config(
     max_recurrences=s.max_recurrences or None,
     exit_lookup=s.exit_lookup,
     depth=depth_params(s),
+    speculative=SpeculativeParams(s.speculative_recurrences, s.speculative_tokens),
+    speculative_verify=speculative.parse_verify(s.speculative_verify),
+    max_speculative_tokens=max(s.speculative_tokens, DEFAULT_MAX_LOOKAHEAD),
     **runtime,
   )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from looped import kv_quant
+from looped.engine import speculative
 from looped.model import adaptive
 from looped.schema import field
 
@@ -112,6 +113,22 @@ class EngineSection(BatchingLimits):
   )
   exit_in_prefill: bool = field(
     True, "Prompt tokens exit by the criterion too (False: they run every recurrence)."
+  )
+  # Self-speculative decoding (looped/engine/speculative.py, docs/engine.md): the settings of a
+  # request that gives none, and how verification reads a shared cache.
+  speculative_recurrences: int = field(
+    0, "Draft recurrences r of speculative decoding, <= the verifier's (0: off).", min=0
+  )
+  speculative_tokens: int = field(
+    4,
+    "Tokens drafted then verified per round (k); also the most a request may ask for.",
+    min=1,
+    max=64,
+  )
+  speculative_verify: str = field(
+    "block",
+    "Verification: " + speculative.VERIFY_DOC,
+    by_hand="'block' or a positive number of passes, as text",
   )
 
 

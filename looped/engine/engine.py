@@ -332,7 +332,7 @@ class Engine:
     if min(request.prompt_tokens) < 0 or max(request.prompt_tokens) >= vocab:
       raise ValueError(f"request {rid}: prompt token ids must lie in [0, {vocab}).")
     request.sampling.check(vocab)
-    self._depth_of(request)
+    self._speculative_of(request, self._depth_of(request))
     total = request.prompt_len + request.output_len
     if total > self.max_model_len:
       raise ValueError(

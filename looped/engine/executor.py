@@ -432,10 +432,17 @@ class ModelExecutor:
     per_column = self.page_size if self.page_depths is not None else 0
     return self.trained_recurrences, self.model.cfg.d_model, per_column
 
-  def _call(self, table: step_table.StepTable, params, pages, *args):
+  def _call(self, params, pages, *args):
     """One padded call, its shape read off the tokens and page table: the table's executable."""
+    return self._execute_in(self.steps, params, pages, *args)
+
+  def _call_speculative(self, params, pages, *args):
+    """One padded speculative call (looped.engine.speculative.call_fn); its shapes compile on
+    first use unless a warm-up compiled some."""
+    return self._execute_in(self.spec_steps, params, pages, *args)
+
+  def _execute_in(self, table: step_table.StepTable, params, pages, *args):
     (rows, tokens), columns = args[0].shape, args[1].shape[1]
-    # Speculative shapes compile on first use unless a warm-up compiled some (Engine.warmup).
     strict = self.strict and (table is self.steps or bool(table.shapes()))
     _, executable = table.lookup((rows, tokens, columns), strict=strict)
     return executable(params, pages, *args)
@@ -479,9 +486,9 @@ class ModelExecutor:
     args = inputs.args()
     if self.mesh.mesh.size > 1:  # One device: jit's own dispatch moves host arrays faster.
       args = jax.device_put(args, self.mesh.replicated())
-    table = self.steps if inputs.draft is None else self.spec_steps
+    call = self._call if inputs.draft is None else self._call_speculative
     with self.mesh.context():
-      return self._call(table, self.params, self.pages, *args)
+      return call(self.params, self.pages, *args)
 
   def _fit(self, padded: StepShape) -> StepShape:
     """Strict: each call in the smallest compiled shape that holds it (StepTable.lookup)."""

@@ -212,4 +212,12 @@ def run(config, workdir: str, chosen: tuple[str, ...] = ()) -> dict[str, Any]:
     num_pages,
     workdir,
   )
+  if summary["speculative_rounds"]:
+    logging.info(
+      "speculative decoding: %d rounds, %d tokens drafted, %d accepted (acceptance rate %.3f)",
+      summary["speculative_rounds"],
+      summary["drafted_tokens"],
+      summary["accepted_tokens"],
+      summary["acceptance_rate"] or 0.0,
+    )
   return {"generations": generations, "summary": summary}

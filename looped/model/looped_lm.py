@@ -314,6 +314,13 @@ def _check_mode_options(
     raise ValueError("Decode with document masking needs segment_ids_BxT and the cache's ids.")
 
 
+def _check_decode_options(cache, depth, jacobi, collect_states, depth_mask_BxR) -> None:
+  if depth is not None and (cache is None or collect_states or depth_mask_BxR is not None):
+    raise ValueError("depth is a decode option: it replaces depth_mask_BxR, collects no h_r.")
+  if jacobi and cache is None:
+    raise ValueError("jacobi is a decode option: the chunk reads itself from a cache.")
+
+
 @dataclasses.dataclass(frozen=True)
 class _DecodeReads:
   """What a decode chunk's attention reads: its positions, the masks over the cache's slots
@@ -552,6 +559,14 @@ class LoopedLM(nn.Module):
       a continuous-compute start).
     exit_lookup: what an unshared cache serves for recurrences a token never ran
       (adaptive.LOOKUPS; 'always-last' and 'skip' need a cache that records depths).
+
+  Decode mode's other options:
+    num_new_B: per row, how many of the chunk's tokens are real (None: all T); the rest are
+      padding of a batched call. The row's length advances by its real tokens and padding
+      never advances a recurrent state (KDA) or its conv tail.
+    jacobi: the chunk's tokens read each other from the cache's slots at their positions,
+      where a previous pass over the same chunk wrote them (speculative verification's Jacobi
+      passes), instead of their own recurrence's K/V.
   """
 
   cfg: ModelConfig
@@ -590,9 +605,6 @@ class LoopedLM(nn.Module):
         (`head_logits`).
       initial_state_BxTxD: h_0 of the new tokens instead of cfg.state_init's (a reference's
         own noise draw, to compare with it exactly).
-      num_new_B: decode mode: per row, how many of the chunk's tokens are real (None: all T);
-        the rest are padding of a batched call. The row's length advances by its real tokens
-        and padding never advances a recurrent state (KDA) or its conv tail.
       segment_ids_BxT: document masking (data.document_mask): int ids of the tokens' documents
         (in decode mode: of the new tokens). A token attends only to positions of its own
         document (in every layer, shared reads included), and a KDA layer starts a document from
@@ -601,10 +613,7 @@ class LoopedLM(nn.Module):
         positions 0..S-1 (S >= the cache's slots, covering every filled one).
       shared_kv, read_shared_R, kv_format, prefill_block, kv_policy: parallel-mode options
         (the class docstring).
-      depth, exit_lookup: decode mode's test-time depth (the class docstring).
-      jacobi: decode mode: the chunk's tokens read each other from the cache's slots at their
-        positions, where a previous pass over the same chunk wrote them (speculative
-        verification's Jacobi passes), instead of their own recurrence's K/V.
+      depth, exit_lookup, num_new_B, jacobi: decode-mode options (the class docstring).
     aux: 'final_kv' (parallel) or 'cache' (decode), 'residual_norm_R',
       'relative_residual_R' (means over active sequences), optionally 'states_RxBxTxD', and
       with cfg.exit_gate 'exit_logits_RxBxT' (each recurrence's exit-gate logit per token).
@@ -612,10 +621,7 @@ class LoopedLM(nn.Module):
     _check_mode_options(
       cache, prefill_block, kv_policy, num_new_B, segment_ids_BxT, cache_segment_ids_BxS
     )
-    if depth is not None and (cache is None or collect_states or depth_mask_BxR is not None):
-      raise ValueError("depth is a decode option: it replaces depth_mask_BxR, collects no h_r.")
-    if jacobi and cache is None:
-      raise ValueError("jacobi is a decode option: the chunk reads itself from a cache.")
+    _check_decode_options(cache, depth, jacobi, collect_states, depth_mask_BxR)
     if cache is None:
       return self._parallel(
         tokens_BxT,
@@ -744,8 +750,7 @@ class LoopedLM(nn.Module):
     """New tokens (a prefill chunk or one per row) against a KVCache: they attend to its slots
     below each row's length and causally to each other; aux['cache'] has their K/V written (core:
     every recurrence's, or under sharing the final one's, docs/design.md §3)."""
-    cfg = self.cfg
-    b, t = tokens_BxT.shape
+    cfg, (b, t) = self.cfg, tokens_BxT.shape
     read_past = kv_cache_lib.reader(cache.kv_format, cfg.compute_dtype)
     reads = _decode_reads(cfg, cache, b, t, segment_ids_BxT, cache_segment_ids_BxS, jacobi)
     positions_BxT = reads.positions_BxT

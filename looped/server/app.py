@@ -13,6 +13,7 @@ endpoint to one method of `_Routes`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
 import time
@@ -308,6 +309,7 @@ class _Routes:
         prompt_text=p.text,
         position_logprobs=positions,
         depth=params.depth,
+        speculative=params.speculative,
       )
       for p in params.prompts
     ]
@@ -330,10 +332,13 @@ class _Routes:
       "created": int(time.time()),
       "model": self.limits.model_name,
     }
+    spec = self.limits.speculative if params.speculative is None else params.speculative
+    usage = functools.partial(_usage, speculating=spec.enabled)
     if params.stream:
-      stream = _stream(params, call, {**head, "object": shape.chunk_object}, self.tokenizer, shape)
+      head = {**head, "object": shape.chunk_object}
+      stream = _stream(params, call, head, self.tokenizer, shape, usage)
       return StreamingResponse(stream, media_type="text/event-stream")
-    return await _answer(params, call, head, self.tokenizer, shape)
+    return await _answer(params, call, head, self.tokenizer, shape, usage)
 
 
 class _Call:
@@ -431,12 +436,11 @@ class _ChatShape:
 _TEXT, _CHAT = _TextShape(), _ChatShape()
 
 
-async def _answer(params, call: _Call, head: dict, tokenizer, shape) -> JSONResponse:
-  """The non-streaming response: every prompt's choice and the usage once all are done, or
-  the first failure's error (cancelling the rest)."""
+async def _answer(params, call: _Call, head: dict, tokenizer, shape, usage) -> JSONResponse:
+  """The non-streaming response: every prompt's choice and the usage (usage(prompts, dones),
+  `_usage`) once all are done, or the first failure's error (cancelling the rest)."""
   try:
-    choices, recurrences = [], []
-    usage = {"prompt_tokens": 0, "completion_tokens": 0}
+    choices, dones = [], []
     for i, (prompt, r, q) in enumerate(zip(params.prompts, call.requests, call.queues)):
       while not isinstance(event := await q.get(), (Done, Failed)):
         pass
@@ -445,22 +449,32 @@ async def _answer(params, call: _Call, head: dict, tokenizer, shape) -> JSONResp
         call.gone()
         return JSONResponse(guards.error_body(event.message, event.status), event.status)
       choices.append(_choice(i, params, prompt, event, tokenizer, shape))
-      usage["prompt_tokens"] += len(prompt.tokens)
-      usage["completion_tokens"] += len(event.tokens)
-      recurrences += event.recurrences
+      dones.append(event)
   except asyncio.CancelledError:
     call.gone()
     raise
   finally:
     call.close()
-  usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-  usage["mean_recurrences"] = _mean(recurrences)
-  return JSONResponse({**head, "choices": choices, "usage": usage})
+  return JSONResponse({**head, "choices": choices, "usage": usage(params.prompts, dones)})
 
 
-def _mean(recurrences) -> float | None:
-  """usage's mean_recurrences: over the completion's tokens (None without any)."""
-  return sum(recurrences) / len(recurrences) if recurrences else None
+def _usage(prompts, dones: Sequence[Done], speculating: bool) -> protocol.Usage:
+  """A completion's usage over its choices: OpenAI's counts, the mean recurrences of the calls
+  that produced its tokens (None without any) and, when speculation is on for the request,
+  the tokens its rounds drafted and the drafts kept (0 when no round ran)."""
+  prompt_tokens = sum(len(p.tokens) for p in prompts)
+  completion_tokens = sum(len(d.tokens) for d in dones)
+  recurrences = [r for d in dones for r in d.recurrences]
+  usage = {
+    "prompt_tokens": prompt_tokens,
+    "completion_tokens": completion_tokens,
+    "total_tokens": prompt_tokens + completion_tokens,
+    "mean_recurrences": sum(recurrences) / len(recurrences) if recurrences else None,
+  }
+  if speculating:
+    usage["drafted_tokens"] = sum(d.drafted_tokens for d in dones)
+    usage["accepted_tokens"] = sum(d.accepted_tokens for d in dones)
+  return usage
 
 
 def _choice(index: int, params, prompt: protocol.Prompt, done: Done, tokenizer, shape) -> dict:
@@ -480,10 +494,10 @@ def _choice(index: int, params, prompt: protocol.Prompt, done: Done, tokenizer, 
   return shape.choice(index, prefix + done.text, logprobs, _FINISH[done.finish_reason])
 
 
-async def _stream(params, call: _Call, head: dict, tokenizer, shape) -> AsyncIterator[str]:
+async def _stream(params, call: _Call, head: dict, tokenizer, shape, usage) -> AsyncIterator[str]:
   """Server-sent events: a chunk per generated token (its text may be held back, see
   TextStream; with echo the first also carries the prompt; a chat's opens with the role), the
-  finish reason on the last, then `[DONE]`."""
+  finish reason on the last, the usage chunk if asked for (usage: `_usage`), then `[DONE]`."""
   prompt = params.prompts[0]
   request, queue = call.requests[0], call.queues[0]
   text = TextStream(params.stop)
@@ -507,10 +521,8 @@ async def _stream(params, call: _Call, head: dict, tokenizer, shape) -> AsyncIte
         delta = text.delta(item.text, final=True)
         yield event(shape.chunk(delta, logprobs, _FINISH[item.finish_reason]))
         if params.include_usage:
-          usage = {"prompt_tokens": len(prompt.tokens), "completion_tokens": len(item.tokens)}
-          usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-          usage["mean_recurrences"] = _mean(item.recurrences)
-          yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage})}\n\n"
+          last = {**head, "choices": [], "usage": usage(params.prompts[:1], [item])}
+          yield f"data: {json.dumps(last)}\n\n"
         break
       prefix = ""
       if not generated and params.echo:

@@ -45,6 +45,8 @@ class Done:
   positions: dict  # RequestState.positions (empty unless position_logprobs).
   cached_prompt_tokens: int
   recurrences: tuple[int, ...] = ()  # Of the call that produced each token (Generation's).
+  drafted_tokens: int = 0  # Self-speculative decoding: tokens drafted, drafts kept.
+  accepted_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,6 +266,9 @@ class EngineLoop:
     self.metrics.inc("vllm:prefix_cache_queries_total", g.prompt_len)
     self.metrics.inc("vllm:prefix_cache_hits_total", g.cached_prompt_tokens)
     self.metrics.inc("vllm:num_preemptions_total", g.num_preemptions)
+    self.metrics.inc("vllm:spec_decode_num_drafts_total", len(g.speculative_rounds))
+    self.metrics.inc("vllm:spec_decode_num_draft_tokens_total", g.drafted_tokens)
+    self.metrics.inc("vllm:spec_decode_num_accepted_tokens_total", g.accepted_tokens)
     if tracked is None:
       return
     self.metrics.observe("vllm:e2e_request_latency_seconds", time.monotonic() - tracked.arrival)
@@ -276,6 +281,8 @@ class EngineLoop:
         g.positions,
         g.cached_prompt_tokens,
         tuple(g.recurrences),
+        g.drafted_tokens,
+        g.accepted_tokens,
       )
     )
 

@@ -68,6 +68,10 @@ class Metrics:
       ("looped:requests_rejected_total", "Requests refused before the engine, by reason."),
       ("looped:requests_aborted_total", "Requests cancelled (client gone) before finishing."),
       ("looped:streams_stalled_total", "Streams cancelled: their client stopped reading."),
+      # Self-speculative decoding, counted as requests finish (vLLM v1's counters).
+      ("vllm:spec_decode_num_drafts_total", "Speculative rounds (drafts) of finished requests."),
+      ("vllm:spec_decode_num_draft_tokens_total", "Tokens drafted by speculative rounds."),
+      ("vllm:spec_decode_num_accepted_tokens_total", "Drafted tokens the verifier kept."),
     ):
       self.help[name] = ("counter", text)
     for name, buckets, text in (

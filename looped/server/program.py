@@ -124,6 +124,10 @@ def serve_engine(
     max_recurrences=engine.model.cfg.num_recurrences,
     exit_gate=engine.model.cfg.exit_gate,
     depth=engine.engine_config.depth,
+    trained_recurrences=engine.trained_recurrences,
+    speculates=engine.executor.spec_steps is not None,
+    max_speculative_tokens=engine.engine_config.max_speculative_tokens,
+    speculative=engine.engine_config.speculative,
   )
   loop = EngineLoop(engine, max_waiting=max_waiting, metrics=Metrics(name), warmup=warmup)
   loop.start()

@@ -27,6 +27,7 @@ from typing import Annotated, Any, Literal, NotRequired, TypedDict
 
 from looped.engine import sampling
 from looped.engine.requests import DepthParams
+from looped.engine.speculative import SpeculativeParams
 from looped.model import adaptive
 
 MAX_STOP_STRINGS = 4  # As OpenAI's API.
@@ -60,6 +61,13 @@ class Limits:
   max_recurrences: int = 0  # The most recurrences a request may ask for (the engine's loop).
   exit_gate: bool = False  # The model has an exit gate (exit_criterion 'gate').
   depth: DepthParams = DepthParams()  # The server's depth settings (serve.recurrences, ...).
+  trained_recurrences: int = 0  # The model's R, what recurrences 0 runs (0: max_recurrences).
+  # Self-speculative decoding: whether the engine runs speculative rounds (adaptive depth, one
+  # device), the most tokens a request may draft per round (the engine's max lookahead) and the
+  # server's own setting (serve.speculative_recurrences, serve.speculative_tokens).
+  speculates: bool = True
+  max_speculative_tokens: int = 8
+  speculative: SpeculativeParams = SpeculativeParams()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +93,8 @@ class Completion:
   echo: bool
   ignore_eos: bool
   depth: DepthParams | None = None  # The request's own depth settings (None: the server's).
+  # The request's own speculation (None: the server's, GenRequest.speculative).
+  speculative: SpeculativeParams | None = None
 
 
 class HugeInteger:
@@ -636,6 +646,81 @@ def depth_of(values: dict, limits: Limits) -> DepthParams | None:
   return depth
 
 
+# Self-speculative decoding (looped/engine/speculative.py): a request's draft depth and lookahead;
+# an absent one keeps the server's setting (serve.speculative_recurrences, ...).
+SPECULATIVE_FIELDS = ("speculative_recurrences", "speculative_tokens")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DraftRecurrences(Integer):
+  """speculative_recurrences: an Integer whose refusal, on a server that cannot speculate, says
+  so rather than quoting a range of [0, 0]."""
+
+  def check(self, value: Any, limits: Limits, tokenizer) -> int | None:
+    if is_int(value) and value > 0 and not limits.speculates:
+      raise self.refuse(
+        f"{self.name} = {value}: this server does not speculate (the engine needs adaptive "
+        "depth and one device); send 0 or null."
+      )
+    return super().check(value, limits, tokenizer)
+
+
+SPECULATIVE_RECURRENCES = DraftRecurrences(
+  name="speculative_recurrences",
+  doc="Self-speculative decoding: each round drafts speculative_tokens tokens at this many "
+  "recurrences and verifies them at the request's recurrences, which bound it (0: off); null: "
+  "the server's setting.",
+  lo=0,
+  hi=lambda limits: limits.max_recurrences if limits.speculates else 0,
+)
+SPECULATIVE_TOKENS = Integer(
+  name="speculative_tokens",
+  doc="Self-speculative decoding: tokens drafted, then verified, per round (k); null: the "
+  "server's setting.",
+  lo=1,
+  hi=lambda limits: limits.max_speculative_tokens,
+)
+
+
+def speculative_of(
+  values: dict, depth: DepthParams | None, limits: Limits
+) -> SpeculativeParams | None:
+  """A request's speculation (the server's with the request's fields over it; None when it
+  gives none, so the server's applies), or RequestError naming the field that makes it
+  unservable with the request's depth (the engine's rules, Engine._speculative_of): the
+  request's speculative_recurrences, or else the depth field that clashes with the server's."""
+  given = {k: values[k] for k in SPECULATIVE_FIELDS if values.get(k) is not None}
+  spec = SpeculativeParams(
+    given.get("speculative_recurrences", limits.speculative.recurrences),
+    given.get("speculative_tokens", limits.speculative.tokens),
+  )
+  if spec.enabled:
+    _check_speculative(spec, "speculative_recurrences" in given, depth or limits.depth, limits)
+  return spec if given else None
+
+
+def _check_speculative(
+  spec: SpeculativeParams, mine: bool, depth: DepthParams, limits: Limits
+) -> None:
+  """speculative_of's refusals; mine: the request gave speculative_recurrences (else the
+  server's setting clashes with the request's depth fields, which are named)."""
+  verify = depth.recurrences or limits.trained_recurrences or limits.max_recurrences
+  whose = "" if mine else " (the server's)"
+  if spec.recurrences > verify:
+    raise RequestError(
+      f"speculative_recurrences = {spec.recurrences}{whose} must be at most the {verify} "
+      "recurrences that verify its drafts (the request's recurrences); 0: off.",
+      "speculative_recurrences" if mine else "recurrences",
+    )
+  if depth.exits or depth.continuous_compute:
+    raise RequestError(
+      f"speculative_recurrences = {spec.recurrences}{whose} drafts and verifies at fixed "
+      "depths: it takes exit_criterion 'none' and no continuous compute (speculative_recurrences "
+      "0 turns it off).",
+      "speculative_recurrences" if mine else "exit_criterion",
+    )
+
+
 # The fields of a /v1/completions body, in the order they are checked (the first bad one is
 # named). A field added here is documented (openapi.py) and checked by `parse` with no other
 # edit; `_completion` says what the engine does with its value.
@@ -674,6 +759,8 @@ REQUEST: tuple[Field, ...] = (
   EXIT_CRITERION,
   EXIT_THRESHOLD,
   MIN_RECURRENCES,
+  SPECULATIVE_RECURRENCES,
+  SPECULATIVE_TOKENS,
 )
 FIELDS = frozenset(f.name for f in REQUEST)
 
@@ -719,6 +806,8 @@ CHAT_REQUEST: tuple[Field, ...] = (
   EXIT_CRITERION,
   EXIT_THRESHOLD,
   MIN_RECURRENCES,
+  SPECULATIVE_RECURRENCES,
+  SPECULATIVE_TOKENS,
 )
 CHAT_FIELDS = frozenset(f.name for f in CHAT_REQUEST)
 
@@ -744,7 +833,7 @@ def _values(raw: bytes, fields: tuple[Field, ...], limits: Limits, tokenizer) ->
 def parse(raw: bytes, tokenizer, limits: Limits) -> Completion:
   """The checked request, or RequestError naming the first bad field."""
   values = _values(raw, REQUEST, limits, tokenizer)
-  request = dataclasses.replace(_completion(values), depth=depth_of(values, limits))
+  request = _with_depth(_completion(values), values, limits)
   _check_fits(request, limits)
   return request
 
@@ -778,10 +867,17 @@ def parse_chat(
       "echo": False,
     }
   )
-  request = dataclasses.replace(request, depth=depth_of(values, limits))
+  request = _with_depth(request, values, limits)
   given = "max_completion_tokens" if values["max_completion_tokens"] else "max_tokens"
   _check_fits(request, limits, prompt_param="messages", tokens_param=given)
   return request
+
+
+def _with_depth(request: Completion, values: dict, limits: Limits) -> Completion:
+  """The request with its depth and speculation settings (depth_of, speculative_of)."""
+  depth = depth_of(values, limits)
+  speculative = speculative_of(values, depth, limits)
+  return dataclasses.replace(request, depth=depth, speculative=speculative)
 
 
 def _completion(values: dict) -> Completion:
@@ -920,6 +1016,10 @@ class Usage(TypedDict):
   total_tokens: Count
   # Mean recurrences of the calls that produced the completion's tokens (test-time depth).
   mean_recurrences: NotRequired[float | None]
+  # Self-speculative decoding, when it is on for the request (its fields or the server's
+  # setting): tokens its rounds drafted, and drafts the verifier kept (0 if no round ran).
+  drafted_tokens: NotRequired[Count]
+  accepted_tokens: NotRequired[Count]
 
 
 class CompletionResponse(TypedDict):
