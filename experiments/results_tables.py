@@ -426,6 +426,30 @@ def speculative_quality() -> str:
   return "\n".join(lines)
 
 
+def speculative_engine() -> str:
+  """Decode tokens/s with and without speculation (benchmarks/engine.py --speculative_sweep)."""
+  lines = [
+    "| model | layout | batch | setting | tokens/s | speed-up | acceptance | tokens/round | "
+    "identical requests | agreement |",
+    "|---|---|---:|---|---:|---:|---:|---:|---:|---:|",
+  ]
+  for name, label in _SPECULATIVE_MODELS.items():
+    with open(_results("speculative", f"engine_{name}.json")) as f:
+      rows = json.load(f)["speculative_sweep"]
+    for r in rows:
+      tail = "- | - | - | - |"
+      if r["setting"] != "plain":
+        tail = (
+          f"{r['acceptance_rate']:.2f} | {r['tokens_per_round']:.2f} | "
+          f"{r['identical_requests']}/8 | {r['agreement']:.3f} |"
+        )
+      lines.append(
+        f"| {label} | {r['layout']} | {r['max_num_seqs']} | {r['setting']} | "
+        f"{r['tokens_per_s']:.0f} | {r['speedup']:.2f} | {tail}"
+      )
+  return "\n".join(lines)
+
+
 def serving_live_changes(name: str = _SERVING_LIVE[1]) -> str:
   """Shared over unshared at each budget and format (medians over repeats; the range pairs the
   worst shared run with the best unshared one and the reverse), beside the paper's figures."""
@@ -508,6 +532,7 @@ TABLES: dict[str, Callable[[], str]] = {
   "serving_live_changes_dense_write": lambda: serving_live_changes(_SERVING_LIVE_DENSE_WRITE),
   "serving_live_sim_scaled": lambda: serving_live_sim(_SERVING_LIVE_SCALED),
   "speculative_quality": speculative_quality,
+  "speculative_engine": speculative_engine,
   "test_time_depth_exits": lambda: depth_table.exits_table(_depth_reports()),
   "test_time_depth_fixed": lambda: depth_table.fixed_table(_depth_reports()),
 }

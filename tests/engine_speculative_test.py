@@ -12,6 +12,7 @@
 
 import dataclasses
 
+import engine_test
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,15 +28,8 @@ from looped.engine.speculative import SpeculativeParams
 from looped.model.looped_lm import LoopedLM, init_params
 
 CFG = dataclasses.replace(testing.TINY_MODEL, max_seq_len=64)  # R = 3.
-MLA = dataclasses.replace(
-  CFG,
-  prelude_mixers=("mla",),
-  core_mixers=("mla",),
-  coda_mixers=("mla",),
-  mla_kv_rank=32,
-  mla_rope_dim=32,
-)
-KDA_MLA = dataclasses.replace(MLA, core_mixers=("kda", "mla"))
+MLA = dataclasses.replace(engine_test.MLA, max_seq_len=64)  # engine_test's mixer models.
+KDA_MLA = dataclasses.replace(engine_test.KDA_MLA, max_seq_len=64)
 SPEC = SpeculativeParams(recurrences=1, tokens=4)
 SIGNIFICANCE = 1e-3  # Chi-square tests reject at this p-value.
 
@@ -127,6 +121,18 @@ class SpeculativeEngineTest(parameterized.TestCase):
       engine.abort(rid)
     self.assertEqual(engine.pages_in_use(), 0)
     self.assertFalse(engine.has_unfinished())
+
+  def test_warmup_compiles_the_default_speculative_calls(self):
+    """A server speculating by default compiles its speculative calls in the warm-up, and its
+    steps run in them (the smallest compiled shape that holds each call), compiling nothing."""
+    engine = _engine(CFG, speculative=SPEC)
+    engine.start_warmup()
+    engine.compile_thread.join()
+    compiled = set(engine.executor.spec_steps.shapes())
+    self.assertTrue(set(engine.speculative_shapes()) <= compiled)
+    out = engine.generate(_requests(CFG.vocab_size))  # The engine's default: speculation.
+    self.assertGreater(engine.summary(out)["speculative_rounds"], 0)
+    self.assertEqual(set(engine.executor.spec_steps.shapes()), compiled)
 
   def test_bad_settings_name_the_field(self):
     engine = _engine(CFG)

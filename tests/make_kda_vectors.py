@@ -1,7 +1,7 @@
 """Writes tests/testdata/kda_vectors.npz: flash-linear-attention's naive KDA on random inputs.
 
-  python -m venv /work/venv_fla && /work/venv_fla/bin/pip install torch flash-linear-attention
-  /work/venv_fla/bin/python tests/make_kda_vectors.py      # needs torch, einops, numpy only
+  python -m venv /tmp/venv_fla && /tmp/venv_fla/bin/pip install torch flash-linear-attention
+  /tmp/venv_fla/bin/python tests/make_kda_vectors.py      # needs torch, einops, numpy only
 
 CI installs no torch: tests/kda_test.py compares looped.model.kda against the committed file,
 and also runs `reference` live when fla is importable.

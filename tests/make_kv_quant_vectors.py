@@ -1,6 +1,6 @@
 """Writes tests/testdata/kv_quant_vectors.npz: torchao reference round trips for looped.kv_quant.
 
-  /work/venv/bin/pip install torch==2.13.0 torchao==0.18.0   # CPU wheels; not project deps
+  /tmp/venv/bin/pip install torch==2.13.0 torchao==0.18.0   # CPU wheels; not project deps
   python tests/make_kv_quant_vectors.py
 
 CI installs no torch: tests/kv_quant_test.py compares against the committed file, and also runs

@@ -1,7 +1,7 @@
 r"""One Markdown table over many pipeline runs (seeds, arms, ablations), with per-group means.
 
-  python -m looped.benice.collect /work/runs/benice/*_s[0-9]
-  python -m looped.benice.collect --models=benice /work/runs/benice/abl_*_s[0-9]
+  python -m looped.benice.collect /tmp/benice_runs/*_s[0-9]
+  python -m looped.benice.collect --models=benice /tmp/benice_runs/abl_*_s[0-9]
 
 Each argument is a pipeline workdir (or its report/shareability.json); `--models=a,b` keeps only
 those models. Runs whose names differ only in a trailing `_s<seed>` form a group; the table

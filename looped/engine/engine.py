@@ -215,7 +215,9 @@ class Engine:
     self.num_slots = c.max_num_seqs if stateful else 0  # One state slot per running request.
     self.config = _scheduler_config(c, self.max_model_len, stateful)
     padding = _padding(c, self.config, self.max_model_len)
-    _check_shape_count(padding, self.config, self.max_model_len)
+    speculative = len(padding.row_buckets) * len(padding.column_buckets)
+    speculative = speculative if _speculates(c) and c.speculative.enabled else 0
+    _check_shape_count(padding, self.config, self.max_model_len, speculative)
     self.num_pages = c.num_pages
     self.check_invariants = c.check_invariants
     self.mesh = EngineMesh.create(model.cfg, tuple(c.mesh_shape), c.mesh_rules)
@@ -272,12 +274,25 @@ class Engine:
       c.max_num_seqs, c.max_num_batched_tokens, self.max_model_len, padding_lib.longest_chunk(c)
     )
 
+  def speculative_shapes(self) -> list[tuple[int, int, int]]:
+    """The speculative calls' shapes for the engine's default lookahead when it speculates by
+    default (EngineConfig.speculative): every row and column bucket. A request asking another
+    lookahead compiles its shapes on first use."""
+    c, executor = self.engine_config, self.executor
+    if executor.spec_steps is None or not c.speculative.enabled or c.speculative.tokens < 2:
+      return []
+    k = padding_lib.bucket(c.speculative.tokens, executor.lookahead_buckets)
+    rows = [r for r in executor.padding.row_buckets if r <= max(c.max_num_seqs, 1)]
+    rows = sorted(set(rows + [padding_lib.bucket(c.max_num_seqs, executor.padding.row_buckets)]))
+    return [(r, k, col) for r in rows for col in executor.padding.column_buckets]
+
   def warmup(self, on_shape: Callable | None = None) -> int:
-    """Compiles every step shape now (step_shapes), so that no request waits for a compile;
-    returns how many. on_shape(done, total) follows progress."""
-    shapes = self.step_shapes()
+    """Compiles every step shape now (step_shapes, speculative_shapes), so that no request
+    waits for a compile; returns how many. on_shape(done, total) follows progress."""
+    shapes, spec = self.step_shapes(), self.speculative_shapes()
     self.executor.warmup(shapes, on_shape)
-    return len(shapes)
+    self.executor.warmup(spec, on_shape, speculative=True)
+    return len(shapes) + len(spec)
 
   def num_compiled_shapes(self) -> int:
     """Step shapes compiled and alive (what a strict step may run in)."""
@@ -289,20 +304,23 @@ class Engine:
     (each runs in the smallest compiled shape that holds it) and compiles the other shapes in
     a background thread, smallest first, until done or `stop_compiling`. Returns (shapes
     compiled now, shapes in all); on_shape(done, total) follows the background compiles."""
-    shapes = self.step_shapes()
-    cover = cover_shapes(shapes)
+    shapes, spec = self.step_shapes(), self.speculative_shapes()
+    cover, spec_cover = cover_shapes(shapes), spec[-1:]  # The widest speculative call.
     self.executor.warmup(cover)
+    self.executor.warmup(spec_cover, speculative=True)
     self.executor.strict = True
-    rest = sorted(set(shapes) - set(cover), key=lambda s: (s[0] * s[1] * s[2], s))
+    size = lambda s: (s[1][0] * s[1][1] * s[1][2], s)
+    rest = [(False, s) for s in set(shapes) - set(cover)]
+    rest = sorted(rest + [(True, s) for s in spec[:-1]], key=size)
     self._stop_compiling.clear()
     stop = self._stop_compiling
 
     def compile_rest() -> None:
       try:
-        for i, shape in enumerate(rest):
+        for i, (speculative, shape) in enumerate(rest):
           if stop.is_set():
             return
-          self.executor.warmup([shape])
+          self.executor.warmup([shape], speculative=speculative)
           if on_shape is not None:
             on_shape(i + 1, len(rest))
       except Exception as e:  # noqa: BLE001  The steps still run in the shapes compiled.
@@ -314,7 +332,7 @@ class Engine:
     # A daemon thread still inside XLA when the interpreter finalizes aborts the process
     # ("FATAL: exception not rethrown"): at exit, the compile in flight ends and no other starts.
     atexit.register(_stop_at_exit, weakref.ref(self))
-    return len(cover), len(shapes)
+    return len(cover) + len(spec_cover), len(shapes) + len(spec)
 
   def stop_compiling(self, timeout: float | None = None) -> None:
     """Ends start_warmup's background compiles: the one in flight finishes, no other starts."""
@@ -738,11 +756,14 @@ def cover_shapes(shapes) -> list[tuple[int, int, int]]:
 
 
 def _check_shape_count(
-  padding: padding_lib.Padding, sched: scheduler_lib.SchedulerConfig, max_model_len: int
+  padding: padding_lib.Padding,
+  sched: scheduler_lib.SchedulerConfig,
+  max_model_len: int,
+  speculative: int = 0,
 ) -> None:
-  """ValueError, before anything compiles, for buckets reaching more call shapes than a
-  process keeps compiled (step_table.MAX_LIVE_STEPS)."""
-  count = len(
+  """ValueError, before anything compiles, for buckets reaching more call shapes (and
+  `speculative` speculative ones) than a process keeps compiled (step_table.MAX_LIVE_STEPS)."""
+  count = speculative + len(
     padding.reachable(
       sched.max_num_seqs,
       sched.max_num_batched_tokens,

@@ -437,25 +437,26 @@ class ModelExecutor:
     return self._execute_in(self.steps, params, pages, *args)
 
   def _call_speculative(self, params, pages, *args):
-    """One padded speculative call (looped.engine.speculative.call_fn); its shapes compile on
-    first use unless a warm-up compiled some."""
+    """One padded speculative call (looped.engine.speculative.call_fn), in a shape _calls
+    fitted: a compiled one that holds it, else its own, compiled on first use."""
     return self._execute_in(self.spec_steps, params, pages, *args)
 
   def _execute_in(self, table: step_table.StepTable, params, pages, *args):
     (rows, tokens), columns = args[0].shape, args[1].shape[1]
-    strict = self.strict and (table is self.steps or bool(table.shapes()))
+    strict = self.strict and table is self.steps  # _calls fitted a speculative call's shape.
     _, executable = table.lookup((rows, tokens, columns), strict=strict)
     return executable(params, pages, *args)
 
   def add(self, request: GenRequest) -> None:
     self.states[request.request_id] = RequestState(request, list(request.prompt_tokens))
 
-  def warmup(self, shapes, on_shape: Callable | None = None) -> None:
+  def warmup(self, shapes, on_shape: Callable | None = None, speculative: bool = False) -> None:
     """Compiles (or loads from the persistent compilation cache) the call of each padded
-    (rows, tokens, columns) shape ahead of time; nothing runs, so it may go on in a thread
-    beside the steps."""
+    (rows, tokens, columns) shape ahead of time (speculative: the speculative calls', tokens
+    being the lookahead bucket); nothing runs, so it may go on in a thread beside the steps."""
+    table = self.spec_steps if speculative else self.steps
     for i, shape in enumerate(shapes):
-      self.steps.compile(tuple(shape))
+      table.compile(tuple(shape))
       if on_shape is not None:
         on_shape(i + 1, len(shapes))
 
@@ -588,8 +589,11 @@ class ModelExecutor:
       reach = max(batch.num_context_tokens[i] for i in rounds) + k
       columns = bucket(-(-reach // self.page_size), self.padding.column_buckets)
       shape = (bucket(len(rounds), self.padding.row_buckets), k, columns)
-      if self.strict and self.spec_steps.shapes():
-        shape = self.spec_steps.lookup(shape, strict=True)[0]
+      if self.strict and self.spec_steps.shapes():  # The smallest compiled shape holding it,
+        try:  # else (a lookahead no warm-up compiled) compiled on first use.
+          shape = self.spec_steps.lookup(shape, strict=True)[0]
+        except RuntimeError:
+          pass
       calls.append((CallShape(*shape), rounds, True))
     return calls
 

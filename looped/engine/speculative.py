@@ -86,22 +86,31 @@ def _keys(seed_B, index_B, stream: int):
 
 def distribution(logits_BxV, temperature_B, top_k_B, top_p_B) -> jax.Array:
   """What `sampling.sample` draws from, as probabilities [B, V]: softmax of the filtered,
-  tempered logits, or one-hot at the argmax for greedy rows (temperature 0)."""
+  tempered logits, or one-hot at the argmax for greedy rows (temperature 0). A batch of greedy
+  rows skips the filtering's sort."""
   logits_BxV = logits_BxV.astype(jnp.float32)
-  t_B = jnp.where(temperature_B > 0, temperature_B, 1.0)
-  scaled_BxV = logits_BxV / t_B[:, None]
-  keep_BxV = sampling.filter_mask(scaled_BxV, top_k_B, top_p_B)
-  probs_BxV = jax.nn.softmax(jnp.where(keep_BxV, scaled_BxV, -jnp.inf), axis=-1)
   greedy_BxV = jax.nn.one_hot(jnp.argmax(logits_BxV, axis=-1), logits_BxV.shape[-1])
-  return jnp.where((temperature_B > 0)[:, None], probs_BxV, greedy_BxV)
+
+  def sampled():
+    t_B = jnp.where(temperature_B > 0, temperature_B, 1.0)
+    scaled_BxV = logits_BxV / t_B[:, None]
+    keep_BxV = sampling.filter_mask(scaled_BxV, top_k_B, top_p_B)
+    probs_BxV = jax.nn.softmax(jnp.where(keep_BxV, scaled_BxV, -jnp.inf), axis=-1)
+    return jnp.where((temperature_B > 0)[:, None], probs_BxV, greedy_BxV)
+
+  return jax.lax.cond(jnp.any(temperature_B > 0), sampled, lambda: greedy_BxV)
 
 
 def draw(probs_BxV, temperature_B, seed_B, index_B, stream: int = _DRAW) -> jax.Array:
   """A token per row from `distribution`'s probabilities (greedy rows: their argmax)."""
-  keys = _keys(seed_B, index_B, stream)
-  logits_BxV = jnp.log(probs_BxV)
-  drawn_B = jax.vmap(jax.random.categorical)(keys, logits_BxV)
-  return jnp.where(temperature_B > 0, drawn_B, jnp.argmax(probs_BxV, axis=-1)).astype(jnp.int32)
+  greedy_B = jnp.argmax(probs_BxV, axis=-1).astype(jnp.int32)
+
+  def drawn():
+    keys = _keys(seed_B, index_B, stream)
+    drawn_B = jax.vmap(jax.random.categorical)(keys, jnp.log(probs_BxV))
+    return jnp.where(temperature_B > 0, drawn_B, greedy_B).astype(jnp.int32)
+
+  return jax.lax.cond(jnp.any(temperature_B > 0), drawn, lambda: greedy_B)
 
 
 def accept(draft_BxK, q_BxKxV, p_BxKxV, k_B, temperature_B, seed_B, index_B):
