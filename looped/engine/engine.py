@@ -291,7 +291,7 @@ class Engine:
     waits for a compile; returns how many. on_shape(done, total) follows progress."""
     shapes, spec = self.step_shapes(), self.speculative_shapes()
     self.executor.warmup(shapes, on_shape)
-    self.executor.warmup(spec, on_shape, speculative=True)
+    self.executor.warmup_speculative(spec, on_shape)
     return len(shapes) + len(spec)
 
   def num_compiled_shapes(self) -> int:
@@ -307,7 +307,7 @@ class Engine:
     shapes, spec = self.step_shapes(), self.speculative_shapes()
     cover, spec_cover = cover_shapes(shapes), spec[-1:]  # The widest speculative call.
     self.executor.warmup(cover)
-    self.executor.warmup(spec_cover, speculative=True)
+    self.executor.warmup_speculative(spec_cover)
     self.executor.strict = True
     size = lambda s: (s[1][0] * s[1][1] * s[1][2], s)
     rest = [(False, s) for s in set(shapes) - set(cover)]
@@ -320,7 +320,10 @@ class Engine:
         for i, (speculative, shape) in enumerate(rest):
           if stop.is_set():
             return
-          self.executor.warmup([shape], speculative=speculative)
+          if speculative:
+            self.executor.warmup_speculative([shape])
+          else:
+            self.executor.warmup([shape])
           if on_shape is not None:
             on_shape(i + 1, len(rest))
       except Exception as e:  # noqa: BLE001  The steps still run in the shapes compiled.

@@ -450,11 +450,17 @@ class ModelExecutor:
   def add(self, request: GenRequest) -> None:
     self.states[request.request_id] = RequestState(request, list(request.prompt_tokens))
 
-  def warmup(self, shapes, on_shape: Callable | None = None, speculative: bool = False) -> None:
+  def warmup(self, shapes, on_shape: Callable | None = None) -> None:
     """Compiles (or loads from the persistent compilation cache) the call of each padded
-    (rows, tokens, columns) shape ahead of time (speculative: the speculative calls', tokens
-    being the lookahead bucket); nothing runs, so it may go on in a thread beside the steps."""
-    table = self.spec_steps if speculative else self.steps
+    (rows, tokens, columns) shape ahead of time; nothing runs, so it may go on in a thread
+    beside the steps."""
+    self._compile(self.steps, shapes, on_shape)
+
+  def warmup_speculative(self, shapes, on_shape: Callable | None = None) -> None:
+    """warmup for the speculative calls' shapes (tokens: the lookahead bucket)."""
+    self._compile(self.spec_steps, shapes, on_shape)
+
+  def _compile(self, table: step_table.StepTable, shapes, on_shape) -> None:
     for i, shape in enumerate(shapes):
       table.compile(tuple(shape))
       if on_shape is not None:
