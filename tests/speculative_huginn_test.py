@@ -56,8 +56,8 @@ class SpeculativeHuginnTest(absltest.TestCase):
       cls.golden = json.load(f)
     cls.new_tokens = cls.golden["meta"]["max_new_tokens"]
 
-  def _check_cases(self, exit_lookup: str):
-    for name, case in self.golden["cases"].items():
+  def _check_cases(self, exit_lookup: str, cases: int | None = None):
+    for name, case in list(self.golden["cases"].items())[:cases]:
       runs = zip(self.golden["prompts"], case["tokens"], case["accepted"])
       for i, (prompt, tokens, accepted) in enumerate(runs):
         with self.subTest(case=name, prompt=i, exit_lookup=exit_lookup):
@@ -85,9 +85,9 @@ class SpeculativeHuginnTest(absltest.TestCase):
     self._check_cases("skip")  # What Huginn's 'full' cache does where a token has holes.
 
   def test_every_exit_lookup_reproduces_huginn(self):
-    for lookup in adaptive.LOOKUPS:
+    for lookup in adaptive.LOOKUPS:  # The first cases (their drafts differ at once).
       if lookup != "skip":
-        self._check_cases(lookup)
+        self._check_cases(lookup, cases=2)
 
   def test_greedy_equals_huginn_greedy(self):
     """The model's plain greedy decoding gives Huginn's `generate` tokens at each depth."""
@@ -168,7 +168,7 @@ class SpeculativeEngineHuginnTest(SpeculativeHuginnTest):
 
   def test_engine_alone_equals_huginn(self):
     engine = self._engine()
-    for request, tokens, accepted in self._requests()[::3]:
+    for request, tokens, accepted in self._requests()[::5]:
       with self.subTest(request=request.request_id):
         self._check(engine.generate([request])[0], tokens, accepted)
 
