@@ -13,6 +13,18 @@
 # SERVE (default `ctx1024,fixed`, the kept sweep's) names the pipeline whose model is served,
 # STAGE (default `benice`) its stage: the kept sweep served `pretrain` (speed does not depend on
 # the weights: outputs run to their trace length). `SERVE=ctx1024` serves the default model.
+# TRAIN (default `ctx1024 ctx1024,fixed`) lists the pipelines the train step runs, TRAIN_FLAGS
+# adds flags to each (the equal-quality sweep's model skipped the standard finetune arm).
+# SESSIONS (a JSON object of config.sessions fields, default none) changes the session stream,
+# SWEEP (default `serve_sweep`) names the sweep's output. The equal-quality sweep served the
+# default model's BeNice! stage on a stream twice as fast, so bf16 pages saturate the unshared
+# engine too:
+#
+#   TRAIN=ctx1024 TRAIN_FLAGS="--config.pipeline.models=('zero_shot','benice')" \
+#     SERVE=ctx1024 SWEEP=serve_sweep_benice \
+#     SESSIONS='{"session_rate_per_s": 3.0, "min_think_s": 1.0, "max_think_s": 4.0}' \
+#     bash experiments/serving_live.sh /tmp/serving_runs "train sweep"
+#
 # `mooncake` (not in the default steps): the bundled Mooncake conversation trace scaled to the
 # 1024-token model (32 tokens per 512-token block, prompts <= 960 tokens) at one budget, 3 repeats.
 #
@@ -27,15 +39,18 @@ STEPS=" ${2:-train fit sweep} "
 PY=${PYTHON:-python}
 SERVE=${SERVE:-ctx1024,fixed}
 SERVED="$R/${SERVE/,/_}/${STAGE:-benice}"
+SWEEP=${SWEEP:-serve_sweep}
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 mkdir -p "$R"
 cd "$ROOT"
 
 if [[ $STEPS == *" train "* ]]; then
-  for variant in ctx1024 ctx1024,fixed; do
+  for variant in ${TRAIN:-ctx1024 ctx1024,fixed}; do
     w="$R/${variant/,/_}"
     echo "== pipeline $variant -> $w ($(date))"
-    "$PY" -m looped.main --config=configs/benice.py:$variant --workdir="$w" >> "$w.log" 2>&1
+    # shellcheck disable=SC2086
+    "$PY" -m looped.main --config=configs/benice.py:$variant --workdir="$w" ${TRAIN_FLAGS:-} \
+      >> "$w.log" 2>&1
   done
 fi
 
@@ -50,10 +65,10 @@ fi
 if [[ $STEPS == *" sweep "* ]]; then
   echo "== live replay sweep ($(date))"
   "$PY" benchmarks/serve_replay.py --checkpoint="$SERVED" --trace=sessions \
-    --kv_budget_bytes 3e6 5e6 8e6 --kv_formats bf16 nvfp4 --repeats=3 \
+    --sessions="${SESSIONS:-}" --kv_budget_bytes 3e6 5e6 8e6 --kv_formats bf16 nvfp4 --repeats=3 \
     --page_size=16 --row_buckets 2 8 --token_buckets 1 16 32 --column_buckets 16 32 64 \
     --warmup_requests=16 --no-engine_alone --hardware_json="$R/cpu_profile.json" \
-    --compilation_cache="$R/serve_cache" --out="$R/serve_sweep.json" > "$R/serve_sweep.log" 2>&1
+    --compilation_cache="$R/serve_cache" --out="$R/$SWEEP.json" > "$R/$SWEEP.log" 2>&1
 fi
 if [[ $STEPS == *" mooncake "* ]]; then
   echo "== Mooncake replay ($(date))"

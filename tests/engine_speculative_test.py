@@ -20,7 +20,9 @@ from absl.testing import absltest, parameterized
 from scipy import stats
 
 import looped_testing as testing
-from looped.engine import speculative
+from looped import config_checks
+from looped.engine import checks, speculative
+from looped.engine.config import GenConfig
 from looped.engine.engine import Engine, EngineConfig
 from looped.engine.requests import GenRequest
 from looped.engine.sampling import SamplingParams
@@ -149,6 +151,14 @@ class SpeculativeEngineTest(parameterized.TestCase):
       _engine(CFG, speculative_verify=2)
     with self.assertRaisesRegex(ValueError, "expected 'block' or a number"):
       speculative.parse_verify("twice")
+    # The programs' check, before anything is restored or compiled: one device only.
+    config, model = GenConfig(speculative_recurrences=1), dataclasses.asdict(CFG)
+    checks.check_section(config, "gen", model, (1, 1, 1))
+    with self.assertRaisesRegex(
+      config_checks.ConfigError,
+      r"config.gen.speculative_recurrences = 1 is invalid: speculation runs on one device",
+    ):
+      checks.check_section(config, "gen", model, (2, 1, 1))
 
 
 def _draws(p_KxV, q_KxV, n: int, temperature: float = 1.0):

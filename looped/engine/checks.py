@@ -159,6 +159,12 @@ def check_section(settings: EngineSection, section: str, model_cfg, mesh_shape) 
       f"must be at most max_num_batched_tokens ({budget}): a block is never split across steps",
     )
   check_attention_impl(settings, section, mesh_shape)
+  if settings.speculative_recurrences and max(mesh_shape) > 1:
+    cc.fail(
+      f"{section}.speculative_recurrences",
+      settings.speculative_recurrences,
+      f"speculation runs on one device; a mesh of {tuple(mesh_shape)} needs 0",
+    )
   _check_buckets(section, "row_buckets", settings.row_buckets, settings.max_num_seqs)
   _check_buckets(section, "token_buckets", settings.token_buckets, block)
   _check_buckets(section, "column_buckets", settings.column_buckets, None)
