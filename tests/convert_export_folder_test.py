@@ -2,8 +2,9 @@
 file 0644 whatever the umask, config.json naming the checkpoint's bos/eos/pad ids (Parcae's in its
 free-form `hf_config`, the only place its loaders accept) and the weights' dtype, export.dtype
 casting the weights (float32 or bfloat16; the looped family keeps looped's float32-only params),
-Parcae's special_tokens_map.json kept through convert and export, and a Parcae config.json key
-ParcaeConfig lacks refused in one line naming it. The looped family (export.family=looped, and
+Parcae's special_tokens_map.json and a chat_template.jinja kept through convert (where the server
+reads the template) and export, and a Parcae config.json key ParcaeConfig lacks refused in one
+line naming it. The looped family (export.family=looped, and
 what 'auto' writes when no public family expresses the model): its folder converts back to the
 same model record, identical params and the same greedy tokens, sharded or not; its bytes
 tokenizer file gives looped's byte ids; its modeling code is copied verbatim and knows every
@@ -38,6 +39,7 @@ from looped.data import tokenizers
 from looped.model import LoopedLM
 from looped.model import config as model_lib
 from looped.model.kv_cache import init_cache
+from looped.server import chat
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # parcae_tiny's tokenizer_config.json names these; their ids in its tokenizer.json.
@@ -136,17 +138,24 @@ class ExportFolderTest(testing.TempDirTestCase):
       sorted(os.listdir(out)), sorted(os.listdir(os.path.join(self.tmp, "looped_out")))
     )
 
-  def test_parcae_keeps_its_special_tokens_map_and_refuses_unknown_keys(self):
+  def test_parcae_keeps_its_tokenizer_files_and_refuses_unknown_keys(self):
     source = os.path.join(self.tmp, "parcae_tiny")
     shutil.copytree(TINY, source)
     special = {"bos_token": "<|begin_text|>", "eos_token": "<|end_text|>", "pad_token": "<|pad|>"}
     with open(os.path.join(source, "special_tokens_map.json"), "w") as f:
       json.dump(special, f)
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{{ eos_token }}"
+    with open(os.path.join(source, "chat_template.jinja"), "w") as f:
+      f.write(template)
     convert(source, os.path.join(self.tmp, "converted"))
+    rendered = chat.from_folder(os.path.join(self.tmp, "converted"))
+    self.assertEqual(rendered.source, template)
     out = os.path.join(self.tmp, "out")
     export(os.path.join(self.tmp, "converted"), out, "parcae")
     with open(os.path.join(out, "special_tokens_map.json")) as f:
       self.assertEqual(json.load(f), special)
+    with open(os.path.join(out, "chat_template.jinja")) as f:
+      self.assertEqual(f.read(), template)
     self.assertEqual(read_config(out)["hf_config"]["eos_token_id"], 2)
     with open(os.path.join(source, "config.json")) as f:
       hf = json.load(f)

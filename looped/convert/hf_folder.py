@@ -29,6 +29,7 @@ TORCH_PT = "model.pt"  # The same format under the name Parcae's save_pretrained
 TOKENIZER = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"  # Its eos_token names the EOS (copied if present).
 SPECIAL_TOKENS_MAP = "special_tokens_map.json"  # Copied if present (Parcae's tokenizers read it).
+CHAT_TEMPLATE = "chat_template.jinja"  # Copied if present (newer transformers write it).
 
 
 @dataclasses.dataclass(frozen=True)

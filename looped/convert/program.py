@@ -119,8 +119,9 @@ def run(config, workdir: str) -> dict:
   params = jax.tree.map(lambda x, a: np.asarray(x, a.dtype), params, abstract)
   os.makedirs(workdir, exist_ok=True)
   shutil.copyfile(folder.tokenizer_json, os.path.join(workdir, hf_folder.TOKENIZER))
-  # tokenizer_config.json names the EOS (HuggingFaceTokenizer); both travel on to an export.
-  for name in (hf_folder.TOKENIZER_CONFIG, hf_folder.SPECIAL_TOKENS_MAP):
+  # tokenizer_config.json names the EOS (HuggingFaceTokenizer); these travel on to an export, and
+  # the chat template (a file, or in tokenizer_config.json) is the server's.
+  for name in (hf_folder.TOKENIZER_CONFIG, hf_folder.SPECIAL_TOKENS_MAP, hf_folder.CHAT_TEMPLATE):
     if os.path.isfile(os.path.join(folder.path, name)):
       shutil.copyfile(os.path.join(folder.path, name), os.path.join(workdir, name))
   record = {

@@ -1,11 +1,11 @@
 """The tokenizer files an export folder carries, and the token ids its config.json names.
 
-A Hugging Face tokenizer (data.tokenizer='huggingface') leaves as it came: its tokenizer.json and
-the tokenizer_config.json and special_tokens_map.json beside it. The bytes tokenizer
-(data.tokenizer='bytes', the default) leaves as a tokenizer.json that transformers reads with the
-same ids: byte-level symbols with no merges, byte b at id b, and `<|end_of_text|>` at id 256 (the
-EOS), with a tokenizer_config.json naming it. A SentencePiece model is not converted (its ids
-are still named).
+A Hugging Face tokenizer (data.tokenizer='huggingface') leaves as it came: its tokenizer.json
+and the tokenizer_config.json, special_tokens_map.json and chat_template.jinja beside it. The
+bytes tokenizer (data.tokenizer='bytes', the default) leaves as a tokenizer.json that
+transformers reads with the same ids: byte-level symbols with no merges, byte b at id b, and
+`<|end_of_text|>` at id 256 (the EOS), with a tokenizer_config.json naming it. A SentencePiece
+model is not converted (its ids are still named).
 
 Ids: EOS is the tokenizer's EOS as looped reads it (looped.data.tokenizers); BOS and PAD are the
 ones tokenizer_config.json (SentencePiece: the model) names, else the EOS, which precedes every
@@ -23,6 +23,7 @@ from looped.data import tokenizers
 TOKENIZER = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP = "special_tokens_map.json"
+CHAT_TEMPLATE = "chat_template.jinja"
 BYTES_EOS = "<|end_of_text|>"
 
 
@@ -111,7 +112,7 @@ def write(directory: str, data: dict, max_seq_len: int) -> list[str]:
   if kind == "huggingface" and data.get("tokenizer_json"):
     path = data["tokenizer_json"]
     names = []
-    for name in (TOKENIZER, TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP):
+    for name in (TOKENIZER, TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP, CHAT_TEMPLATE):
       source = path if name == TOKENIZER else os.path.join(os.path.dirname(path), name)
       if os.path.isfile(source):
         shutil.copyfile(source, os.path.join(directory, name))
