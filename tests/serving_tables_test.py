@@ -69,10 +69,13 @@ class ServingTablesTest(absltest.TestCase):
   def test_earlier_sweeps_read_their_own_files(self):
     read = []
     with mock.patch.object(results_tables, "_serving_configs", lambda name: read.append(name)):
-      for table in ("serving_live_changes_dense_write", "serving_live_sim_scaled"):
+      tables = ("serving_live_changes_dense_write", "serving_live_sim_scaled")
+      tables += ("serving_live_benice", "serving_live_changes_benice", "serving_live_sim_benice")
+      for table in tables:
         with self.assertRaises(TypeError):  # None is no list of configurations.
           results_tables.TABLES[table]()
-    self.assertEqual(read, ["serve_sweep_dense_write.json", "serve_sweep_scaled.json"])
+    want = ["serve_sweep_dense_write.json", "serve_sweep_scaled.json"]
+    self.assertEqual(read, want + ["serve_sweep_benice.json"] * 3)
 
   def test_sim(self):
     text = results_tables.serving_live_sim()
