@@ -76,6 +76,17 @@ def scrape(url: str) -> dict[str, float]:
   return out
 
 
+def wait_for_compiles(url: str, timeout_s: float = 1800.0) -> None:
+  """Returns once the server's background warm-up has compiled every step shape, so a measured
+  run's steps neither share the CPU with compiles nor run padded to a larger shape (with an empty
+  compilation cache a run started sooner was measured up to 2.3x slower)."""
+  deadline = time.monotonic() + timeout_s
+  while scrape(url)["looped:step_shapes_pending"] > 0:
+    if time.monotonic() > deadline:
+      raise RuntimeError(f"step shapes still compiling after {timeout_s:.0f} s")
+    time.sleep(0.5)
+
+
 def engine_counters(before: dict, after: dict, makespan_s: float) -> dict:
   """The server's own figures for a run, from /metrics scraped before and after it: vLLM's
   prefix-cache hit rate and preemptions, and the engine's steps and busy time."""

@@ -190,6 +190,7 @@ def run_once(args, layout: str, requests, warmup, cache_dir: str) -> dict:
       start_s = time.monotonic() - started
       if warmup:
         send_all(url, warmup, args.clients)
+      serve_common.wait_for_compiles(url)
       load_before = os.getloadavg()[0]
       before = serve_common.scrape(url)
       with PageSampler(url) as sampler:

@@ -574,6 +574,7 @@ def run_once(args, requests, warmup, share: bool, kv_format: str, budget: float)
     try:
       if warmup:
         replay_http(url, warmup, salt=1, clients=args.clients)
+      serve_common.wait_for_compiles(url)
       load = os.getloadavg()[0]
       before = scrape(url)
       started = time.monotonic()

@@ -516,6 +516,19 @@ class ReadinessTest(absltest.TestCase):
       return original(on_shape)
 
     engine.start_warmup = held_warmup
+    compiling = threading.Event()
+
+    def held_background(warm):  # The background compiles wait for `compiling`.
+      def warmup(shapes):
+        if threading.current_thread().name == "engine-compile":
+          compiling.wait(_TIMEOUT_S)
+        return warm(shapes)
+
+      return warmup
+
+    executor = engine.executor
+    executor.warmup = held_background(executor.warmup)
+    executor.warmup_speculative = held_background(executor.warmup_speculative)
     app, loop = program.serve_engine(
       engine, tok, "tiny", max_waiting=8, max_logprobs=5, warmup=True
     )
@@ -539,7 +552,13 @@ class ReadinessTest(absltest.TestCase):
       self.assertEqual(client.request(server.url + "/health"), (200, {"status": "ok"}))
       # Ready once the shapes every call fits are compiled; the rest compile in the background.
       self.assertEqual(loop.warmup_shapes, len(engine_lib.cover_shapes(engine.step_shapes())))
+      shapes = len(engine.step_shapes()) + len(engine.speculative_shapes())
+      rest = shapes - loop.warmup_shapes
+      self.assertGreater(rest, 0)  # Else the gauge below would show nothing.
+      self.assertEqual(_counter(server.url, "looped:step_shapes_pending"), rest)
+      compiling.set()
       engine.compile_thread.join(_TIMEOUT_S)  # The background compiles done.
+      self.assertEqual(_counter(server.url, "looped:step_shapes_pending"), 0)
       compiled = engine.executor.steps.num_compiles
       status, body = client.request(server.url + "/v1/completions", "POST", raw=raw)
       self.assertEqual(status, 200, body)
