@@ -18,12 +18,9 @@ import json
 import os
 import shutil
 
+from looped.convert.hf_folder import CHAT_TEMPLATE, SPECIAL_TOKENS_MAP, TOKENIZER, TOKENIZER_CONFIG
 from looped.data import tokenizers
 
-TOKENIZER = "tokenizer.json"
-TOKENIZER_CONFIG = "tokenizer_config.json"
-SPECIAL_TOKENS_MAP = "special_tokens_map.json"
-CHAT_TEMPLATE = "chat_template.jinja"
 BYTES_EOS = "<|end_of_text|>"
 
 

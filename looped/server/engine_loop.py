@@ -86,7 +86,8 @@ class EngineLoop:
     self.warmup_s: float | None = None
     self.warmup_progress = "starting"
     self.warmup_shapes = 0
-    self._background = [0, 0]  # Step shapes the background warm-up compiles: [in all, done].
+    self._background_total = 0  # Step shapes the background warm-up compiles,
+    self._background_done = 0  # and those compiled so far.
     if not warmup:
       self.ready.set()
     self._register_gauges(metrics)
@@ -117,7 +118,7 @@ class EngineLoop:
       "looped:step_shapes_pending",
       "Step shapes the warm-up has yet to compile in the background (meanwhile steps run padded "
       "to a larger compiled shape, beside the compiles).",
-      lambda: max(0, self._background[0] - self._background[1]),
+      lambda: max(0, self._background_total - self._background_done),
     )
     metrics.gauge(
       "looped:engine_busy_seconds",
@@ -204,13 +205,13 @@ class EngineLoop:
 
     def progress(done: int, total: int) -> None:
       self.warmup_progress = f"{done} of {total} in the background"
-      self._background[1] = done
+      self._background_done = done
       if done == total:
         log.info("background compile: %d more step shapes in %.1f s", total, self.now())
 
     now, total = self.engine.start_warmup(progress)
     self.warmup_shapes = now
-    self._background[0] = total - now
+    self._background_total = total - now
     self.warmup_s = time.monotonic() - start
     log.info(
       "warm-up: %d of %d step shapes in %.1f s; the rest compile in the background",
